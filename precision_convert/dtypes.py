@@ -1,0 +1,82 @@
+"""The one table of dtypes: safetensors codes, torch dtypes, target names and config strings.
+
+Everything that turns a name into a dtype goes through here so that "bf16", "BF16",
+"bfloat16" and ``torch.bfloat16`` can never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    """One dtype as each of the formats we touch spells it."""
+
+    code: str  # safetensors header code, e.g. "BF16"
+    torch_name: str  # attribute of the torch module, e.g. "bfloat16"
+    itemsize: int  # bytes per element
+    kind: str  # "float", "int" or "bool": only "float" is ever cast
+    short: str  # name used in targets and reports, e.g. "bf16"
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "float"
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name)
+
+
+_TABLE: tuple[DType, ...] = (
+    DType("F64", "float64", 8, "float", "fp64"),
+    DType("F32", "float32", 4, "float", "fp32"),
+    DType("F16", "float16", 2, "float", "fp16"),
+    DType("BF16", "bfloat16", 2, "float", "bf16"),
+    # fp8 stays as stored: it is already a deliberate low-precision choice.
+    DType("F8_E4M3", "float8_e4m3fn", 1, "fp8", "fp8_e4m3"),
+    DType("F8_E5M2", "float8_e5m2", 1, "fp8", "fp8_e5m2"),
+    DType("I64", "int64", 8, "int", "i64"),
+    DType("I32", "int32", 4, "int", "i32"),
+    DType("I16", "int16", 2, "int", "i16"),
+    DType("I8", "int8", 1, "int", "i8"),
+    DType("U8", "uint8", 1, "int", "u8"),
+    DType("U16", "uint16", 2, "int", "u16"),
+    DType("U32", "uint32", 4, "int", "u32"),
+    DType("U64", "uint64", 8, "int", "u64"),
+    DType("BOOL", "bool", 1, "bool", "bool"),
+)
+
+BY_CODE: dict[str, DType] = {d.code: d for d in _TABLE}
+BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in _TABLE}
+BY_SHORT: dict[str, DType] = {d.short: d for d in _TABLE}
+
+FP32 = BY_CODE["F32"]
+FP16 = BY_CODE["F16"]
+BF16 = BY_CODE["BF16"]
+
+#: Largest finite fp16 value; anything beyond becomes inf when cast.
+FP16_MAX = 65504.0
+#: Smallest positive fp16 subnormal is 2**-24; values below half of it round to zero.
+FP16_FLUSH_BELOW = 2.0**-25
+
+
+def from_torch(dtype: torch.dtype) -> DType:
+    """Look up a torch dtype (``torch.float16``) in the table."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return BY_TORCH_NAME[name]
+    except KeyError:
+        raise ValueError(f"unsupported torch dtype {dtype}") from None
+
+
+def from_config_string(value: str) -> DType | None:
+    """Parse a config's dtype string ("bfloat16", "float32", "fp16"); None if unknown."""
+    value = value.removeprefix("torch.")
+    return BY_TORCH_NAME.get(value) or BY_SHORT.get(value)

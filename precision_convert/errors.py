@@ -1,0 +1,45 @@
+"""Exceptions raised by precision-convert.
+
+The library raises; only the CLI decides exit codes and hides tracebacks. Every message is one
+line that names the file or thing at fault and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class PrecisionConvertError(Exception):
+    """Base class of every error precision-convert raises on purpose."""
+
+    #: Exit code the CLI uses for this class of error (2: bad input or usage).
+    exit_code: int = 2
+
+
+class InputError(PrecisionConvertError, ValueError):
+    """The source, a flag or a file given by the user is unusable. Nothing was written."""
+
+    def __init__(self, message: str, path: str | Path | None = None) -> None:
+        self.path = str(path) if path is not None else None
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class UnsafeCheckpointError(InputError):
+    """A pickle checkpoint that needs more than plain tensors to load (it could run code)."""
+
+
+class OutputExistsError(InputError, FileExistsError):
+    """The output directory already exists and overwriting was not asked for."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__("output already exists; pass --overwrite or choose another -o", path)
+
+
+class CheckFailed(PrecisionConvertError):
+    """A check did not pass: parity not met, push refused. The CLI exits 1."""
+
+    exit_code = 1
+
+
+class CannotValidateError(CheckFailed):
+    """No input builder can feed this architecture; the user must supply inputs."""
