@@ -64,7 +64,9 @@ def read_header(path: Path) -> SafetensorsHeader:
         with path.open("rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise InputError("not a safetensors file: shorter than its 8-byte header size", path)
+                raise InputError(
+                    "not a safetensors file: shorter than its 8-byte header size", path
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES:
                 raise InputError(f"header length {header_len} exceeds the 100 MB limit", path)
@@ -127,7 +129,9 @@ def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
         or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise InputError(f"tensor {name!r}: data_offsets must be [begin, end] with begin <= end", path)
+        raise InputError(
+            f"tensor {name!r}: data_offsets must be [begin, end] with begin <= end", path
+        )
     expected = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != expected:
         raise InputError(

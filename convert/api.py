@@ -1,0 +1,294 @@
+"""``convert()``: source → inspect → plan → write (streaming, atomic) → validate.
+
+Every input check happens before the staging directory is created, so bad input leaves no
+trace; the output path only ever receives a complete, fsynced directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from precision_convert.convert.plan import ModelPlan, build_plan, check_target, scan_ranges
+from precision_convert.convert.skeleton import normalization_modules
+from precision_convert.convert.source import (
+    ModelSource,
+    PipelineSource,
+    Source,
+    open_source,
+    resolve,
+)
+from precision_convert.convert.staging import StagedOutput
+from precision_convert.convert.writer import write_file
+from precision_convert.errors import InputError
+from precision_convert.recipes import Recipe
+from precision_convert.recipes import get as get_recipe
+from precision_convert.recipes import match as match_recipe
+
+#: Progress callback: (what is being written, source bytes just consumed).
+ProgressHook = Callable[[str, int], None]
+#: Never copied from a source: Hub download bookkeeping and version control.
+_NEVER_COPY = frozenset({".cache", ".git", ".huggingface"})
+
+
+@dataclass(frozen=True)
+class ComponentResult:
+    """What happened to one model (the model itself, or one pipeline component)."""
+
+    name: str  # "" for a single model, the component folder for pipelines
+    library: str
+    class_name: str | None
+    plan: ModelPlan
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "component": self.name,
+            "library": self.library,
+            "class_name": self.class_name,
+            "recipe": self.plan.recipe,
+            "fp32_modules": len(self.plan.islands),
+            "fp32_share": round(self.plan.fp32_share, 6),
+            "islands": {i.name: {"reason": i.reason, "rule": i.rule} for i in self.plan.islands},
+            "warnings": list(self.plan.warnings),
+            "plan_sha256": self.plan.sha256,
+        }
+
+
+@dataclass
+class ConversionResult:
+    source: str
+    output: Path
+    target: str
+    components: list[ComponentResult]
+    files: list[str] = field(default_factory=list)
+    certificate: Any | None = None  # a validate.certificate.Certificate when validation ran
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.certificate is None else self.certificate.verdict == "pass"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": self.source,
+            "output": str(self.output),
+            "target": self.target,
+            "components": [c.summary() for c in self.components],
+            "files": self.files,
+            "validated": self.certificate is not None,
+        }
+        if self.certificate is not None:
+            out["verdict"] = self.certificate.verdict
+        return out
+
+
+def default_output(source: str | Path, target: str) -> Path:
+    """``./<source-name>-<target>`` in the working directory."""
+    name = Path(str(source).rstrip("/")).name or "model"
+    return Path.cwd() / f"{name}-{target}"
+
+
+def plan_model(
+    model: ModelSource,
+    target: str,
+    *,
+    recipe: str | Recipe | None = None,
+    keep_fp32: Sequence[str] = (),
+    trust_remote_code: bool = False,
+) -> ModelPlan:
+    """The dtype plan for one model, reading weight data only where fp16 ranges matter."""
+    chosen = (
+        recipe
+        if isinstance(recipe, Recipe)
+        else get_recipe(recipe)
+        if recipe
+        else match_recipe(model.library, model.class_name, model.model_type)
+    )
+    tensors = list(model.tensors())
+    safe = target.endswith("-safe")
+    norms = (
+        normalization_modules(model, trust_remote_code=trust_remote_code)
+        if safe and chosen.keep_normalization
+        else set()
+    )
+    ranges = scan_ranges(tensors) if target in ("fp16", "fp16-safe") else None
+    return build_plan(
+        tensors,
+        target=target,
+        recipe=chosen,
+        normalization=norms,
+        keep_fp32=keep_fp32,
+        ranges=ranges,
+    )
+
+
+def convert(
+    source: str | Path,
+    to: str = "bf16-safe",
+    output: str | Path | None = None,
+    *,
+    validate: bool = True,
+    device: str | None = None,
+    revision: str | None = None,
+    recipe: str | None = None,
+    keep_fp32: Sequence[str] = (),
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    on_progress: ProgressHook | None = None,
+) -> ConversionResult:
+    """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
+
+    Args:
+        source: a model/pipeline/OpenCLIP directory or a Hub repo id.
+        to: ``bf16-safe``, ``fp16-safe``, ``bf16`` or ``fp16``.
+        output: output directory; default ``./<source-name>-<to>``.
+        validate: run the validation stage and write ``precision_certificate.json``.
+        recipe: a built-in recipe name or a TOML file; default: matched by class/model_type.
+        keep_fp32: extra module patterns to keep in fp32 (``*`` one component, ``**`` many).
+
+    Returns:
+        A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
+    """
+    check_target(to)
+    root = resolve(source, revision)
+    target_dir = Path(output) if output is not None else default_output(source, to)
+    staged = StagedOutput(target_dir, overwrite=overwrite)
+    staged.check()
+    if target_dir.absolute() == root.absolute() or root.absolute() in target_dir.absolute().parents:
+        raise InputError("output must not be the source directory or inside it", target_dir)
+    opened = open_source(root)
+    models = _models(opened)
+    plans = {
+        name: plan_model(
+            model, to, recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code
+        )
+        for name, model in models.items()
+    }
+    from precision_convert import __version__
+
+    with staged:
+        written = _write(opened, models, plans, staged.path, __version__, on_progress)
+        staged.commit()
+    result = ConversionResult(
+        source=str(source),
+        output=target_dir,
+        target=to,
+        components=[
+            ComponentResult(name, m.library, m.class_name, plans[name])
+            for name, m in models.items()
+        ],
+        files=sorted(written),
+    )
+    if validate:
+        from precision_convert.validate.runner import validate as run_validation
+
+        result.certificate = run_validation(target_dir, baseline=root, device=device)
+    return result
+
+
+def _models(opened: Source) -> dict[str, ModelSource]:
+    if isinstance(opened, PipelineSource):
+        return dict(opened.components)
+    return {"": opened}
+
+
+def _write(
+    opened: Source,
+    models: dict[str, ModelSource],
+    plans: dict[str, ModelPlan],
+    staging: Path,
+    version: str,
+    on_progress: ProgressHook | None,
+) -> list[str]:
+    written: list[str] = []
+    if isinstance(opened, PipelineSource):
+        for entry in sorted(opened.root.iterdir()):
+            if entry.name in _NEVER_COPY or entry.name in models:
+                continue
+            written += _copy(entry, staging / entry.name, opened.root)
+    for name, model in models.items():
+        out_dir = staging / name if name else staging
+        out_dir.mkdir(exist_ok=True)
+        written += [
+            f"{name}/{f}" if name else f
+            for f in _write_model(model, plans[name], out_dir, version, on_progress)
+        ]
+    return written
+
+
+def _copy(entry: Path, dest: Path, root: Path) -> list[str]:
+    if entry.is_dir():
+        shutil.copytree(entry, dest, ignore=shutil.ignore_patterns(*_NEVER_COPY))
+        return [str(p.relative_to(dest.parent)) for p in dest.rglob("*") if p.is_file()]
+    shutil.copy2(entry, dest)
+    return [dest.name]
+
+
+def _write_model(
+    model: ModelSource,
+    plan: ModelPlan,
+    out_dir: Path,
+    version: str,
+    on_progress: ProgressHook | None,
+) -> list[str]:
+    block = plan.block(version)
+    stored = {t.name: t.stored for t in plan.tensors}
+    written: list[str] = []
+    for entry in sorted(model.root.iterdir()):
+        if entry.name in _NEVER_COPY or model.is_weight_file(entry.name):
+            continue
+        if entry.name == model.config_name:
+            continue
+        written += _copy(entry, out_dir / entry.name, model.root)
+    _write_config(model, plan, block, out_dir / model.config_name)
+    written.append(model.config_name)
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for weight_file in model.files:
+        items = [(t, stored[t.name]) for t in weight_file.tensors]
+        metadata = {
+            **_source_metadata(weight_file),
+            "format": "pt",
+            "precision_convert": json.dumps(block, separators=(",", ":")),
+        }
+
+        def progress(n: int, label: str = weight_file.output_name) -> None:
+            if on_progress is not None:
+                on_progress(label, n)
+
+        total += write_file(out_dir / weight_file.output_name, items, metadata, progress)
+        weight_map.update({t.name: weight_file.output_name for t, _ in items})
+        written.append(weight_file.output_name)
+    if model.index_name is not None:
+        index = {
+            "metadata": {**model.index_metadata, "total_size": total},
+            "weight_map": weight_map,
+        }
+        (out_dir / model.index_name).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(model.index_name)
+    return written
+
+
+def _source_metadata(weight_file: Any) -> dict[str, str]:
+    """The source shard's own ``__metadata__`` (kept), empty for pickle sources."""
+    from precision_convert.convert.safetensors_header import read_header
+
+    if weight_file.path.suffix != ".safetensors":
+        return {}
+    return read_header(weight_file.path).metadata
+
+
+def _write_config(model: ModelSource, plan: ModelPlan, block: dict[str, Any], path: Path) -> None:
+    config = dict(model.config)
+    config["precision_convert"] = block
+    if model.library == "transformers":
+        config["dtype"] = plan.compute.torch_name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = plan.compute.torch_name
+    for key, value in plan.config_flags.items():
+        config[key] = value
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,237 @@
+"""Dtype plans: which dtype every tensor is stored in, and why each fp32 island exists.
+
+A plan is built from headers, the recipe, the normalization modules of the skeleton and (for
+fp16 targets) weight ranges; it is frozen, printable and hashed into ``plan_sha256`` so a
+certificate can prove which plan produced the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from precision_convert.convert.names import matches_self_or_ancestor, units, validate_pattern
+from precision_convert.convert.tensors import LazyTensor, numel
+from precision_convert.dtypes import BF16, FP16, FP16_MAX, FP32, DType
+from precision_convert.errors import InputError
+from precision_convert.recipes import ISLAND_REASONS, TARGETS, Recipe
+
+#: Compute dtype of each target.
+COMPUTE_DTYPE: Mapping[str, DType] = {
+    "bf16-safe": BF16,
+    "fp16-safe": FP16,
+    "bf16": BF16,
+    "fp16": FP16,
+}
+#: A tensor of which at least this share of non-zero values would round to zero in fp16 has
+#: lost its information wholesale; it is treated like an overflowing one.
+FLUSH_FRACTION = 0.5
+#: When several rules keep a unit in fp32, the kind that lets fp32 flow on wins: treating a
+#: range island like a precision island recreates the overflow, never the other way round.
+_REASON_RANK = {"range": 0, "search": 1, "user": 2, "precision": 3}
+assert set(_REASON_RANK) == set(ISLAND_REASONS)
+
+
+@dataclass(frozen=True)
+class Island:
+    """A unit kept in fp32: its name, the kind of reason (see docs/format.md) and the rule."""
+
+    name: str
+    reason: str
+    rule: str
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    unit: str
+    source: DType
+    stored: DType
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RangeStats:
+    """What a weight tensor would suffer in fp16."""
+
+    max_abs: float
+    flushed_fraction: float  # share of its non-zero values that fp16 rounds to zero
+    non_finite: int
+
+    @property
+    def overflows(self) -> bool:
+        return self.max_abs > FP16_MAX
+
+    @property
+    def flushes(self) -> bool:
+        return self.flushed_fraction >= FLUSH_FRACTION
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    target: str
+    compute: DType
+    recipe: str
+    tensors: tuple[TensorPlan, ...]
+    islands: tuple[Island, ...]
+    config_flags: Mapping[str, Any]
+    warnings: tuple[str, ...]
+
+    @property
+    def fp32_modules(self) -> list[str]:
+        return sorted(island.name for island in self.islands)
+
+    @property
+    def fp32_share(self) -> float:
+        """Share of floating-point parameters stored in fp32."""
+        floats = [t for t in self.tensors if t.source.is_float]
+        total = sum(math.prod(t.shape) for t in floats)
+        kept = sum(math.prod(t.shape) for t in floats if t.stored == FP32)
+        return kept / total if total else 0.0
+
+    @property
+    def sha256(self) -> str:
+        payload = {
+            "target": self.target,
+            "tensors": [
+                [t.name, t.source.code, t.stored.code, list(t.shape)] for t in self.tensors
+            ],
+            "islands": [[i.name, i.reason] for i in sorted(self.islands, key=lambda i: i.name)],
+        }
+        data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(data).hexdigest()
+
+    def block(self, version: str) -> dict[str, Any]:
+        """The ``precision_convert`` object for shard metadata and config (docs/format.md)."""
+        return {
+            "version": version,
+            "target": self.target,
+            "compute_dtype": self.compute.torch_name,
+            "fp32_modules": self.fp32_modules,
+            "islands": {i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
+            "recipe": self.recipe,
+            "plan_sha256": self.sha256,
+        }
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    return target
+
+
+def build_plan(
+    tensors: Sequence[LazyTensor],
+    *,
+    target: str,
+    recipe: Recipe,
+    normalization: Iterable[str] = (),
+    keep_fp32: Sequence[str] = (),
+    ranges: Mapping[str, RangeStats] | None = None,
+    extra_islands: Iterable[Island] = (),
+) -> ModelPlan:
+    """Decide the stored dtype of every tensor for ``target``."""
+    check_target(target)
+    safe = target.endswith("-safe")
+    unit_of = units(t.name for t in tensors)
+    all_units = sorted(set(unit_of.values()))
+    islands: dict[str, Island] = {}
+
+    def keep(unit: str, reason: str, rule: str) -> None:
+        current = islands.get(unit)
+        if current is None or _REASON_RANK[reason] < _REASON_RANK[current.reason]:
+            islands[unit] = Island(unit, reason, rule)
+
+    if safe and recipe.keep_normalization:
+        norm_set = set(normalization)
+        for unit in all_units:
+            if unit in norm_set:
+                keep(unit, "precision", "normalization layer")
+    if safe:
+        for rule in recipe.rules_for(target):
+            for unit in all_units:
+                pattern = next((p for p in rule.modules if matches_self_or_ancestor(p, unit)), None)
+                if pattern is not None:
+                    keep(unit, rule.reason, f"recipe {recipe.name}: {pattern}")
+    for pattern in keep_fp32:
+        try:
+            validate_pattern(pattern)
+        except ValueError as exc:
+            raise InputError(f"--keep-fp32: {exc}") from None
+        hits = [u for u in all_units if matches_self_or_ancestor(pattern, u)]
+        if not hits:
+            raise InputError(f"--keep-fp32 {pattern!r} matches no module of the model")
+        for unit in hits:
+            keep(unit, "user", f"--keep-fp32 {pattern}")
+    for island in extra_islands:
+        keep(island.name, island.reason, island.rule)
+
+    warnings: list[str] = []
+    for name, stats in (ranges or {}).items():
+        problem = _range_problem(stats)
+        if problem is None:
+            continue
+        if target == "fp16-safe":
+            keep(unit_of[name], "range", f"weights {problem}")
+        else:
+            warnings.append(f"{name}: {problem}; stored in fp16 anyway (target {target})")
+
+    compute = COMPUTE_DTYPE[target]
+    planned = tuple(
+        TensorPlan(
+            t.name,
+            unit_of[t.name],
+            t.dtype,
+            (FP32 if unit_of[t.name] in islands else compute) if t.dtype.is_float else t.dtype,
+            t.shape,
+        )
+        for t in tensors
+    )
+    # An island whose unit holds no floating tensor keeps nothing: leave it out of the record.
+    float_units = {t.unit for t in planned if t.source.is_float}
+    kept = tuple(islands[u] for u in sorted(islands) if u in float_units)
+    return ModelPlan(
+        target,
+        compute,
+        recipe.name,
+        planned,
+        kept,
+        dict(recipe.config_flags(target)),
+        tuple(warnings),
+    )
+
+
+def _range_problem(stats: RangeStats) -> str | None:
+    if stats.non_finite:
+        return None  # NaN/Inf are the source's own defect; inspect reports them
+    if stats.overflows:
+        return f"exceed the fp16 range (max |x| = {stats.max_abs:.4g} > {FP16_MAX:g})"
+    if stats.flushes:
+        return f"would flush to zero in fp16 ({stats.flushed_fraction:.0%} of non-zero values)"
+    return None
+
+
+def scan_ranges(tensors: Iterable[LazyTensor]) -> dict[str, RangeStats]:
+    """Read every floating tensor once and measure what fp16 would do to it."""
+    import torch
+
+    out: dict[str, RangeStats] = {}
+    for tensor in tensors:
+        if not tensor.dtype.is_float or numel(tensor) == 0:
+            continue
+        max_abs, nonzero, flushed, non_finite = 0.0, 0, 0, 0
+        for chunk in tensor.chunks():
+            finite = torch.isfinite(chunk)
+            non_finite += int((~finite).sum())
+            values = chunk[finite].float().abs()
+            if values.numel():
+                max_abs = max(max_abs, float(values.max()))
+            nz = values != 0
+            nonzero += int(nz.sum())
+            flushed += int((nz & (values.to(torch.float16) == 0)).sum())
+        out[tensor.name] = RangeStats(max_abs, flushed / nonzero if nonzero else 0.0, non_finite)
+    return out

@@ -1,0 +1,110 @@
+"""Find normalization modules on a meta-device skeleton of the model.
+
+The model is built from its config with no weights (accelerate's ``init_empty_weights``), so
+even a 70B model costs no memory. When no class can be built (remote code not allowed, a
+library not installed, an unknown class), names are used instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from precision_convert.convert.names import module_of
+from precision_convert.convert.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+#: Class names of normalization layers across torch, transformers, diffusers and open_clip
+#: (LayerNorm, RMSNorm, T5LayerNorm, LlamaRMSNorm, GroupNorm, LayerNormFp32, BatchNorm2d…).
+_NORM_CLASS = re.compile(r".*(Norm|Norm\dd|NormFp32|Norm2D|NormNd)$")
+#: Name components that denote a normalization module when there is no class to look at.
+_NORM_NAME = re.compile(r"(?i).*norm.*|ln|ln_.*|ln\d+")
+
+
+def normalization_modules(source: ModelSource, *, trust_remote_code: bool = False) -> set[str]:
+    """Names (as in the checkpoint) of every normalization module that owns parameters."""
+    model = _skeleton(source, trust_remote_code=trust_remote_code)
+    if model is None:
+        return _by_name(t.name for t in source.tensors() if len(t.shape) <= 1)
+    found = {name for name, module in model.named_modules() if name and _is_normalization(module)}
+    return _align_names(found, {module_of(t.name) for t in source.tensors()}, model)
+
+
+def _is_normalization(module: Any) -> bool:
+    """A leaf normalization layer that owns parameters.
+
+    Normalization is decided by class (torch's norm classes and anything named ``*Norm``); a
+    "norm" with child modules (diffusers' AdaLayerNorm: a large Linear plus a LayerNorm) is a
+    conditioning projection, not a normalization layer, and is left to its children.
+    """
+    import torch.nn as nn
+
+    norm_types = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm)
+    is_norm = isinstance(module, norm_types) or bool(_NORM_CLASS.match(type(module).__name__))
+    has_children = any(True for _ in module.children())
+    return is_norm and not has_children and any(True for _ in module.parameters(recurse=False))
+
+
+def _by_name(tensor_names: Iterable[str]) -> set[str]:
+    # Only 1-D tensors are considered (norm scales and shifts), so an "AdaLayerNorm" whose
+    # parameters are a 2-D Linear never matches.
+    modules = {module_of(n) for n in tensor_names}
+    return {m for m in modules if m and _NORM_NAME.fullmatch(m.rpartition(".")[2])}
+
+
+def _align_names(found: set[str], checkpoint_modules: set[str], model: Any) -> set[str]:
+    """Map skeleton module names onto checkpoint names (base-model prefix added or dropped)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    aligned: set[str] = set()
+    for name in found:
+        for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+            if candidate in checkpoint_modules:
+                aligned.add(candidate)
+                break
+    return aligned
+
+
+def _skeleton(source: ModelSource, *, trust_remote_code: bool) -> Any | None:
+    from accelerate import init_empty_weights
+
+    try:
+        with init_empty_weights(include_buffers=True):
+            if source.library == "transformers":
+                return _transformers_skeleton(source, trust_remote_code)
+            if source.library == "diffusers":
+                import diffusers
+
+                cls = getattr(diffusers, source.class_name or "", None)
+                return cls.from_config(source.config) if cls is not None else None
+            return _open_clip_skeleton(source)
+    except Exception as exc:  # any failure only means "fall back to names"
+        logger.info("no skeleton for %s (%s); finding norms by name", source.root, exc)
+        return None
+
+
+def _transformers_skeleton(source: ModelSource, trust_remote_code: bool) -> Any | None:
+    import transformers
+
+    if "auto_map" in source.config and not trust_remote_code:
+        return None
+    config = transformers.AutoConfig.from_pretrained(
+        source.root, trust_remote_code=trust_remote_code
+    )
+    cls = getattr(transformers, source.class_name or "", None) or transformers.AutoModel
+    if cls is transformers.AutoModel:
+        return cls.from_config(config, trust_remote_code=trust_remote_code)
+    return cls(config)
+
+
+def _open_clip_skeleton(source: ModelSource) -> Any | None:
+    try:
+        import open_clip
+    except ImportError:
+        return None
+    model_cfg = dict(source.config["model_cfg"])
+    if model_cfg.get("text_cfg", {}).get("hf_model_name"):
+        return open_clip.model.CustomTextCLIP(**model_cfg)
+    return open_clip.model.CLIP(**model_cfg)

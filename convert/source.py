@@ -1,0 +1,309 @@
+"""Find what a source directory holds: its kind, configs and weight files, read lazily.
+
+Supported layouts: a transformers model dir, a diffusers model dir, a whole diffusers pipeline
+(``model_index.json``), an OpenCLIP Hub-style dir (``open_clip_config.json``), or a Hub repo id
+that is downloaded first. Everything is checked here, before a single output byte is written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from precision_convert.convert.safetensors_header import read_header
+from precision_convert.convert.tensors import FileTensor, LazyTensor, MemoryTensor
+from precision_convert.dtypes import from_torch
+from precision_convert.errors import InputError, UnsafeCheckpointError
+
+#: Weight file stems each library writes, in the order we prefer them.
+_WEIGHT_STEMS = ("model", "diffusion_pytorch_model", "open_clip_model")
+#: Legacy pickle names and the safetensors names they are written out as.
+_PICKLE_TO_SAFETENSORS = {
+    "pytorch_model": "model",
+    "diffusion_pytorch_model": "diffusion_pytorch_model",
+    "open_clip_pytorch_model": "open_clip_model",
+}
+#: Files that hold weights in some format. They are never copied: the converted safetensors
+#: replace the chosen ones, and any other copy (another variant, another framework) would be a
+#: stale full-precision duplicate.
+_WEIGHT_FILE = re.compile(
+    r".*\.(safetensors|msgpack|h5|ckpt|pt|pth|onnx|gguf)$|.*\.(safetensors|bin)\.index\.json$"
+    r"|(pytorch_model|diffusion_pytorch_model|open_clip_pytorch_model)([-.].*)?\.bin$"
+)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """One source weight file and the safetensors file it becomes."""
+
+    path: Path
+    output_name: str
+    tensors: tuple[LazyTensor, ...]
+    aliases: dict[str, str] = field(default_factory=dict)  # dropped name -> kept name
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model: a transformers/diffusers/OpenCLIP directory (or a pipeline component)."""
+
+    root: Path
+    library: str  # "transformers", "diffusers" or "open_clip"
+    config_name: str
+    config: dict[str, Any]
+    files: tuple[WeightFile, ...]
+    index_name: str | None  # output index file name when the source is sharded
+    index_metadata: dict[str, Any]
+
+    @property
+    def class_name(self) -> str | None:
+        if self.library == "diffusers":
+            return self.config.get("_class_name")
+        if self.library == "open_clip":
+            text_cfg = self.config.get("model_cfg", {}).get("text_cfg", {})
+            return "CustomTextCLIP" if text_cfg.get("hf_model_name") else "CLIP"
+        architectures = self.config.get("architectures") or [None]
+        return architectures[0]
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def tensors(self) -> Iterator[LazyTensor]:
+        for weight_file in self.files:
+            yield from weight_file.tensors
+
+    def is_weight_file(self, name: str) -> bool:
+        return bool(_WEIGHT_FILE.fullmatch(name))
+
+
+@dataclass(frozen=True)
+class PipelineSource:
+    """A diffusers pipeline: torch components converted one by one, the rest copied."""
+
+    root: Path
+    model_index: dict[str, Any]
+    components: dict[str, ModelSource]
+
+
+Source = ModelSource | PipelineSource
+
+
+def resolve(source: str | Path, revision: str | None = None) -> Path:
+    """A local directory for ``source``, downloading a Hub repo id when no such path exists."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(
+                "not a directory: a source is a model directory or a Hub repo id", path
+            )
+        if revision is not None:
+            raise InputError("--revision applies to Hub repo ids, not local directories", path)
+        return path
+    text = str(source)
+    if text.startswith((".", "/", "~")) or not _REPO_ID.match(text):
+        raise InputError("no such directory", path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, revision=revision))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"not a local directory, and the Hub could not provide it: {first_line}", text
+        ) from None
+
+
+def open_source(path: Path) -> Source:
+    """Inspect ``path`` and return what it holds, every file checked."""
+    if (path / "model_index.json").is_file():
+        return _pipeline(path)
+    return _model(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"not valid JSON ({exc})", path) from None
+    if not isinstance(data, dict):
+        raise InputError("expected a JSON object", path)
+    return data
+
+
+def _pipeline(root: Path) -> PipelineSource:
+    index = _read_json(root / "model_index.json")
+    components: dict[str, ModelSource] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[:1] == [None]:
+            continue
+        directory = root / name
+        if (
+            directory.is_dir()
+            and "/" not in name
+            and name not in ("..", ".")
+            and any(_WEIGHT_FILE.fullmatch(p.name) for p in directory.iterdir())
+        ):
+            components[name] = _model(directory)
+    if not components:
+        raise InputError("pipeline has no component with weights", root / "model_index.json")
+    return PipelineSource(root, index, components)
+
+
+def _model(root: Path) -> ModelSource:
+    if (root / "open_clip_config.json").is_file():
+        library, config_name = "open_clip", "open_clip_config.json"
+    elif (root / "config.json").is_file():
+        config_name = "config.json"
+        library = "diffusers" if "_class_name" in _read_json(root / config_name) else "transformers"
+    else:
+        raise InputError(
+            "no config.json, model_index.json or open_clip_config.json: not a model directory",
+            root,
+        )
+    config = _read_json(root / config_name)
+    if library == "open_clip" and not isinstance(config.get("model_cfg"), dict):
+        raise InputError("open_clip_config.json has no 'model_cfg' object", root / config_name)
+    files, index_name, index_metadata = _weight_files(root)
+    return ModelSource(root, library, config_name, config, files, index_name, index_metadata)
+
+
+def _weight_files(root: Path) -> tuple[tuple[WeightFile, ...], str | None, dict[str, Any]]:
+    for stem in _WEIGHT_STEMS:
+        if (root / f"{stem}.safetensors.index.json").is_file():
+            return _sharded(
+                root, f"{stem}.safetensors.index.json", f"{stem}.safetensors.index.json"
+            )
+        if (root / f"{stem}.safetensors").is_file():
+            return (
+                (_safetensors_file(root / f"{stem}.safetensors", f"{stem}.safetensors"),),
+                None,
+                {},
+            )
+    for stem, out_stem in _PICKLE_TO_SAFETENSORS.items():
+        if (root / f"{stem}.bin.index.json").is_file():
+            return _sharded(root, f"{stem}.bin.index.json", f"{out_stem}.safetensors.index.json")
+        if (root / f"{stem}.bin").is_file():
+            return (_pickle_file(root / f"{stem}.bin", f"{out_stem}.safetensors"),), None, {}
+    raise InputError("no weights found (model.safetensors, pytorch_model.bin, …)", root)
+
+
+def _sharded(
+    root: Path, index_name: str, output_index: str
+) -> tuple[tuple[WeightFile, ...], str, dict[str, Any]]:
+    index_path = root / index_name
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError("index has no 'weight_map' object", index_path)
+    shard_names: list[str] = []
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise InputError(
+                f"weight_map entry {tensor!r} points outside the model directory: {shard!r}",
+                index_path,
+            )
+        if not (root / shard).is_file():
+            raise InputError(f"weight_map names a missing shard {shard!r}", index_path)
+        if shard not in shard_names:
+            shard_names.append(shard)
+    files: list[WeightFile] = []
+    for shard in shard_names:
+        if shard.endswith(".safetensors"):
+            weight_file = _safetensors_file(root / shard, shard)
+        else:
+            weight_file = _pickle_file(root / shard, _safetensors_name(shard))
+        listed = {t for t, s in weight_map.items() if s == shard}
+        present = {t.name for t in weight_file.tensors} | set(weight_file.aliases)
+        if listed - present:
+            missing = sorted(listed - present)[0]
+            raise InputError(
+                f"index lists tensor {missing!r} in {shard}, which does not hold it", index_path
+            )
+        if present - listed:
+            extra = sorted(present - listed)[0]
+            raise InputError(
+                f"shard {shard} holds tensor {extra!r} that the index does not list", index_path
+            )
+        files.append(weight_file)
+    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    return tuple(files), output_index, dict(metadata)
+
+
+def _safetensors_name(pickle_name: str) -> str:
+    stem, _, rest = pickle_name.partition(".bin")
+    for old, new in _PICKLE_TO_SAFETENSORS.items():
+        if stem == old or stem.startswith(old + "-"):
+            stem = new + stem[len(old) :]
+            break
+    return f"{stem}.safetensors{rest}"
+
+
+def _safetensors_file(path: Path, output_name: str) -> WeightFile:
+    header = read_header(path)
+    return WeightFile(
+        path, output_name, tuple(FileTensor.from_entry(path, e) for e in header.tensors)
+    )
+
+
+def _pickle_file(path: Path, output_name: str) -> WeightFile:
+    """Read a legacy pickle checkpoint with ``weights_only=True``; shared tensors kept once."""
+    import pickle
+
+    import torch
+
+    def load(mmap: bool) -> Any:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            state = load(mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = load(mmap=False)  # legacy (pre-zip) format cannot be memory-mapped
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()
+        detail = next((line for line in reason if "GLOBAL" in line or "global" in line), "")
+        raise UnsafeCheckpointError(
+            "refusing to load: the pickle needs more than tensors to load and could run code "
+            f"(torch.load weights_only=True rejected it{': ' + detail.strip() if detail else ''})",
+            path,
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"cannot read PyTorch checkpoint: {first}", path) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise InputError("not a state dict of named tensors", path)
+    tensors: list[LazyTensor] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+    for name, tensor in state.items():
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]  # tied weights: written once, under the first name
+            continue
+        seen[key] = name
+        try:
+            dtype = from_torch(tensor.dtype)
+        except ValueError:
+            raise InputError(
+                f"tensor {name!r} has unsupported dtype {tensor.dtype}", path
+            ) from None
+        tensors.append(MemoryTensor(name, dtype, tuple(tensor.shape), tensor))
+    return WeightFile(path, output_name, tuple(tensors), aliases)
