@@ -1,0 +1,179 @@
+"""``inspect``: what a checkpoint really holds, and what would go wrong in low precision.
+
+Dtypes come from the tensor headers, never from ``config.json``. Hazards are the failures in
+DESIGN.md's table: a module whose parameters disagree in dtype (CogVLM's fp16 weight + fp32
+bias), weights beyond fp16's range, weights that fp16 would flush to zero, NaN/Inf weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from precision_convert.convert.names import units
+from precision_convert.convert.plan import RangeStats, build_plan, scan_ranges
+from precision_convert.convert.skeleton import normalization_modules
+from precision_convert.convert.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.dtypes import from_config_string
+from precision_convert.recipes import SAFE_TARGETS
+from precision_convert.recipes import match as match_recipe
+
+
+@dataclass(frozen=True)
+class Hazard:
+    kind: str  # "mixed-dtype", "fp16-overflow", "fp16-flush", "non-finite", "config-dtype"
+    name: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    name: str
+    dtypes: tuple[str, ...]
+    parameters: int
+
+
+@dataclass
+class ComponentReport:
+    component: str
+    library: str
+    class_name: str | None
+    model_type: str | None
+    recipe: str
+    parameters_by_dtype: dict[str, int]
+    modules: list[ModuleRow]
+    hazards: list[Hazard]
+    islands: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> name -> reason
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "component": self.component,
+            "library": self.library,
+            "class_name": self.class_name,
+            "model_type": self.model_type,
+            "recipe": self.recipe,
+            "parameters_by_dtype": self.parameters_by_dtype,
+            "modules": [
+                {"name": m.name, "dtypes": list(m.dtypes), "parameters": m.parameters}
+                for m in self.modules
+            ],
+            "hazards": [{"kind": h.kind, "name": h.name, "detail": h.detail} for h in self.hazards],
+            "islands": self.islands,
+        }
+
+
+@dataclass
+class InspectReport:
+    source: str
+    components: list[ComponentReport]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "components": [c.to_json() for c in self.components]}
+
+
+def inspect_source(
+    source: str | Path, *, revision: str | None = None, trust_remote_code: bool = False
+) -> InspectReport:
+    """Read headers and weights of ``source`` and report dtypes, hazards and planned islands."""
+    opened = open_source(resolve(source, revision))
+    models = dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
+    return InspectReport(
+        str(source),
+        [_inspect_model(name, m, trust_remote_code) for name, m in models.items()],
+    )
+
+
+def _inspect_model(name: str, model: ModelSource, trust_remote_code: bool) -> ComponentReport:
+    tensors = list(model.tensors())
+    unit_of = units(t.name for t in tensors)
+    by_dtype: Counter[str] = Counter()
+    rows: dict[str, tuple[set[str], int]] = defaultdict(lambda: (set(), 0))
+    for t in tensors:
+        count = math.prod(t.shape)
+        by_dtype[t.dtype.short] += count
+        dtypes, params = rows[unit_of[t.name]]
+        dtypes.add(t.dtype.short)
+        rows[unit_of[t.name]] = (dtypes, params + count)
+    modules = [ModuleRow(u, tuple(sorted(d)), p) for u, (d, p) in rows.items()]
+    hazards = _mixed_dtype_hazards(tensors, unit_of)
+    ranges = scan_ranges(tensors)
+    hazards += _range_hazards(ranges)
+    hazards += _config_dtype_hazard(model, by_dtype)
+    recipe = match_recipe(model.library, model.class_name, model.model_type)
+    norms = normalization_modules(model, trust_remote_code=trust_remote_code)
+    islands = {
+        target: {
+            i.name: i.reason
+            for i in build_plan(
+                tensors, target=target, recipe=recipe, normalization=norms, ranges=ranges
+            ).islands
+        }
+        for target in SAFE_TARGETS
+    }
+    return ComponentReport(
+        name,
+        model.library,
+        model.class_name,
+        model.model_type,
+        recipe.name,
+        dict(by_dtype),
+        modules,
+        hazards,
+        islands,
+    )
+
+
+def _mixed_dtype_hazards(tensors: list[Any], unit_of: dict[str, str]) -> list[Hazard]:
+    per_unit: dict[str, dict[str, str]] = defaultdict(dict)
+    for t in tensors:
+        if t.dtype.is_float:
+            per_unit[unit_of[t.name]][t.name.rpartition(".")[2]] = t.dtype.short
+    return [
+        Hazard(
+            "mixed-dtype",
+            unit,
+            "parameters disagree in dtype ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(params.items()))
+            + "): 'Input type and bias type should be the same' at run time",
+        )
+        for unit, params in per_unit.items()
+        if len(set(params.values())) > 1
+    ]
+
+
+def _range_hazards(ranges: dict[str, RangeStats]) -> list[Hazard]:
+    hazards: list[Hazard] = []
+    for name, stats in ranges.items():
+        if stats.non_finite:
+            hazards.append(Hazard("non-finite", name, f"{stats.non_finite} NaN/Inf values"))
+        if stats.overflows:
+            hazards.append(
+                Hazard("fp16-overflow", name, f"max |x| = {stats.max_abs:.4g} exceeds 65504")
+            )
+        if stats.flushes:
+            hazards.append(
+                Hazard(
+                    "fp16-flush",
+                    name,
+                    f"{stats.flushed_fraction:.0%} of non-zero values flush to zero in fp16",
+                )
+            )
+    return hazards
+
+
+def _config_dtype_hazard(model: ModelSource, by_dtype: Counter[str]) -> list[Hazard]:
+    declared = model.config.get("dtype") or model.config.get("torch_dtype")
+    parsed = from_config_string(declared) if isinstance(declared, str) else None
+    floats = {d for d in by_dtype if d.startswith(("fp", "bf"))}
+    if parsed is None or not floats or floats == {parsed.short}:
+        return []
+    return [
+        Hazard(
+            "config-dtype",
+            model.config_name,
+            f"config declares {declared} but the weights are {', '.join(sorted(floats))}",
+        )
+    ]

@@ -1,0 +1,48 @@
+"""The ``precision-convert`` command: a thin Typer app; each command lives in its own module."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from precision_convert.cli import inspect as inspect_cmd
+from precision_convert.cli import model as model_cmd
+from precision_convert.cli import recipes as recipes_cmd
+
+app = typer.Typer(
+    name="precision-convert",
+    help="Rewrite PyTorch checkpoints to bf16/fp16 safely: fp32 islands where the numbers "
+    "need them, a recorded dtype map, and a parity certificate against fp32.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Rich tracebacks print local variables, and push handles tokens: never show them.
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+app.command("model")(model_cmd.model)
+app.command("inspect")(inspect_cmd.inspect)
+app.command("recipes")(recipes_cmd.recipes)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from precision_convert import __version__
+
+        typer.echo(f"precision-convert {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Rewrite PyTorch checkpoints to bf16/fp16 safely."""
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app()

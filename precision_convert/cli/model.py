@@ -1,0 +1,89 @@
+"""``precision-convert model SOURCE --to TARGET``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from precision_convert.cli._common import byte_progress, console, emit_json, reported_errors
+
+
+def model(
+    source: Annotated[
+        str, typer.Argument(help="Model/pipeline/OpenCLIP directory or Hub repo id.")
+    ],
+    to: Annotated[
+        str, typer.Option("--to", help="bf16-safe, fp16-safe, bf16 or fp16 (plain cast).")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Output directory [default: ./<source>-<target>]."),
+    ] = None,
+    revision: Annotated[
+        str | None, typer.Option(help="Hub revision (branch, tag or commit) of SOURCE.")
+    ] = None,
+    recipe: Annotated[
+        str | None, typer.Option(help="Recipe name or TOML file [default: matched].")
+    ] = None,
+    keep_fp32: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--keep-fp32",
+            metavar="PATTERN",
+            help="Also keep modules matching PATTERN in fp32 (repeatable; * = one name "
+            "component, ** = any run of them).",
+        ),
+    ] = None,
+    validate: Annotated[
+        bool, typer.Option("--validate/--no-validate", help="Certify parity against fp32.")
+    ] = True,
+    device: Annotated[str, typer.Option(help="Validation device: auto, cpu or cuda.")] = "auto",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Allow the model's own code (auto_map) to run.")
+    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
+) -> None:
+    """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
+    from precision_convert.convert.api import convert
+
+    with reported_errors(), byte_progress("converting", not json_output) as progress:
+        result = convert(
+            source,
+            to,
+            output,
+            validate=validate,
+            device=None if device == "auto" else device,
+            revision=revision,
+            recipe=recipe,
+            keep_fp32=keep_fp32 or (),
+            overwrite=overwrite,
+            trust_remote_code=trust_remote_code,
+            on_progress=progress,
+        )
+    if json_output:
+        emit_json(result.to_json())
+    else:
+        table = Table(title=f"{result.source} → {result.output} ({result.target})")
+        for column in ("component", "recipe", "fp32 modules", "fp32 share", "warnings"):
+            table.add_column(column)
+        for component in result.components:
+            summary = component.summary()
+            table.add_row(
+                component.name or component.class_name or "model",
+                summary["recipe"],
+                str(summary["fp32_modules"]),
+                f"{summary['fp32_share']:.1%}",
+                str(len(summary["warnings"])),
+            )
+        console.print(table)
+        for component in result.components:
+            for warning in component.plan.warnings:
+                console.print(f"[yellow]warning[/]: {warning}")
+        if result.certificate is not None:
+            console.print(f"verdict: [bold]{result.certificate.verdict}[/]")
+    if result.passed is False:
+        raise typer.Exit(1)
