@@ -81,7 +81,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         raise InputError(f"cannot read: {exc.strerror or exc}", path) from None
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep nesting: hostile
         raise InputError(f"header is not valid JSON ({exc})", path) from None
     if not isinstance(header, dict):
         raise InputError("header is not a JSON object", path)
