@@ -129,7 +129,7 @@ def open_source(path: Path) -> Source:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep nesting
         raise InputError(f"not valid JSON ({exc})", path) from None
     if not isinstance(data, dict):
         raise InputError("expected a JSON object", path)
