@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny real models, built once per session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import _models
+import pytest
+
+# Tests never reach a Hub; make any accidental attempt fail fast instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model("t5")`` → a saved tiny model directory (built on first use, then reused).
+
+    Names: the keys of ``_models.MODEL_BUILDERS`` plus ``"openclip"`` and ``"sd-pipeline"``.
+    Treat the returned directory as read-only: other tests share it.
+    """
+    builders: dict[str, Callable[[Path], Path]] = {
+        **_models.MODEL_BUILDERS,
+        "openclip": _models.open_clip_model,
+        "sd-pipeline": _models.sd_pipeline,
+    }
+    root = tmp_path_factory.mktemp("tiny-models")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            if name == "openclip":
+                pytest.importorskip("open_clip", reason="open_clip_torch is not installed")
+            built[name] = builders[name](root / name)
+        return built[name]
+
+    return get
