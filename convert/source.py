@@ -167,10 +167,28 @@ def _model(root: Path) -> ModelSource:
             root,
         )
     config = _read_json(root / config_name)
-    if library == "open_clip" and not isinstance(config.get("model_cfg"), dict):
-        raise InputError("open_clip_config.json has no 'model_cfg' object", root / config_name)
+    _check_config(config, library, root / config_name)
     files, index_name, index_metadata = _weight_files(root)
     return ModelSource(root, library, config_name, config, files, index_name, index_metadata)
+
+
+def _check_config(config: dict[str, Any], library: str, path: Path) -> None:
+    """Reject the keys this tool reads (recipe matching, skeletons) when their type is wrong."""
+    if library == "open_clip":
+        model_cfg = config.get("model_cfg")
+        if not isinstance(model_cfg, dict):
+            raise InputError("open_clip_config.json has no 'model_cfg' object", path)
+        if not isinstance(model_cfg.get("text_cfg", {}), dict):
+            raise InputError("'model_cfg.text_cfg' must be an object", path)
+        return
+    for key in ("model_type", "_class_name"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise InputError(f"{key!r} must be a string, not {type(config[key]).__name__}", path)
+    architectures = config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+    ):
+        raise InputError("'architectures' must be a list of strings", path)
 
 
 def _weight_files(root: Path) -> tuple[tuple[WeightFile, ...], str | None, dict[str, Any]]:
