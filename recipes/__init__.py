@@ -65,8 +65,15 @@ def _parse(data: dict[str, Any], origin: str) -> Recipe:
         return InputError(f"invalid recipe: {problem}", origin)
 
     allowed = {
-        "name", "description", "library", "match", "keep_normalization", "fp32", "config",
-        "validation", "hazards",
+        "name",
+        "description",
+        "library",
+        "match",
+        "keep_normalization",
+        "fp32",
+        "config",
+        "validation",
+        "hazards",
     }
     unknown = set(data) - allowed
     if unknown:
