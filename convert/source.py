@@ -311,6 +311,12 @@ def _pickle_file(path: Path, output_name: str) -> WeightFile:
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     for name, tensor in state.items():
+        if tensor.layout != torch.strided or tensor.device.type != "cpu":
+            raise InputError(
+                f"tensor {name!r} is not a dense tensor with data "
+                f"(layout {tensor.layout}, device {tensor.device.type})",
+                path,
+            )
         key = (
             tensor.untyped_storage().data_ptr(),
             tensor.storage_offset(),
