@@ -7,6 +7,7 @@ target path itself only ever holds a complete output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -45,9 +46,18 @@ def clean_leftovers(target: Path) -> list[Path]:
                 continue
             pid_text = entry.name[len(prefix) :].split("-", 1)[0]
             if pid_text.isdigit() and not _owner_alive(int(pid_text)):
-                shutil.rmtree(entry, ignore_errors=True)
+                _remove(entry)
                 removed.append(entry)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Delete a leftover: a directory tree, or the file or symlink an ``--overwrite`` replaced."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -103,7 +113,7 @@ class StagedOutput:
             trash = self.target.parent / f"{_marker(self.target, _TRASH)}{os.getpid()}"
             os.rename(self.target, trash)
             os.rename(self.path, self.target)
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)
         else:
             os.rename(self.path, self.target)
         _fsync_dir(self.target.parent)
