@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
-from precision_convert.errors import OutputExistsError
+from precision_convert.errors import InputError, OutputExistsError
 
 _STAGING = ".pc-staging-"
 _TRASH = ".pc-trash-"
@@ -94,15 +94,25 @@ class StagedOutput:
         self._committed = False
 
     def check(self) -> None:
-        """Refuse an existing target unless overwriting; call before any expensive work."""
+        """Refuse an existing target (unless overwriting) or one under a file; call early."""
         if (self.target.exists() or self.target.is_symlink()) and not self.overwrite:
             raise OutputExistsError(self.target)
+        existing = next(p for p in self.target.parents if p.exists())
+        if not existing.is_dir():
+            raise InputError(
+                f"cannot create the output: {existing} is not a directory", self.target
+            )
 
     def __enter__(self) -> StagedOutput:
         self.check()
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(self.target)
-        self.path.mkdir()
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(self.target)
+            self.path.mkdir()
+        except OSError as exc:
+            raise InputError(
+                f"cannot create the output: {exc.strerror or exc}", self.target
+            ) from None
         return self
 
     def commit(self) -> None:
