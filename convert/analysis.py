@@ -1,0 +1,283 @@
+"""Activation analysis: what overflows fp16, and the smallest set of fp32 islands that fixes it.
+
+Calibration runs the fp32 model once on the validation inputs with a hook on every module that
+keeps three running numbers per module (largest |input|, largest |output|, share of output
+values fp16 would flush to zero). Nothing else is kept, so memory stays bounded whatever the
+model, and the hooks are removed when the pass ends, even on error.
+
+The search (:func:`search_islands`) then checks a candidate plan against the fp32 outputs and,
+while it fails, bisects over modules in execution order for the next module that must stay
+fp32, as onnxconverter-common's ``auto_convert_mixed_precision`` and Polygraphy's
+``debug precision`` do for graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from precision_convert.dtypes import FP16_FLUSH_BELOW, FP16_MAX
+
+#: A module whose fp32 activations come within this factor of fp16's limit is kept fp32: other
+#: inputs than the calibration ones may well push it over.
+ACTIVATION_MARGIN = 2.0
+#: bf16 keeps 8 significant bits, so one rounding costs at most 2**-9 relative error and a
+#: healthy layer lands within a few times that. A module whose output, recomputed from bf16
+#: weights and inputs, is off by more than 2**-4 has lost most of its mantissa.
+BF16_LOSS_LIMIT = 2.0**-4
+#: Above this share of fp32 parameters, fp16-safe costs most of its memory savings: recommend
+#: bf16-safe instead.
+FP32_SHARE_LIMIT = 0.25
+
+
+@dataclass(frozen=True)
+class ActivationStats:
+    """What one module saw during calibration."""
+
+    module: str
+    order: int  # position of the module's first call: execution order
+    max_in: float
+    max_out: float
+    rms_out: float
+    flushed_out: float  # share of non-zero output values that fp16 rounds to zero
+    low_precision_error: float  # relative L2 error of the module recomputed in low precision
+
+    @property
+    def headroom(self) -> float:
+        """fp16's limit divided by the largest activation: below 1 it overflows."""
+        peak = max(self.max_in, self.max_out)
+        return FP16_MAX / peak if peak else float("inf")
+
+
+class _Recorder:
+    def __init__(self, simulate: torch.dtype | None) -> None:
+        self.simulate = simulate
+        self.error: dict[str, float] = {}
+        self.paused = False  # set while a module is recomputed in low precision
+        self.order: dict[str, int] = {}
+        self.max_in: dict[str, torch.Tensor] = {}
+        self.max_out: dict[str, torch.Tensor] = {}
+        self.sum_sq: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self.nonzero: dict[str, int] = {}
+        self.flushed: dict[str, int] = {}
+
+    def pre(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self.paused:
+                return
+            self.order.setdefault(name, len(self.order))
+            peak = _max_abs((args, kwargs))
+            if peak is not None:
+                self.max_in[name] = _running_max(self.max_in.get(name), peak)
+
+        return hook
+
+    def post(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self.paused:
+                return
+            for tensor in _floats(output):
+                values = tensor.detach().float().abs()
+                self.max_out[name] = _running_max(self.max_out.get(name), values.amax())
+                self.sum_sq[name] = self.sum_sq.get(name, 0.0) + float(values.square().sum())
+                self.count[name] = self.count.get(name, 0) + values.numel()
+                nonzero = values != 0
+                self.nonzero[name] = self.nonzero.get(name, 0) + int(nonzero.sum())
+                self.flushed[name] = self.flushed.get(name, 0) + int(
+                    (nonzero & (values < FP16_FLUSH_BELOW)).sum()
+                )
+            if self.simulate is not None and _is_weighted_leaf(module):
+                self.paused = True
+                try:
+                    error = _low_precision_error(module, args, kwargs, output, self.simulate)
+                finally:
+                    self.paused = False
+                if error is not None:
+                    self.error[name] = max(self.error.get(name, 0.0), error)
+
+        return hook
+
+    def stats(self) -> dict[str, ActivationStats]:
+        out: dict[str, ActivationStats] = {}
+        for name, order in sorted(self.order.items(), key=lambda item: item[1]):
+            count = self.count.get(name, 0)
+            nonzero = self.nonzero.get(name, 0)
+            out[name] = ActivationStats(
+                module=name,
+                order=order,
+                max_in=float(self.max_in[name]) if name in self.max_in else 0.0,
+                max_out=float(self.max_out[name]) if name in self.max_out else 0.0,
+                rms_out=(self.sum_sq.get(name, 0.0) / count) ** 0.5 if count else 0.0,
+                flushed_out=self.flushed.get(name, 0) / nonzero if nonzero else 0.0,
+                low_precision_error=self.error.get(name, 0.0),
+            )
+        return out
+
+
+def _floats(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.numel():
+            yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _floats(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _floats(item)
+    elif hasattr(value, "to_tuple"):  # transformers ModelOutput / diffusers BaseOutput
+        yield from _floats(value.to_tuple())
+
+
+def _max_abs(value: Any) -> torch.Tensor | None:
+    peaks = [t.detach().abs().amax().float() for t in _floats(value)]
+    return torch.stack(peaks).amax() if peaks else None
+
+
+def _is_weighted_leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None and next(module.parameters(), None) is not None
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
+
+
+def _low_precision_error(
+    module: nn.Module, args: Any, kwargs: Any, output: Any, dtype: torch.dtype
+) -> float | None:
+    """Relative L2 error of ``module`` recomputed with weights and inputs rounded to ``dtype``."""
+    reference = next(_floats(output), None)
+    if reference is None:
+        return None
+    state = {k: _cast_floats(v, dtype) for k, v in module.state_dict(keep_vars=True).items()}
+    low = torch.func.functional_call(
+        module, state, _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+    )
+    approx = next(_floats(low), None)
+    if approx is None or approx.shape != reference.shape:
+        return None
+    scale = reference.float().norm()
+    return float((approx.float() - reference.float()).norm() / scale) if scale else 0.0
+
+
+def _running_max(current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if current is None else torch.maximum(current, new)
+
+
+@contextmanager
+def recording(model: nn.Module, simulate: torch.dtype | None = None) -> Iterator[_Recorder]:
+    """Hook every module of ``model`` for the duration of the block; hooks always removed.
+
+    With ``simulate``, each leaf module that owns weights is also recomputed in that dtype to
+    measure how much precision it loses on its own.
+    """
+    recorder = _Recorder(simulate)
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(recorder.pre(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(recorder.post(name), with_kwargs=True))
+        yield recorder
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def calibrate(
+    model: nn.Module, run: Callable[[], Any], simulate: torch.dtype | None = None
+) -> tuple[dict[str, ActivationStats], Any]:
+    """Call ``run()`` (which runs ``model`` in fp32) once under recording hooks.
+
+    Returns the per-module statistics in execution order and whatever ``run`` returned (the
+    baseline outputs, so the caller does not need a second pass).
+    """
+    with recording(model, simulate) as recorder, torch.no_grad():
+        result = run()
+    return recorder.stats(), result
+
+
+def overflowing(stats: Mapping[str, ActivationStats], units: Sequence[str]) -> dict[str, str]:
+    """Units (modules owning weights) whose output comes within the margin of fp16's limit."""
+    limit = FP16_MAX / ACTIVATION_MARGIN
+    found: dict[str, str] = {}
+    for unit in units:
+        seen = stats.get(unit)
+        if seen is not None and seen.max_out > limit:
+            found[unit] = (
+                f"activations reach {seen.max_out:.4g} (fp16 limit {FP16_MAX:g}, "
+                f"margin {ACTIVATION_MARGIN:g}x)"
+            )
+    return found
+
+
+def losing_precision(stats: Mapping[str, ActivationStats], units: Sequence[str]) -> dict[str, str]:
+    """Units whose output, recomputed in low precision, lost most of its mantissa."""
+    return {
+        unit: (
+            f"recomputed in low precision its output is off by "
+            f"{stats[unit].low_precision_error:.2%} (limit {BF16_LOSS_LIMIT:.2%})"
+        )
+        for unit in units
+        if unit in stats and stats[unit].low_precision_error > BF16_LOSS_LIMIT
+    }
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Islands the search added, in execution order, and what it cost."""
+
+    added: tuple[str, ...]
+    evaluations: int
+    passed: bool
+
+
+def search_islands(
+    candidates: Sequence[str], passes: Callable[[frozenset[str]], bool]
+) -> SearchResult:
+    """Find a small set of ``candidates`` whose fp32 islands make ``passes`` true.
+
+    ``candidates`` are modules in execution order; ``passes(extra)`` builds the plan with
+    ``extra`` kept fp32 and compares it with the fp32 baseline. Each round bisects for the
+    shortest prefix of the remaining candidates that passes: the last module of that prefix is
+    one the model cannot do without (every shorter prefix fails), so it is kept and the next
+    round searches the modules before it. With *k* modules needed out of *n* this costs about
+    ``k * log2(n)`` evaluations instead of the ``n`` of trying each module.
+    """
+    evaluations = 0
+
+    def check(extra: frozenset[str]) -> bool:
+        nonlocal evaluations
+        evaluations += 1
+        return passes(extra)
+
+    kept: frozenset[str] = frozenset()
+    if check(kept):
+        return SearchResult((), evaluations, True)
+    remaining = list(candidates)
+    if not remaining or not check(frozenset(remaining)):
+        return SearchResult((), evaluations, False)
+    while True:
+        low, high = 0, len(remaining)  # prefix of length `high` passes, of length `low` fails
+        while high - low > 1:
+            middle = (low + high) // 2
+            if check(kept | frozenset(remaining[:middle])):
+                high = middle
+            else:
+                low = middle
+        kept |= {remaining[high - 1]}
+        remaining = remaining[: high - 1]
+        if not remaining or check(kept):
+            break
+    order = {name: i for i, name in enumerate(candidates)}
+    return SearchResult(tuple(sorted(kept, key=order.__getitem__)), evaluations, True)
