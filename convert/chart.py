@@ -1,0 +1,75 @@
+"""The picture of a calibration: per-module peak |activation| against fp16's limit.
+
+One bar per module that owns weights, in execution order, on a log scale, with the fp16 limit
+drawn across and fp32 islands highlighted: the chart a user looks at to see where their model
+runs out of fp16 range. Rendered with matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from precision_convert.convert.analysis import ACTIVATION_MARGIN, ActivationStats
+from precision_convert.dtypes import FP16_MAX
+
+#: Beyond this many bars labels become unreadable; only every n-th module is labelled.
+_MAX_LABELS = 40
+
+
+def activation_chart(
+    stats: Mapping[str, ActivationStats],
+    modules: Sequence[str],
+    islands: Mapping[str, str],
+    path: Path,
+    title: str,
+) -> Path:
+    """Write a PNG chart of ``modules``' peak activations to ``path`` and return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = sorted((stats[m] for m in modules if m in stats), key=lambda s: s.order)
+    peaks = [max(s.max_out, s.max_in, 1e-12) for s in shown]
+    colors = [
+        "#d62728"
+        if islands.get(s.module) == "range"
+        else "#9467bd"
+        if islands.get(s.module) == "search"
+        else "#ff7f0e"
+        if s.module in islands
+        else "#1f77b4"
+        for s in shown
+    ]
+    width = min(24.0, max(8.0, len(shown) * 0.18))
+    fig, ax = plt.subplots(figsize=(width, 5.5), dpi=110)
+    ax.bar(range(len(shown)), peaks, color=colors, width=0.85)
+    ax.set_yscale("log")
+    ax.axhline(FP16_MAX, color="black", linestyle="--", linewidth=1.2)
+    ax.axhline(FP16_MAX / ACTIVATION_MARGIN, color="grey", linestyle=":", linewidth=1)
+    ax.text(0, FP16_MAX * 1.15, f"fp16 max {FP16_MAX:g}", fontsize=9)
+    step = max(1, len(shown) // _MAX_LABELS)
+    ax.set_xticks(range(0, len(shown), step))
+    ax.set_xticklabels(
+        [shown[i].module for i in range(0, len(shown), step)], rotation=90, fontsize=7
+    )
+    ax.set_ylabel("peak |activation| (fp32 run)")
+    ax.set_title(title)
+    from matplotlib.patches import Patch
+
+    ax.legend(
+        handles=[
+            Patch(color="#1f77b4", label="compute dtype"),
+            Patch(color="#ff7f0e", label="fp32 island: precision (recipe/norm)"),
+            Patch(color="#d62728", label="fp32 island: range"),
+            Patch(color="#9467bd", label="fp32 island: found by search"),
+        ],
+        loc="upper left",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
