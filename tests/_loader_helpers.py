@@ -105,7 +105,7 @@ def llama_with_overflow(path: Path, scale: float = 1e8) -> Path:
 
 
 #: A CogVLM-shaped model (vision conv + projector + language layers) as remote code.
-TINY_VLM_CODE = '''
+TINY_VLM_CODE = """
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -141,7 +141,7 @@ class TinyVLMForCausalLM(PreTrainedModel):
         x = torch.cat([self.vision_proj(image), self.embed_tokens(input_ids)], dim=1)
         x = x + self.mlp(torch.relu(self.norm(x)))
         return self.lm_head(x)
-'''
+"""
 
 
 def cogvlm_style(path: Path) -> Path:

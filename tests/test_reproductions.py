@@ -88,7 +88,7 @@ def test_cogvlm_fp16_weights_with_fp32_biases(tmp_path: Path) -> None:
     hazards = pc.inspect(source).components[0].hazards
     flagged = {h.name for h in hazards if h.kind == "mixed-dtype"}
     assert {"patch_embed", "vision_proj", "mlp", "lm_head", "norm"} <= flagged
-    with pytest.raises(InputError, match="patch_embed.*different dtypes"):
+    with pytest.raises(InputError, match=r"patch_embed.*different dtypes"):
         pc.load(source, trust_remote_code=True)
 
     converted = convert_to(source, "fp16-safe", tmp_path / "cogvlm-fp16-safe",
