@@ -1,0 +1,534 @@
+"""Bad input: every unreadable, inconsistent or hostile source, and every unusable flag.
+
+Each case must end with exit code 2, exactly one ``precision-convert: <file>: <problem>`` line
+on stderr (no traceback), nothing on stdout, and nothing written anywhere: no output
+directory, no staging directory, the source byte-identical, no code from a pickle executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from _corrupt import (
+    TINY_STATE,
+    RunsCode,
+    assert_one_error_line,
+    cli_command,
+    cli_env,
+    raw_safetensors,
+    shard,
+    tiny_source,
+    tree_digest,
+    write_index,
+)
+from typer.testing import CliRunner
+
+from precision_convert.cli.main import app
+
+runner = CliRunner()
+#: A file the hostile pickles try to create; it must never appear.
+MARKER = "CODE-WAS-EXECUTED"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    make: Callable[[Path], Path]  # corrupts the source, returns the file the message names
+    fragment: str  # the problem, as the one stderr line states it
+
+
+def _weights(src: Path) -> Path:
+    return src / "model.safetensors"
+
+
+def _as_pickle(src: Path, payload: bytes, name: str = "pytorch_model.bin") -> Path:
+    _weights(src).unlink()
+    (src / name).write_bytes(payload)
+    return src / name
+
+
+def _torch_bytes(obj: object, tmp: Path) -> bytes:
+    path = tmp / "tmp.pt"
+    torch.save(obj, path)
+    data = path.read_bytes()
+    path.unlink()
+    return data
+
+
+def _marker(src: Path) -> Path:
+    return src.parent / MARKER
+
+
+# -- safetensors files ---------------------------------------------------------------------
+
+
+def truncated(src: Path) -> Path:
+    data = _weights(src).read_bytes()
+    _weights(src).write_bytes(data[:-10])
+    return _weights(src)
+
+
+def header_past_end(src: Path) -> Path:
+    raw_safetensors(_weights(src), {}, header_len=1_000_000)
+    return _weights(src)
+
+
+def shorter_than_size_field(src: Path) -> Path:
+    _weights(src).write_bytes(b"\x01\x02\x03")
+    return _weights(src)
+
+
+def header_over_limit(src: Path) -> Path:
+    raw_safetensors(_weights(src), {}, header_len=2**40)
+    return _weights(src)
+
+
+def overlapping_offsets(src: Path) -> Path:
+    header = {
+        "a.weight": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
+        "b.weight": {"dtype": "F32", "shape": [16], "data_offsets": [32, 96]},
+    }
+    raw_safetensors(_weights(src), header, bytes(96))
+    return _weights(src)
+
+
+def non_json_header(src: Path) -> Path:
+    raw_safetensors(_weights(src), b"this is {not json", bytes(8))
+    return _weights(src)
+
+
+def header_not_object(src: Path) -> Path:
+    raw_safetensors(_weights(src), b"[1, 2, 3]")
+    return _weights(src)
+
+
+def header_deeply_nested(src: Path) -> Path:
+    raw_safetensors(_weights(src), b"[" * 100_000 + b"]" * 100_000)
+    return _weights(src)
+
+
+def header_duplicate_name(src: Path) -> Path:
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    raw_safetensors(_weights(src), f'{{"a": {entry}, "a": {entry}}}'.encode(), bytes(4))
+    return _weights(src)
+
+
+def unknown_dtype(src: Path) -> Path:
+    header = {"a.weight": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}
+    raw_safetensors(_weights(src), header, bytes(16))
+    return _weights(src)
+
+
+def offsets_disagree_with_shape(src: Path) -> Path:
+    header = {"a.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}
+    raw_safetensors(_weights(src), header, bytes(16))
+    return _weights(src)
+
+
+def bad_metadata(src: Path) -> Path:
+    header = {
+        "__metadata__": {"format": 1},
+        "a.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+    }
+    raw_safetensors(_weights(src), header, bytes(4))
+    return _weights(src)
+
+
+# -- sharded indexes -----------------------------------------------------------------------
+
+
+def _sharded(src: Path) -> dict[str, str]:
+    shard(src, ["layer.weight"])
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    return index["weight_map"]
+
+
+def index_points_to_parent(src: Path) -> Path:
+    weight_map = _sharded(src)
+    # The file exists, so only the containment check can stop it.
+    (src.parent / "outside.safetensors").write_bytes(
+        (src / weight_map["layer.weight"]).read_bytes()
+    )
+    weight_map["layer.weight"] = "../outside.safetensors"
+    write_index(src, weight_map)
+    return src / "model.safetensors.index.json"
+
+
+def index_absolute_path(src: Path) -> Path:
+    weight_map = _sharded(src)
+    weight_map["layer.weight"] = str((src / weight_map["layer.weight"]).absolute())
+    write_index(src, weight_map)
+    return src / "model.safetensors.index.json"
+
+
+def index_missing_shard(src: Path) -> Path:
+    weight_map = _sharded(src)
+    weight_map["layer.weight"] = "model-00009-of-00009.safetensors"
+    write_index(src, weight_map)
+    return src / "model.safetensors.index.json"
+
+
+def index_lists_absent_tensor(src: Path) -> Path:
+    weight_map = _sharded(src)
+    weight_map["ghost.weight"] = weight_map["layer.weight"]
+    write_index(src, weight_map)
+    return src / "model.safetensors.index.json"
+
+
+def index_not_json(src: Path) -> Path:
+    _sharded(src)
+    (src / "model.safetensors.index.json").write_text('{"weight_map": ')
+    return src / "model.safetensors.index.json"
+
+
+# -- pickle checkpoints --------------------------------------------------------------------
+
+
+def pickle_runs_os_system(src: Path) -> Path:
+    evil = {"w": torch.ones(2), "x": RunsCode(os.system, f"touch {_marker(src)}")}
+    return _as_pickle(src, _torch_bytes(evil, src.parent))
+
+
+def pickle_runs_open_protocol_4(src: Path) -> Path:
+    # A plain pickle.dumps (protocol 4, legacy non-zip layout), not torch.save.
+    return _as_pickle(src, pickle.dumps({"w": RunsCode(open, str(_marker(src)), "w")}, 4))
+
+
+def pickle_runs_exec_in_shard(src: Path) -> Path:
+    _weights(src).unlink()
+    good = {k: v for k, v in TINY_STATE.items() if k != "layer.weight"}
+    torch.save(good, src / "pytorch_model-00001-of-00002.bin")
+    payload = f"open({str(_marker(src))!r}, 'w').close()"
+    evil = {"layer.weight": RunsCode(exec, payload)}
+    torch.save(evil, src / "pytorch_model-00002-of-00002.bin")
+    weight_map = dict.fromkeys(good, "pytorch_model-00001-of-00002.bin")
+    weight_map["layer.weight"] = "pytorch_model-00002-of-00002.bin"
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return src / "pytorch_model-00002-of-00002.bin"
+
+
+def pickle_not_a_state_dict(src: Path) -> Path:
+    return _as_pickle(src, _torch_bytes([torch.ones(2)], src.parent))
+
+
+def pickle_sparse_tensor(src: Path) -> Path:
+    return _as_pickle(src, _torch_bytes({"w": torch.eye(3).to_sparse()}, src.parent))
+
+
+def pickle_truncated(src: Path) -> Path:
+    data = _torch_bytes({"w": torch.ones(1000)}, src.parent)
+    return _as_pickle(src, data[: len(data) // 2])
+
+
+# -- configs and layout --------------------------------------------------------------------
+
+
+def config_not_json(src: Path) -> Path:
+    (src / "config.json").write_text('{"model_type": "llama",')
+    return src / "config.json"
+
+
+def config_not_object(src: Path) -> Path:
+    (src / "config.json").write_text("[]")
+    return src / "config.json"
+
+
+def config_not_utf8(src: Path) -> Path:
+    (src / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
+    return src / "config.json"
+
+
+def config_deeply_nested(src: Path) -> Path:
+    (src / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    return src / "config.json"
+
+
+def config_architectures_not_list(src: Path) -> Path:
+    (src / "config.json").write_text(json.dumps({"architectures": 5}))
+    return src / "config.json"
+
+
+def config_model_type_not_string(src: Path) -> Path:
+    (src / "config.json").write_text(json.dumps({"model_type": ["llama"]}))
+    return src / "config.json"
+
+
+def no_weights(src: Path) -> Path:
+    _weights(src).unlink()
+    return src
+
+
+def no_config(src: Path) -> Path:
+    (src / "config.json").unlink()
+    return src
+
+
+def pipeline_index_not_json(src: Path) -> Path:
+    (src / "model_index.json").write_text("{")
+    return src / "model_index.json"
+
+
+def pipeline_without_components(src: Path) -> Path:
+    index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet"]}
+    (src / "model_index.json").write_text(json.dumps(index))
+    return src / "model_index.json"
+
+
+def pipeline_component_corrupt(src: Path) -> Path:
+    index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet"]}
+    (src / "model_index.json").write_text(json.dumps(index))
+    unet = tiny_source(src / "unet")
+    return non_json_header(unet)
+
+
+CASES = [
+    Case("truncated", truncated, "truncated: tensor"),
+    Case("header-past-end", header_past_end, "header length 1000000 runs past the end"),
+    Case("shorter-than-size-field", shorter_than_size_field, "shorter than its 8-byte"),
+    Case("header-over-limit", header_over_limit, "exceeds the 100 MB limit"),
+    Case("overlapping-offsets", overlapping_offsets, "overlap in the data section"),
+    Case("non-json-header", non_json_header, "header is not valid JSON"),
+    Case("header-not-object", header_not_object, "header is not a JSON object"),
+    Case("header-deeply-nested", header_deeply_nested, "header is not valid JSON"),
+    Case("header-duplicate-name", header_duplicate_name, "duplicate key 'a'"),
+    Case("unknown-dtype", unknown_dtype, "unknown dtype 'F128'"),
+    Case("offsets-vs-shape", offsets_disagree_with_shape, "data_offsets span 8 bytes"),
+    Case("bad-metadata", bad_metadata, "__metadata__ must map strings to strings"),
+    Case("index-parent", index_points_to_parent, "points outside the model directory"),
+    Case("index-absolute", index_absolute_path, "points outside the model directory"),
+    Case("index-missing-shard", index_missing_shard, "missing shard"),
+    Case("index-absent-tensor", index_lists_absent_tensor, "'ghost.weight'"),
+    Case("index-not-json", index_not_json, "not valid JSON"),
+    Case("pickle-os-system", pickle_runs_os_system, "refusing to load"),
+    Case("pickle-open-protocol-4", pickle_runs_open_protocol_4, "refusing to load"),
+    Case("pickle-exec-in-shard", pickle_runs_exec_in_shard, "refusing to load"),
+    Case("pickle-not-state-dict", pickle_not_a_state_dict, "not a state dict"),
+    Case("pickle-sparse", pickle_sparse_tensor, "not a dense tensor"),
+    Case("pickle-truncated", pickle_truncated, "cannot read PyTorch checkpoint"),
+    Case("config-not-json", config_not_json, "not valid JSON"),
+    Case("config-not-object", config_not_object, "expected a JSON object"),
+    Case("config-not-utf8", config_not_utf8, "not valid JSON"),
+    Case("config-deeply-nested", config_deeply_nested, "not valid JSON"),
+    Case("config-architectures", config_architectures_not_list, "'architectures' must be"),
+    Case("config-model-type", config_model_type_not_string, "'model_type' must be a string"),
+    Case("no-weights", no_weights, "no weights found"),
+    Case("no-config", no_config, "not a model directory"),
+    Case("pipeline-index-not-json", pipeline_index_not_json, "not valid JSON"),
+    Case("pipeline-no-components", pipeline_without_components, "no component with weights"),
+    Case("pipeline-component-corrupt", pipeline_component_corrupt, "header is not valid JSON"),
+]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory: where the default ``./<source>-<target>`` would land."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
+def _invoke(args: list[str]) -> tuple[int, str, str]:
+    result = runner.invoke(app, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"{args}: escaped {result.exception!r}\n{result.stderr}")
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("command", ["model", "inspect"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_source(case: Case, command: str, tmp_path: Path, workdir: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    named = case.make(src)
+    before = tree_digest(tmp_path)
+    args = [command, str(src)] + (["--to", "bf16", "--no-validate"] if command == "model" else [])
+
+    code, stdout, stderr = _invoke(args)
+
+    assert code == 2, stderr
+    assert_one_error_line(stderr, f"{named}: ", case.fragment)
+    assert stdout == ""
+    # Nothing written anywhere under tmp_path: no output, no staging, no marker, source intact.
+    assert tree_digest(tmp_path) == before
+    assert not (workdir / "src-bf16").exists()
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_hostile_pickles_really_run_code_when_unpickled_unsafely(tmp_path: Path) -> None:
+    """The payloads above are live: a plain unpickler runs them (so the tests prove a refusal)."""
+    loaders: dict[Callable[[Path], Path], Callable[[Path], object]] = {
+        pickle_runs_os_system: lambda path: torch.load(path, weights_only=False),
+        pickle_runs_open_protocol_4: lambda path: pickle.loads(path.read_bytes()),
+    }
+    for make, load in loaders.items():
+        src = tiny_source(tmp_path / make.__name__)
+        load(make(src))
+        assert _marker(src).exists()
+        _marker(src).unlink()
+
+
+def test_bad_source_with_nested_output_creates_no_parents(tmp_path: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    truncated(src)
+    out = tmp_path / "a" / "b" / "out"
+
+    code, _, stderr = _invoke(["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)])
+
+    assert code == 2
+    assert_one_error_line(stderr, f"{_weights(src)}: ", "truncated")
+    assert not (tmp_path / "a").exists()
+
+
+def test_missing_path(tmp_path: Path, workdir: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    for source in (str(missing), "./no-such-model"):
+        code, _, stderr = _invoke(["model", source, "--to", "bf16", "--no-validate"])
+        assert code == 2
+        assert_one_error_line(stderr, "no-such-model: no such directory")
+    assert list(workdir.iterdir()) == []
+
+
+def test_source_is_a_file(tmp_path: Path, workdir: Path) -> None:
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"")
+    code, _, stderr = _invoke(["model", str(file), "--to", "bf16", "--no-validate"])
+    assert code == 2
+    assert_one_error_line(stderr, f"{file}: not a directory")
+    assert list(workdir.iterdir()) == []
+
+
+# -- flags and output locations ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [
+        (["--to", "fp8-safe"], ["unknown target 'fp8-safe'", "bf16-safe"]),
+        (["--to", "bf16", "--keep-fp32", "no.such.module"], ["'no.such.module' matches no"]),
+        (["--to", "bf16", "--keep-fp32", "layer..weight"], ["--keep-fp32"]),
+        (["--to", "bf16", "--revision", "main"], ["--revision applies to Hub repo ids"]),
+        (["--to", "bf16", "--recipe", "no-such-recipe"], ["no-such-recipe"]),
+    ],
+    ids=["unknown-target", "keep-fp32-no-match", "keep-fp32-invalid", "revision-local", "recipe"],
+)
+def test_bad_flags(flags: list[str], fragments: list[str], tmp_path: Path, workdir: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    before = tree_digest(tmp_path)
+
+    code, stdout, stderr = _invoke(["model", str(src), "--no-validate", *flags])
+
+    assert code == 2, stderr
+    assert_one_error_line(stderr, *fragments)
+    assert stdout == ""
+    assert tree_digest(tmp_path) == before
+
+
+def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    before = tree_digest(tmp_path)
+    args = ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)]
+
+    code, _, stderr = _invoke(args)
+
+    assert code == 2
+    assert_one_error_line(stderr, f"{out}: output already exists", "--overwrite")
+    assert tree_digest(tmp_path) == before
+
+    code, _, stderr = _invoke([*args, "--overwrite"])
+
+    assert code == 0, stderr
+    assert not (out / "mine.txt").exists()
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    src_digest = {k: v for k, v in before.items() if k.startswith("src")}
+    assert {k: v for k, v in tree_digest(tmp_path).items() if k.startswith("src")} == src_digest
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_output_in_source_refused(where: str, tmp_path: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    out = src if where == "same" else src / "converted"
+    before = tree_digest(tmp_path)
+
+    code, _, stderr = _invoke(
+        ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out), "--overwrite"]
+    )
+
+    assert code == 2
+    assert_one_error_line(stderr, f"{out}: output must not be the source directory")
+    assert tree_digest(tmp_path) == before
+
+
+def test_output_under_a_file(tmp_path: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    before = tree_digest(tmp_path)
+    out = blocker / "out"
+
+    code, _, stderr = _invoke(["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)])
+
+    assert code == 2
+    assert_one_error_line(stderr, f"{out}: ", f"{blocker} is not a directory")
+    assert tree_digest(tmp_path) == before
+
+
+# -- the real executable -------------------------------------------------------------------
+
+
+def test_real_process_exit_2_one_line(tmp_path: Path) -> None:
+    """The installed command, in real processes: exit 2, one stderr line, nothing written."""
+    cases: list[tuple[str, list[str], list[str]]] = []
+
+    evil = tiny_source(tmp_path / "evil")
+    pickle_runs_os_system(evil)
+    cases.append(("evil", [str(evil), "--to", "bf16"], [f"{evil}/pytorch_model.bin: ", "refus"]))
+
+    broken = tiny_source(tmp_path / "broken")
+    overlapping_offsets(broken)
+    cases.append(("broken", [str(broken), "--to", "bf16-safe"], ["overlap"]))
+
+    existing = tiny_source(tmp_path / "existing")
+    (tmp_path / "existing-out").mkdir()
+    cases.append(
+        (
+            "existing",
+            [str(existing), "--to", "bf16", "-o", str(tmp_path / "existing-out")],
+            ["output already exists"],
+        )
+    )
+    cases.append(("hub", ["no-such-org/no-such-model", "--to", "bf16"], ["no-such-org/"]))
+    cases.append(("target", [str(existing), "--to", "int4"], ["unknown target 'int4'"]))
+
+    work = tmp_path / "work"
+    work.mkdir()
+    before = tree_digest(tmp_path)
+    procs = {
+        name: subprocess.Popen(
+            [*cli_command(), "model", *args, "--no-validate"],
+            cwd=work,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args, _ in cases
+    }
+    for name, _, fragments in cases:
+        stdout, stderr = procs[name].communicate(timeout=120)
+        assert procs[name].returncode == 2, (name, stderr)
+        assert_one_error_line(stderr, *fragments)
+        assert stdout == "", name
+    assert tree_digest(tmp_path) == before
+    assert not (tmp_path / MARKER).exists()

@@ -1,0 +1,232 @@
+"""Interrupted writes: a killed conversion never leaves a partial output at the target path,
+and the next run cleans up what it left.
+
+The conversion runs in a real subprocess of the installed package. To kill it reliably while
+it is writing tensor data, that process reads its source in 256 KiB chunks with a short pause
+per chunk (patched in before the CLI starts; nothing else changes), so the write of an 8 MiB
+source spans about a second and the test can SIGKILL it once data has reached the staging file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _corrupt import (
+    cli_env,
+    leftovers,
+    tiny_source,
+    tree_digest,
+)
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from precision_convert.cli.main import app
+
+runner = CliRunner()
+
+#: Runs the CLI with throttled source reads (sys.argv[1:] are its arguments).
+_SLOW_CLI = """
+import sys, time
+from precision_convert.convert import tensors
+tensors.CHUNK_BYTES = 256 * 1024
+_chunks = tensors.FileTensor.chunks
+def _slow_chunks(self):
+    for chunk in _chunks(self):
+        time.sleep(0.03)
+        yield chunk
+tensors.FileTensor.chunks = _slow_chunks
+from precision_convert.cli.main import app
+app(sys.argv[1:], prog_name="precision-convert")
+"""
+
+#: 8 MiB of fp32 in four tensors, plus an integer buffer that must pass through uncast.
+_STATE = {
+    **{
+        f"layers.{i}.weight": torch.randn(512, 1024, generator=torch.Generator().manual_seed(i))
+        for i in range(4)
+    },
+    "position_ids": torch.arange(64, dtype=torch.int64),
+}
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_source(tmp_path_factory.mktemp("interrupt") / "src", _STATE)
+
+
+def _start_slow(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI, *args],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_mid_write(proc: subprocess.Popen[str], parent: Path, target: Path) -> Path:
+    """The staging weight file once tensor data (not only its header) has reached it."""
+    prefix = f".{target.name}.pc-staging-{proc.pid}-"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        for staging in parent.glob(f"{prefix}*"):
+            weights = staging / "model.safetensors"
+            if weights.is_file() and weights.stat().st_size > 1024 * 1024:
+                return weights
+        time.sleep(0.01)
+    raise AssertionError("the conversion never started writing tensor data")
+
+
+def _kill_mid_write(proc: subprocess.Popen[str], parent: Path, target: Path, sig: int) -> int:
+    """Send ``sig`` while data is being written; return how many bytes the partial file had."""
+    weights = _wait_mid_write(proc, parent, target)
+    partial = weights.stat().st_size
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    return partial
+
+
+def _assert_converted(source: Path, output: Path) -> None:
+    original = load_file(source / "model.safetensors")
+    converted = load_file(output / "model.safetensors")
+    assert converted.keys() == original.keys()
+    for name, tensor in original.items():
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert converted[name].dtype == expected.dtype, name
+        assert torch.equal(converted[name], expected), name
+
+
+def _convert(args: list[str]) -> None:
+    result = runner.invoke(app, ["model", *args, "--to", "bf16", "--no-validate"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+
+
+def test_sigkill_mid_write_leaves_no_output_and_rerun_cleans_up(
+    big_source: Path, tmp_path: Path
+) -> None:
+    before = tree_digest(big_source)
+    target = tmp_path / "out"
+    proc = _start_slow(
+        ["model", str(big_source), "--to", "bf16", "--no-validate", "-o", str(target)], tmp_path
+    )
+
+    partial = _kill_mid_write(proc, tmp_path, target, signal.SIGKILL)
+
+    assert proc.returncode == -signal.SIGKILL
+    assert partial < 8 * 1024 * 1024  # really killed before the file was complete
+    assert not target.exists() and not target.is_symlink()
+    assert len(leftovers(tmp_path)) == 1  # only the dead run's hidden staging directory
+
+    _convert([str(big_source), "-o", str(target)])
+
+    assert leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    _assert_converted(big_source, target)
+    assert tree_digest(big_source) == before
+
+
+def test_sigkill_during_overwrite_keeps_the_previous_output(
+    big_source: Path, tmp_path: Path
+) -> None:
+    before = tree_digest(big_source)
+    target = tmp_path / "out"
+    _convert([str(big_source), "-o", str(target)])
+    previous = tree_digest(target)
+    proc = _start_slow(
+        [
+            "model",
+            str(big_source),
+            "--to",
+            "fp16",
+            "--no-validate",
+            "-o",
+            str(target),
+            "--overwrite",
+        ],
+        tmp_path,
+    )
+
+    _kill_mid_write(proc, tmp_path, target, signal.SIGKILL)
+
+    assert proc.returncode == -signal.SIGKILL
+    assert tree_digest(target) == previous  # the complete earlier output, untouched
+
+    _convert([str(big_source), "-o", str(target), "--overwrite"])
+
+    assert leftovers(tmp_path) == []
+    _assert_converted(big_source, target)
+    assert tree_digest(big_source) == before
+
+
+def test_ctrl_c_mid_write_exits_130_and_removes_its_staging(
+    big_source: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "out"
+    proc = _start_slow(
+        ["model", str(big_source), "--to", "bf16", "--no-validate", "-o", str(target)], tmp_path
+    )
+    weights = _wait_mid_write(proc, tmp_path, target)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines() == ["precision-convert: interrupted; no output was written"]
+    assert not weights.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_next_run_removes_only_dead_runs_leftovers(big_source: Path, tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    stale_staging = tmp_path / f".out.pc-staging-{dead_pid}-0badf00d"
+    stale_staging.mkdir()
+    (stale_staging / "model.safetensors").write_bytes(b"partial")
+    stale_trash = tmp_path / f".out.pc-trash-{dead_pid}"
+    stale_trash.write_text("an overwritten file")  # a file, not a directory
+    live = tmp_path / f".out.pc-staging-{os.getpid()}-1ive1ive"  # a run still going
+    live.mkdir()
+    unrelated = tmp_path / f".other.pc-staging-{dead_pid}-0badf00d"  # another target's
+    unrelated.mkdir()
+
+    _convert([str(big_source), "-o", str(target)])
+
+    assert not stale_staging.exists() and not stale_trash.exists()
+    assert live.is_dir() and unrelated.is_dir()
+    _assert_converted(big_source, target)
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_overwrite_of_a_file_or_symlink_leaves_no_trash(
+    kind: str, big_source: Path, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not ours")
+    target = tmp_path / "out"
+    if kind == "file":
+        target.write_text("not a model")
+    else:
+        target.symlink_to(elsewhere, target_is_directory=True)
+
+    _convert([str(big_source), "-o", str(target), "--overwrite"])
+
+    assert target.is_dir() and not target.is_symlink()
+    assert leftovers(tmp_path) == []
+    assert (elsewhere / "keep.txt").read_text() == "not ours"  # the link's target is untouched
+    _assert_converted(big_source, target)
