@@ -169,9 +169,12 @@ def convert(
     }
     from precision_convert import __version__
 
-    with staged:
-        written = _write(opened, models, plans, staged.path, __version__, on_progress)
-        staged.commit()
+    try:
+        with staged:
+            written = _write(opened, models, plans, staged.path, __version__, on_progress)
+            staged.commit()
+    except OSError as exc:  # disk full, permissions, a vanished source file: nothing was kept
+        raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
     result = ConversionResult(
         source=str(source),
         output=target_dir,
