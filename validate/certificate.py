@@ -1,0 +1,150 @@
+"""``precision_certificate.json``: what was compared, how it went, and which files it covers.
+
+A certificate is data: a :class:`Certificate` dataclass written as JSON by :func:`write` and
+read back by :meth:`Certificate.read`. It lists every metric with its threshold, the inputs,
+device and library versions, the source (id, revision, weight-file hashes) and the sha256 of
+every converted file, so ``push`` and ``batch --resume`` can check that the files on disk
+are the ones that were certified (:func:`verify_files`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from precision_convert.validate.metrics import Measurement
+
+CERTIFICATE_NAME = "precision_certificate.json"
+CARD_NAME = "README.md"
+#: Written after the hashes are taken (the card quotes the certificate), so never hashed.
+UNHASHED = frozenset({CERTIFICATE_NAME, CARD_NAME})
+#: Bumped when a field changes meaning, so readers can refuse what they do not understand.
+SCHEMA = "precision-convert/certificate/1"
+#: Read size for hashing: large enough to keep hashlib busy, small enough for any machine.
+_HASH_CHUNK = 16 * 1024 * 1024
+#: Hub cache blobs of LFS files are named by their sha256: no need to read them again.
+_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass
+class ComponentRecord:
+    """How one model (or pipeline component) was validated."""
+
+    name: str  # "" for a single model
+    class_name: str | None
+    library: str
+    task: str
+    mode: str  # "whole", "blockwise" or "pipeline" (the end-to-end run)
+    recipe: str | None = None
+    plan_sha256: str | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    blocks: int | None = None  # blocks compared one at a time (blockwise mode)
+
+
+@dataclass
+class Certificate:
+    verdict: str  # "pass" or "fail"
+    target: str | None
+    compute_dtype: str | None
+    source: dict[str, Any]  # {"id", "revision", "path", "files": {name: sha256}}
+    baseline: dict[str, Any]  # {"dtype": "float32", "kind": "source" | "converted-upcast"}
+    device: dict[str, Any]
+    versions: dict[str, str]
+    components: list[ComponentRecord]
+    metrics: list[Measurement]
+    failures: list[str]  # one line per failed metric or error, worst first
+    files: dict[str, str]  # converted file (relative path) -> sha256
+    notes: list[str] = field(default_factory=list)
+    tool: dict[str, str] = field(default_factory=dict)
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    schema: str = SCHEMA
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["metrics"] = [m.to_dict() for m in self.metrics]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Certificate:
+        values = dict(data)
+        values["components"] = [ComponentRecord(**c) for c in values.get("components", [])]
+        values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
+        return cls(**values)
+
+    @classmethod
+    def read(cls, directory: str | Path) -> Certificate:
+        """The certificate stored in ``directory`` (FileNotFoundError when there is none)."""
+        path = Path(directory) / CERTIFICATE_NAME
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def write(certificate: Certificate, directory: str | Path) -> Path:
+    """Write ``precision_certificate.json`` atomically (a crash never leaves half a file)."""
+    path = Path(directory) / CERTIFICATE_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(certificate.to_dict(), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file; free for Hub cache files, whose blob is named by it."""
+    resolved = path.resolve()
+    if resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name):
+        return resolved.name
+    digest = hashlib.sha256()
+    with resolved.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(directory: str | Path, *, only: Any = None) -> dict[str, str]:
+    """sha256 of every file under ``directory`` (relative POSIX paths), minus :data:`UNHASHED`.
+
+    Args:
+        only: optional predicate on the relative path (the source's weight files, say).
+    """
+    root = Path(directory)
+    found: dict[str, str] = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if (
+            not path.is_file()
+            or rel in UNHASHED
+            or any(p.startswith(".") for p in path.parts[len(root.parts) :])
+        ):
+            continue
+        if only is None or only(rel):
+            found[rel] = sha256_file(path)
+    return found
+
+
+def verify_files(directory: str | Path, certificate: Certificate) -> list[str]:
+    """What differs between ``directory`` and the files ``certificate`` covers (empty: same).
+
+    Used by ``push`` (refuse on any difference) and ``batch --resume``.
+    """
+    now = hash_files(directory)
+    problems = [
+        f"{name}: changed since certification"
+        for name in sorted(now)
+        if name in certificate.files and now[name] != certificate.files[name]
+    ]
+    problems += [f"{name}: missing" for name in sorted(set(certificate.files) - set(now))]
+    problems += [
+        f"{name}: not covered by the certificate"
+        for name in sorted(set(now) - set(certificate.files))
+    ]
+    return problems

@@ -1,0 +1,695 @@
+"""Seeded inputs for any model, derived from its class, forward signature and config.
+
+Validation and activation analysis both need to run a model on inputs it accepts without
+being told how. Rather than a list of known architectures, each forward parameter name that
+libraries share (``input_ids``, ``pixel_values``, ``input_features``, ``hidden_states``,
+``encoder_hidden_states``, ``timestep``, ``img_ids``…) has one builder that reads the sizes it
+needs from the config (searching sub-configs such as ``text_config``). Where a convention is
+ambiguous — a video latent laid out ``(B, C, F, H, W)`` or ``(B, F, C, H, W)``, a spectrogram
+``(B, mel, T)`` or ``(B, T, mel)`` — the builder offers several layouts in order of
+likelihood and :func:`build_inputs` keeps the first the model accepts.
+
+A model is exercised by one or more :class:`Probe` calls: ``forward`` for most models,
+``encode`` then ``decode`` for autoencoders (the decoder is fed the encoder's baseline latents,
+so it sees realistic values), ``__call__`` for a whole diffusers pipeline.
+
+Example:
+    >>> inputs = build_inputs(model, seed=0)
+    >>> outputs = run_probes(model, inputs)
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from precision_convert.errors import CannotValidateError
+
+#: Sentences tokenized when the model ships a tokenizer: ordinary prose plus digits and
+#: punctuation, so embeddings of frequent and rarer tokens are both exercised.
+SENTENCES: tuple[str, ...] = (
+    "A red fox jumps over the sleeping dog near the river bank.",
+    "Precision matters: 65504 is the largest finite half-precision number!",
+)
+#: Two samples per batch: enough to catch batch-mixing bugs, cheap on any model size.
+BATCH = 2
+#: Tokens per random text sequence: long enough for attention to matter, short enough for CPUs.
+TEXT_LEN = 12
+#: Latent side used when a model's native sample size is larger: divisible by every
+#: downsampling/patching factor in use (2..32), and 32x32 latents keep a big DiT cheap.
+LATENT_SIDE = 32
+#: Pixel side for autoencoders: 64 survives six 2x downsamplings yet decodes in milliseconds.
+PIXEL_SIDE = 64
+#: Latent frames for video models; 2 also differs from any channel count, which is what tells
+#: the (B, C, F, H, W) and (B, F, C, H, W) layouts apart.
+LATENT_FRAMES = 2
+#: Denoising timestep fed to diffusion models: mid-schedule on the usual 0..1000 scale, and
+#: exact in fp16 and bf16 so baseline and candidate see the same value.
+TIMESTEP = 500.0
+#: Most candidate layouts tried before giving up on a model.
+MAX_CANDIDATES = 8
+
+_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+
+
+@dataclass(frozen=True)
+class FromOutput:
+    """A probe argument taken from an earlier probe's baseline output.
+
+    The value is resolved once, on the baseline, and then fed unchanged to the candidate:
+    both models decode the same latents.
+    """
+
+    probe: str
+    output: str | None = None  # None: the probe's latent (``*.mean`` or ``latents``), else first
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """A random generator argument, created fresh from ``seed`` for every run.
+
+    Generators are stateful: baseline and candidate must each start from the same state.
+    """
+
+    seed: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One call on the model: ``getattr(model, method)(**kwargs)``."""
+
+    name: str
+    method: str
+    kwargs: Mapping[str, Any]
+    #: Outputs are decoded images or frames: PSNR and constant-frame checks apply.
+    images: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The probes a model is validated on, the task they exercise and how they were made."""
+
+    task: str
+    probes: tuple[Probe, ...]
+    seed: int
+    origin: str = "builder"  # "builder", "tokenizer" (real sentences) or "file" (--inputs)
+    notes: tuple[str, ...] = field(default=())
+
+    def describe(self) -> dict[str, Any]:
+        """Shapes, dtypes and seed of every input, as the certificate records them."""
+        return {
+            "task": self.task,
+            "seed": self.seed,
+            "origin": self.origin,
+            "probes": {
+                p.name: {"method": p.method, "args": _describe(p.kwargs)} for p in self.probes
+            },
+            **({"notes": list(self.notes)} if self.notes else {}),
+        }
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, FromOutput):
+        return {"from_probe": value.probe, "output": value.output}
+    if isinstance(value, Seeded):
+        return {"generator_seed": value.seed}
+    if isinstance(value, Mapping):
+        return {k: _describe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_describe(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------- context
+
+
+class _Ctx:
+    """What the builders read: the model's config, its signature and a seeded generator."""
+
+    def __init__(self, model: Any, seed: int, tokenizer: Any | None) -> None:
+        self.model = model
+        self.config = getattr(model, "config", None)
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.params = _signature(model.forward)
+
+    def cfg(self, *keys: str, prefer: Sequence[str] = ()) -> Any:
+        """The first key set in the config, then in its sub-configs (``prefer`` first)."""
+        configs = [self.config]
+        order = [*prefer, *(s for s in _SUBCONFIGS if s not in prefer)]
+        configs += [_get(self.config, s) for s in order]
+        for config in configs:
+            for key in keys:
+                value = _get(config, key)
+                if value is not None:
+                    return value
+        return None
+
+    def gen(self, name: str) -> torch.Generator:
+        """A generator per tensor name, so adding one input never changes another."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+
+    def randn(self, name: str, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen(name))
+
+    def randint(self, name: str, low: int, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=self.gen(name))
+
+
+def _get(config: Any, key: str) -> Any:
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _signature(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    return {
+        n: p
+        for n, p in inspect.signature(fn).parameters.items()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+
+
+def _side(value: Any, default: int, cap: int) -> int:
+    """A spatial size from a config value (int or [h, w]), capped to keep inference cheap."""
+    if isinstance(value, list | tuple):
+        value = value[0]
+    side = int(value) if value else default
+    return side if side <= cap else cap
+
+
+# --------------------------------------------------------------------------- family detection
+
+
+def _library(model: Any) -> str:
+    module = type(model).__module__.split(".")[0]
+    if module in ("transformers", "diffusers", "open_clip"):
+        return module
+    # Subclasses defined elsewhere (remote code, user code) still inherit a library base.
+    for base in type(model).__mro__:
+        root = base.__module__.split(".")[0]
+        if root in ("transformers", "diffusers", "open_clip"):
+            return root
+    return "torch"
+
+
+def _is_autoencoder(model: Any) -> bool:
+    return (
+        callable(getattr(model, "encode", None))
+        and callable(getattr(model, "decode", None))
+        and (_get(model.config, "latent_channels") is not None)
+    )
+
+
+def _is_open_clip(model: Any) -> bool:
+    return (
+        callable(getattr(model, "encode_image", None))
+        and callable(getattr(model, "encode_text", None))
+        and "image" in _signature(model.forward)
+    )
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def _token_ids(ctx: _Ctx) -> tuple[dict[str, torch.Tensor], str]:
+    """Token ids (and mask) from the tokenizer on :data:`SENTENCES`, else seeded random ids."""
+    vocab = ctx.cfg("vocab_size", prefer=("text_config",))
+    positions = ctx.cfg(
+        "max_position_embeddings", "n_positions", "max_text_len", prefer=("text_config",)
+    )
+    length = min(TEXT_LEN, int(positions) - 2) if positions else TEXT_LEN
+    if ctx.tokenizer is not None:
+        enc = ctx.tokenizer(
+            list(SENTENCES),
+            padding="max_length",
+            truncation=True,
+            max_length=max(length, 8),
+            return_tensors="pt",
+        )
+        ids = enc["input_ids"]
+        if vocab is None or int(ids.max()) < int(vocab):
+            out = {"input_ids": ids}
+            if "attention_mask" in enc:
+                out["attention_mask"] = enc["attention_mask"]
+            return out, "tokenizer"
+    if vocab is None:
+        raise CannotValidateError("the config has no vocab_size for token ids; pass --inputs")
+    # Id 0 is often padding; stay clear of it so every position carries a real embedding.
+    ids = ctx.randint("input_ids", 1, int(vocab), BATCH, length)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "builder"
+
+
+def _pixel_values(ctx: _Ctx) -> torch.Tensor:
+    channels = ctx.cfg("num_channels", "in_channels", prefer=("vision_config",)) or 3
+    side = _side(ctx.cfg("image_size", "img_size", prefer=("vision_config",)), 224, 1024)
+    return _image(ctx.gen("pixel_values"), BATCH, int(channels), side, side)
+
+
+def _image(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """A smooth seeded image in [-1, 1]: low-frequency waves plus a little noise.
+
+    Real images are mostly smooth; white noise would make PSNR of a decoded image meaningless.
+    """
+    *lead, h, w = shape
+    y = torch.linspace(0, 1, h).view(h, 1)
+    x = torch.linspace(0, 1, w).view(1, w)
+    planes = []
+    for _ in range(math.prod(lead)):
+        fy, fx, phase = (torch.rand(3, generator=g) * torch.tensor([4.0, 4.0, 6.28])).tolist()
+        plane = torch.sin(2 * math.pi * fy * y + phase) * torch.cos(2 * math.pi * fx * x)
+        planes.append(0.8 * plane + 0.1 * torch.randn(h, w, generator=g))
+    return torch.stack(planes).view(*shape).clamp(-1, 1)
+
+
+def _speech_layouts(ctx: _Ctx) -> list[dict[str, torch.Tensor]]:
+    """Spectrogram or waveform inputs, in the layouts speech models use."""
+    layouts: list[dict[str, torch.Tensor]] = []
+    mel = ctx.cfg("num_mel_bins", "feature_size", prefer=("audio_config",))
+    if "input_features" in ctx.params:
+        per_channel = ctx.cfg("input_feat_per_channel")
+        feats = int(per_channel) * int(ctx.cfg("input_channels") or 1) if per_channel else mel
+        if feats:
+            source_positions = ctx.cfg("max_source_positions", prefer=("audio_config",))
+            # Whisper-style encoders want exactly 2 frames per source position (two convs).
+            frames = 2 * int(source_positions) if source_positions else 64
+            layouts.append(
+                {"input_features": ctx.randn("input_features", BATCH, int(feats), frames)}
+            )
+            layouts.append({"input_features": ctx.randn("input_features", BATCH, 64, int(feats))})
+    if "input_values" in ctx.params:
+        strides = ctx.cfg("conv_stride", prefer=("audio_config",))
+        if strides:
+            # Raw audio: enough samples for ~24 output frames of the conv feature encoder.
+            samples = math.prod(strides) * 24 + sum(ctx.cfg("conv_kernel") or [0])
+            layouts.append({"input_values": 0.1 * ctx.randn("input_values", BATCH, samples)})
+        if mel:
+            frames = int(ctx.cfg("max_length") or 64)
+            layouts.append({"input_values": ctx.randn("input_values", BATCH, frames, int(mel))})
+    return layouts
+
+
+def _transformers_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
+    params = ctx.params
+    model = ctx.model
+    name = type(model).__name__
+    modalities: list[list[tuple[dict[str, torch.Tensor], str]]] = []
+    origin = "builder"
+    if "input_ids" in params:
+        ids, origin = _token_ids(ctx)
+        if "token_type_ids" in params and ctx.cfg("type_vocab_size"):
+            ids["token_type_ids"] = torch.zeros_like(ids["input_ids"])
+        if "attention_mask" not in params:
+            ids.pop("attention_mask", None)
+        modalities.append([(ids, "text")])
+    if "pixel_values" in params:
+        modalities.append([({"pixel_values": _pixel_values(ctx)}, "vision")])
+    speech = _speech_layouts(ctx)
+    if speech:
+        modalities.append([(layout, "speech") for layout in speech])
+    if not modalities:
+        raise CannotValidateError(
+            f"cannot validate {name}: none of its inputs ({', '.join(params)}) can be built; "
+            "pass --inputs"
+        )
+    extras: dict[str, Any] = {}
+    if "decoder_input_ids" in params and ctx.cfg("is_encoder_decoder"):
+        start = ctx.cfg("decoder_start_token_id", "bos_token_id", "pad_token_id") or 0
+        vocab = int(ctx.cfg("vocab_size", prefer=("text_config",)))
+        dec = ctx.randint("decoder_input_ids", 1, vocab, BATCH, TEXT_LEN // 2)
+        dec[:, 0] = int(start)
+        extras["decoder_input_ids"] = dec
+    if "use_cache" in params:
+        extras["use_cache"] = False
+    # Every modality the signature offers first; then each alone, so a model that refuses a
+    # combination still gets validated (its coverage metric then shows what went unexercised).
+    subsets = [modalities] + ([[m] for m in modalities] if len(modalities) > 1 else [])
+    for subset in subsets:
+        for combo in itertools.product(*subset):
+            kwargs = {k: v for part, _ in combo for k, v in part.items()}
+            kinds = {kind for _, kind in combo}
+            yield ModelInputs(
+                task=_transformers_task(model, kinds, "decoder_input_ids" in extras),
+                probes=(Probe("forward", "forward", {**kwargs, **extras}),),
+                seed=ctx.seed,
+                origin=origin if "text" in kinds else "builder",
+            )
+
+
+#: Class-name endings of heads whose ``logits`` are over the vocabulary.
+_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration", "WithLMHead")
+
+
+def _transformers_task(model: Any, kinds: set[str], seq2seq: bool) -> str:
+    if {"text", "vision"} <= kinds:
+        return "clip"
+    if "speech" in kinds:
+        return "speech"
+    if "vision" in kinds:
+        return "vision"
+    if seq2seq:
+        return "seq2seq"
+    return "lm-logits" if type(model).__name__.endswith(_LM_HEADS) else "encoder"
+
+
+# --------------------------------------------------------------------------- diffusers
+
+
+def _scales_timestep(model: Any) -> bool:
+    """Whether the forward multiplies the timestep by 1000 itself (Flux-style, t in [0, 1]).
+
+    Feeding such a model t=500 would make 500000, which fp16 cannot hold: a false failure.
+    """
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "timestep" in source and "* 1000" in source
+
+
+def _text_dim(ctx: _Ctx) -> int | None:
+    dim = ctx.cfg(
+        "encoder_hid_dim",
+        "joint_attention_dim",
+        "text_embed_dim",
+        "caption_channels",
+        "text_dim",
+        "cross_attention_dim",
+    )
+    if isinstance(dim, list | tuple):
+        dim = dim[0]
+    return int(dim) if dim else None
+
+
+def _latent_layouts(ctx: _Ctx, name: str) -> list[dict[str, Any]]:
+    """The denoiser's latent input in every layout diffusers models use, likeliest first.
+
+    Packed-sequence models (those taking ``img_ids``) get the 2x2-packed tokens and their ids;
+    video models (a frame count or temporal patch in the config) get both 5-D orders.
+    """
+    c = int(ctx.cfg("in_channels", "num_channels_latents") or 4)
+    side_h = _side(ctx.cfg("sample_height", "sample_size"), LATENT_SIDE, LATENT_SIDE)
+    side_w = _side(ctx.cfg("sample_width", "sample_size"), LATENT_SIDE, LATENT_SIDE)
+    if "img_ids" in ctx.params:
+        h, w = side_h // 2, side_w // 2
+        axes = len(ctx.cfg("axes_dims_rope") or (16, 56, 56))
+        ids = torch.zeros(h, w, axes)
+        ids[..., 1] = torch.arange(h).view(h, 1)
+        ids[..., 2] = torch.arange(w).view(1, w)
+        return [
+            {
+                name: ctx.randn(name, BATCH, h * w, c),
+                "img_ids": ids.view(h * w, axes),
+                "txt_ids": torch.zeros(TEXT_LEN // 2 + 2, axes),
+            }
+        ]
+    layouts: list[dict[str, Any]] = []
+    video = any(
+        ctx.cfg(k) is not None
+        for k in (
+            "sample_frames",
+            "num_frames",
+            "patch_size_t",
+            "temporal_compression_ratio",
+            "num_layers_t",
+        )
+    )
+    four = {name: ctx.randn(name, BATCH, c, side_h, side_w)}
+    cf = {name: ctx.randn(name, BATCH, c, LATENT_FRAMES, side_h, side_w)}
+    fc = {name: ctx.randn(name, BATCH, LATENT_FRAMES, c, side_h, side_w)}
+    layouts += [cf, fc, four] if video else [four, cf, fc]
+    return layouts
+
+
+def _encoder_states(ctx: _Ctx) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    dim = _text_dim(ctx)
+    if "encoder_hidden_states" in ctx.params and dim:
+        # Text-encoder states have unit-ish scale; 0.5 keeps them in the range T5/CLIP produce.
+        out["encoder_hidden_states"] = 0.5 * ctx.randn(
+            "encoder_hidden_states", BATCH, TEXT_LEN // 2 + 2, dim
+        )
+    pooled = ctx.cfg("pooled_projection_dim")
+    if "pooled_projections" in ctx.params and pooled:
+        out["pooled_projections"] = 0.5 * ctx.randn("pooled_projections", BATCH, int(pooled))
+    image_dim = ctx.cfg("image_dim")
+    if "encoder_hidden_states_image" in ctx.params and image_dim:
+        out["encoder_hidden_states_image"] = 0.5 * ctx.randn(
+            "encoder_hidden_states_image", BATCH, 16, int(image_dim)
+        )
+    return out
+
+
+def _conditioning(ctx: _Ctx, latent: torch.Tensor) -> list[dict[str, Any]]:
+    """Optional conditioning the config says the model consumes (class labels, guidance…)."""
+    out: dict[str, Any] = {}
+    params = ctx.params
+    classes = ctx.cfg("num_class_embeds", "num_embeds_ada_norm")
+    class_type = ctx.cfg("class_embed_type")
+    if "class_labels" in params:
+        if classes and class_type is None:
+            out["class_labels"] = ctx.randint("class_labels", 0, int(classes), BATCH)
+        elif class_type == "timestep":
+            out["class_labels"] = torch.full((BATCH,), TIMESTEP)
+        elif class_type in ("projection", "simple_projection"):
+            dim = int(ctx.cfg("projection_class_embeddings_input_dim"))
+            out["class_labels"] = ctx.randn("class_labels", BATCH, dim)
+    if "timestep_cond" in params and ctx.cfg("time_cond_proj_dim"):
+        out["timestep_cond"] = ctx.randn("timestep_cond", BATCH, int(ctx.cfg("time_cond_proj_dim")))
+    if "guidance" in params and ctx.cfg("guidance_embeds"):
+        out["guidance"] = torch.full((BATCH,), 3.5)
+    if "ofs" in params and ctx.cfg("ofs_embed_dim"):
+        out["ofs"] = torch.full((BATCH,), 2.0)
+    if "added_time_ids" in params:
+        out["added_time_ids"] = torch.tensor([[6.0, 127.0, 0.02]] * BATCH)
+    if "controlnet_cond" in params:
+        channels = int(ctx.cfg("conditioning_channels") or 3)
+        h, w = latent.shape[-2:]
+        out["controlnet_cond"] = _image(ctx.gen("controlnet_cond"), BATCH, channels, 8 * h, 8 * w)
+    if "added_cond_kwargs" not in params:
+        return [out]
+    # The dict's keys depend on the family: SDXL's text/time embeddings, PixArt's resolution.
+    options: list[dict[str, Any] | None] = []
+    if ctx.cfg("addition_embed_type") == "text_time":
+        time_dim = int(ctx.cfg("addition_time_embed_dim"))
+        text = int(ctx.cfg("projection_class_embeddings_input_dim")) - 6 * time_dim
+        options.append(
+            {
+                "text_embeds": 0.5 * ctx.randn("text_embeds", BATCH, text),
+                "time_ids": torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]] * BATCH),
+            }
+        )
+    options.append(None)  # most models: nothing extra
+    options.append(
+        {"resolution": torch.tensor([[256.0, 256.0]] * BATCH), "aspect_ratio": torch.ones(BATCH, 1)}
+    )
+    return [
+        {**out, "added_cond_kwargs": option} if option is not None else out for option in options
+    ]
+
+
+def _denoiser_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
+    latent_name = next(iter(ctx.params))
+    t = TIMESTEP / 1000 if _scales_timestep(ctx.model) else TIMESTEP
+    states = _encoder_states(ctx)
+    for layout in _latent_layouts(ctx, latent_name):
+        for cond in _conditioning(ctx, layout[latent_name]):
+            kwargs = {**layout, "timestep": torch.full((BATCH,), t), **states, **cond}
+            yield ModelInputs("denoise", (Probe("forward", "forward", kwargs),), ctx.seed)
+
+
+def _autoencoder_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
+    channels = int(ctx.cfg("in_channels") or 3)
+    side = _side(ctx.cfg("sample_size"), PIXEL_SIDE, PIXEL_SIDE)
+    frames = 1 + int(ctx.cfg("temporal_compression_ratio") or 4)
+    video = ctx.cfg("temporal_compression_ratio") is not None
+    four = _image(ctx.gen("sample"), BATCH, channels, side, side)
+    five = _image(ctx.gen("sample"), BATCH, channels, frames, side, side)
+    # diffusers names the arguments x/sample and z/latents depending on the class.
+    x_name = next(iter(_signature(ctx.model.encode)))
+    z_name = next(iter(_signature(ctx.model.decode)))
+    for image in [five, four] if video else [four, five]:
+        encode = Probe("encode", "encode", {x_name: image})
+        decode = Probe("decode", "decode", {z_name: FromOutput("encode")}, images=True)
+        yield ModelInputs("vae", (encode, decode), ctx.seed)
+
+
+# --------------------------------------------------------------------------- open_clip
+
+
+def _open_clip_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
+    model = ctx.model
+    size = getattr(model.visual, "image_size", 224)
+    side = _side(size, 224, 1024)
+    vocab = int(getattr(model, "vocab_size", 49408))
+    length = int(getattr(model, "context_length", 77))
+    text = ctx.randint("text", 1, vocab - 1, BATCH, length)
+    # OpenCLIP pools at the highest id (the end-of-text token): put it where a sentence ends.
+    text[:, TEXT_LEN:] = 0
+    text[:, TEXT_LEN - 1] = vocab - 1
+    kwargs = {"image": _image(ctx.gen("image"), BATCH, 3, side, side), "text": text}
+    yield ModelInputs("clip", (Probe("forward", "forward", kwargs),), ctx.seed)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+#: Denoising steps of the end-to-end run: two exercise the scheduler's update and the
+#: transformer on its own output, which one step would not.
+PIPELINE_STEPS = 2
+
+
+def pipeline_inputs(pipe: Any, *, seed: int = 0) -> ModelInputs:
+    """A short seeded end-to-end call of a diffusers pipeline: prompt, 2 steps, decode.
+
+    Sizes are the pipeline's own defaults, made small: at most LATENT_SIDE latents a side and
+    two latent frames for video, so a real checkpoint runs in seconds on a GPU.
+    """
+    params = _signature(pipe.__call__)
+    kwargs: dict[str, Any] = {"num_inference_steps": PIPELINE_STEPS}
+    if "prompt" in params:
+        kwargs["prompt"] = SENTENCES[0]
+    if "class_labels" in params:
+        kwargs["class_labels"] = [1]
+    if "generator" in params:
+        kwargs["generator"] = Seeded(seed)
+    if "output_type" in params:
+        kwargs["output_type"] = "pt"
+    denoiser = next(
+        (
+            getattr(pipe, n)
+            for n in ("transformer", "unet", "prior")
+            if getattr(pipe, n, None) is not None
+        ),
+        None,
+    )
+    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(
+        pipe, "vae_scale_factor", None
+    )
+    if denoiser is not None and scale and "height" in params and "width" in params:
+        config = denoiser.config
+        latent_h = _side(
+            _get(config, "sample_height") or _get(config, "sample_size"), LATENT_SIDE, LATENT_SIDE
+        )
+        latent_w = _side(
+            _get(config, "sample_width") or _get(config, "sample_size"), LATENT_SIDE, LATENT_SIDE
+        )
+        kwargs["height"], kwargs["width"] = latent_h * int(scale), latent_w * int(scale)
+    temporal = getattr(pipe, "vae_scale_factor_temporal", None)
+    if "num_frames" in params and temporal:
+        kwargs["num_frames"] = 1 + int(temporal) * (LATENT_FRAMES - 1)
+    if "image" in params and params["image"].default is inspect.Parameter.empty:
+        side = kwargs.get("height", 8 * LATENT_SIDE)
+        image = _image(torch.Generator().manual_seed(seed), 1, 3, side, kwargs.get("width", side))
+        kwargs["image"] = (image + 1) / 2  # pipelines take images in [0, 1]
+    probe = Probe("pipeline", "__call__", kwargs, images=True)
+    return ModelInputs("pipeline", (probe,), seed)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def infer_task(model: Any) -> str:
+    """The validation task of a model, as named in ``recipes/tasks.toml``."""
+    return next(input_candidates(model)).task
+
+
+def input_candidates(
+    model: Any, *, seed: int = 0, tokenizer: Any | None = None
+) -> Iterator[ModelInputs]:
+    """Every plausible set of inputs for ``model``, likeliest first (at most MAX_CANDIDATES).
+
+    Raises:
+        CannotValidateError: no builder knows how to feed this architecture.
+    """
+    ctx = _Ctx(model, seed, tokenizer)
+    library = _library(model)
+    if library == "transformers":
+        found = _transformers_candidates(ctx)
+    elif library == "diffusers" and _is_autoencoder(model):
+        found = _autoencoder_candidates(ctx)
+    elif library == "diffusers" and "timestep" in ctx.params:
+        found = _denoiser_candidates(ctx)
+    elif _is_open_clip(model):
+        found = _open_clip_candidates(ctx)
+    else:
+        raise CannotValidateError(
+            f"cannot validate {type(model).__name__}: no input builder for this model; "
+            "pass --inputs"
+        )
+    yield from itertools.islice(found, MAX_CANDIDATES)
+
+
+def inputs_from_tensors(
+    model: Any, tensors: Mapping[str, torch.Tensor], *, seed: int = 0
+) -> ModelInputs:
+    """User-supplied tensors (``--inputs FILE``) as the keyword arguments of one forward call.
+
+    The task still comes from the model when a builder recognises it, so the right metric
+    thresholds apply; otherwise the generic ``default`` task is used.
+    """
+    try:
+        task = infer_task(model)
+    except CannotValidateError:
+        task = "default"
+    params = _signature(model.forward)
+    unknown = sorted(set(tensors) - set(params)) if not _accepts_kwargs(model.forward) else []
+    if unknown:
+        raise CannotValidateError(
+            f"--inputs names {', '.join(unknown)}, which "
+            f"{type(model).__name__}.forward does not take"
+        )
+    kwargs: dict[str, Any] = dict(tensors)
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return ModelInputs(task, (Probe("forward", "forward", kwargs),), seed, origin="file")
+
+
+def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
+    return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
+def build_inputs(model: Any, *, seed: int = 0, tokenizer: Any | None = None) -> ModelInputs:
+    """The seeded inputs ``model`` accepts (tries the candidates on it when there are several).
+
+    Reusable outside validation (activation analysis): give it any transformers, diffusers or
+    OpenCLIP model, get inputs that exercise it.
+
+    Raises:
+        CannotValidateError: no candidate runs; the message carries the model's last error.
+    """
+    from precision_convert.validate.execute import run_probes
+
+    inputs, _ = select_inputs(
+        model, input_candidates(model, seed=seed, tokenizer=tokenizer), run_probes
+    )
+    return inputs
+
+
+def select_inputs(
+    model: Any,
+    candidates: Iterator[ModelInputs],
+    run: Callable[[Any, ModelInputs], dict[str, dict[str, torch.Tensor]]],
+) -> tuple[ModelInputs, dict[str, dict[str, torch.Tensor]]]:
+    """Run candidates until one works; return it with its outputs (so nothing runs twice)."""
+    errors: list[str] = []
+    for candidate in candidates:
+        try:
+            return candidate, run(model, candidate)
+        except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    detail = errors[-1] if errors else "no candidate inputs"
+    raise CannotValidateError(
+        f"cannot validate {type(model).__name__}: the model rejected every built input "
+        f"({len(errors)} tried; last: {detail}); pass --inputs"
+    )

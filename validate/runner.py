@@ -1,0 +1,615 @@
+"""``validate()``: run the fp32 baseline, then the converted model, compare, certify.
+
+Baseline and candidate are never resident together: the baseline (the source, upcast to fp32
+and run in fp32 by its own library) runs first, its outputs go to the CPU, it is freed, and
+only then is the candidate loaded with :func:`precision_convert.convert.loader.load` — the
+same loader users get, with its boundary hooks. A model whose fp32 copy does not fit the
+memory budget is compared block by block instead (:mod:`.blockwise`). A diffusers pipeline is
+validated component by component, then end to end with a short seeded run.
+
+The certificate and the model card are written into the converted directory whatever the
+verdict, so a user can see why a conversion failed; only a model that cannot be fed at all
+(:class:`~precision_convert.errors.CannotValidateError`) leaves no certificate.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import math
+import platform
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precision_convert.convert.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.dtypes import from_config_string
+from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.validate.card import write_card
+from precision_convert.validate.certificate import (
+    Certificate,
+    ComponentRecord,
+    hash_files,
+    sha256_file,
+    write,
+)
+from precision_convert.validate.execute import Coverage, Outputs, run_probes
+from precision_convert.validate.execute import resolve as resolve_inputs
+from precision_convert.validate.inputs import (
+    ModelInputs,
+    input_candidates,
+    inputs_from_tensors,
+    pipeline_inputs,
+    select_inputs,
+)
+from precision_convert.validate.metrics import METRICS, Measurement, compare, kind_of, measure
+
+__all__ = ["parse_memory", "thresholds_for", "validate"]
+
+#: Seed of every built input: fixed, so two certificates of one model are comparable.
+SEED = 0
+#: Whole-model validation needs the fp32 weights plus activations, allocator slack and the
+#: outputs kept for comparison; past this share of the budget the model goes block by block.
+WHOLE_MODEL_HEADROOM = 1.25
+#: Errors a model raises when it cannot run on what it was given (dtype clashes included).
+RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Where the baseline comes from, as the certificate records it."""
+
+    path: Path
+    id: str
+    revision: str | None
+    kind: str  # "source", or "converted-upcast" when no source was given
+
+
+@dataclass(frozen=True)
+class Component:
+    """One model to validate: a single model, or one component of a pipeline."""
+
+    name: str
+    converted: ModelSource
+    baseline_dir: Path
+    record: Mapping[str, Any]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        found = from_config_string(str(self.record.get("compute_dtype", "")))
+        return found.torch if found is not None and found.is_float else torch.float32
+
+    @property
+    def fp32_bytes(self) -> int:
+        return sum(4 * math.prod(t.shape) for t in self.converted.tensors() if t.dtype.is_float)
+
+
+@dataclass
+class ComponentResult:
+    record: ComponentRecord
+    metrics: list[Measurement]
+    errors: list[str]
+
+
+# --------------------------------------------------------------------------- public entry
+
+
+def validate(
+    converted: str | Path,
+    baseline: str | Path | None = None,
+    device: str | torch.device | None = None,
+    *,
+    inputs: str | Path | Mapping[str, torch.Tensor] | None = None,
+    max_memory: str | int | None = None,
+) -> Certificate:
+    """Certify ``converted`` against its fp32 baseline and write the certificate and card.
+
+    Args:
+        converted: a directory written by ``precision-convert model``.
+        baseline: the source (directory or Hub id). Default: the converted weights upcast to
+            fp32, which catches activation overflow and compute-precision loss but not the
+            rounding of the weights themselves (the certificate says which baseline was used).
+        device: ``"auto"``/None (CUDA when present), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        inputs: a safetensors file (or dict) of named tensors to feed instead of the built
+            inputs; for a pipeline, names are ``<component>/<argument>``.
+        max_memory: memory budget ("8GB", "512MiB" or bytes). A model whose fp32 copy does not
+            fit is compared block by block, one block resident at a time.
+
+    Returns:
+        The :class:`Certificate` (also written to ``precision_certificate.json``).
+
+    Raises:
+        InputError: ``converted`` or ``baseline`` is not a usable directory.
+        CannotValidateError: no inputs could be built for a model; pass ``inputs``.
+    """
+    root = Path(converted)
+    if not root.is_dir():
+        raise InputError("no such directory: validate takes a converted model directory", root)
+    opened = open_source(root)
+    source = source_info(baseline, root)
+    target_device = resolve_device(device)
+    budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
+    supplied = _read_inputs(inputs)
+    components = _components(opened, source)
+    results = [
+        _validate_component(c, target_device, budget, _inputs_for(supplied, c.name, opened))
+        for c in components
+    ]
+    if isinstance(opened, PipelineSource):
+        results.append(_validate_pipeline(opened, source, results, target_device))
+    certificate = _certificate(root, source, components, results, target_device, max_memory)
+    write(certificate, root)
+    write_card(certificate, root)
+    return certificate
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def source_info(baseline: str | Path | None, converted: Path) -> SourceInfo:
+    """Resolve the baseline to a local directory and name it (Hub id and revision if any)."""
+    if baseline is None:
+        return SourceInfo(converted, str(converted.absolute()), None, "converted-upcast")
+    path = resolve(baseline)
+    text = str(baseline)
+    hub = re.search(
+        r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})", path.absolute().as_posix()
+    )
+    if hub:
+        return SourceInfo(path, f"{hub[1]}/{hub[2]}", hub[3], "source")
+    if not Path(text).expanduser().exists():  # a Hub id resolved some other way
+        return SourceInfo(path, text, None, "source")
+    return SourceInfo(path, str(path.absolute()), None, "source")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda was asked for but no CUDA device is available")
+    return found
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory(value: str | int) -> int:
+    """Bytes from ``"8GB"``, ``"512MiB"``, ``"1.5 GB"`` or a plain number of bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    unit = match[2].lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise InputError(f"cannot read memory size {value!r}; write e.g. 8GB, 512MiB or 1e9")
+    return int(float(match[1]) * _UNITS[unit])
+
+
+def available_memory(device: torch.device) -> int:
+    """What a whole-model comparison may use: free GPU memory, or available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _read_inputs(
+    inputs: str | Path | Mapping[str, torch.Tensor] | None,
+) -> Mapping[str, torch.Tensor] | None:
+    if inputs is None or isinstance(inputs, Mapping):
+        return inputs
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(inputs))
+    except (OSError, SafetensorError) as exc:
+        raise InputError(
+            f"--inputs must be a safetensors file of named tensors ({exc})", inputs
+        ) from None
+
+
+def _inputs_for(
+    supplied: Mapping[str, torch.Tensor] | None, name: str, opened: Any
+) -> Mapping[str, torch.Tensor] | None:
+    """The supplied tensors meant for one component (``<component>/<arg>`` in pipelines)."""
+    if supplied is None:
+        return None
+    if not isinstance(opened, PipelineSource):
+        return supplied
+    prefix = f"{name}/"
+    mine = {k.removeprefix(prefix): v for k, v in supplied.items() if k.startswith(prefix)}
+    return mine or None
+
+
+def _components(opened: ModelSource | PipelineSource, source: SourceInfo) -> list[Component]:
+    if isinstance(opened, PipelineSource):
+        found = list(opened.components.items())
+    else:
+        found = [("", opened)]
+    components = []
+    for name, model in found:
+        baseline_dir = source.path / name if name else source.path
+        if not baseline_dir.is_dir():
+            raise InputError(f"the baseline has no component {name!r}", source.path)
+        record = model.config.get("precision_convert")
+        components.append(
+            Component(name, model, baseline_dir, record if isinstance(record, dict) else {})
+        )
+    return components
+
+
+# --------------------------------------------------------------------------- thresholds
+
+
+@cache
+def _task_table() -> Mapping[str, Mapping[str, float]]:
+    text = resources.files("precision_convert.recipes").joinpath("tasks.toml").read_text("utf-8")
+    return tomllib.loads(text)
+
+
+def thresholds_for(task: str, recipe: str | None = None) -> tuple[str, dict[str, float]]:
+    """The task (a recipe may rename it) and its thresholds: defaults < task < recipe."""
+    validation: Mapping[str, Any] = {}
+    if recipe:
+        from precision_convert.recipes import get
+
+        try:
+            validation = get(recipe).validation
+        except InputError:
+            validation = {}  # a recipe file that has since moved: the task defaults apply
+    task = str(validation.get("task", task))
+    table = _task_table()
+    merged = {
+        **table.get("defaults", {}),
+        **table.get(task, {}),
+        **validation.get("thresholds", {}),
+    }
+    unknown = set(merged) - set(METRICS)
+    if unknown:
+        raise InputError(
+            f"unknown validation thresholds {sorted(unknown)} (task {task!r}); "
+            f"known: {', '.join(METRICS)}"
+        )
+    return task, {k: float(v) for k, v in merged.items()}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_baseline(directory: Path) -> Any:
+    """The model in ``directory`` built by its own library in fp32 (bf16 sources upcast)."""
+    opened = open_source(directory)
+    if isinstance(opened, PipelineSource):
+        import diffusers
+
+        return diffusers.DiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
+    if opened.library == "diffusers":
+        import diffusers
+
+        cls = getattr(diffusers, opened.class_name or "", None)
+        if not isinstance(cls, type):
+            raise CannotValidateError(
+                f"diffusers has no class {opened.class_name!r} to build the baseline with"
+            )
+        return cls.from_pretrained(directory, torch_dtype=torch.float32)
+    if opened.library == "open_clip":
+        import open_clip
+
+        return open_clip.create_model(f"local-dir:{directory}", precision="fp32").float()
+    import transformers
+
+    if opened.config.get("auto_map"):
+        raise CannotValidateError(
+            "the baseline needs the model's own code (auto_map); "
+            "validate it with its library and pass --inputs"
+        )
+    architecture = (opened.config.get("architectures") or [None])[0]
+    cls = getattr(transformers, architecture, None) if architecture else None
+    cls = cls if isinstance(cls, type) else transformers.AutoModel
+    return cls.from_pretrained(directory, dtype=torch.float32)
+
+
+def load_candidate(directory: Path, device: torch.device) -> Any:
+    """The converted model exactly as users load it."""
+    from precision_convert.convert.loader import load
+
+    return load(directory, device=device)
+
+
+def _tokenizer(component: Component) -> Any | None:
+    """The tokenizer shipped with a model (or its pipeline's matching ``tokenizer*`` folder)."""
+    directory = component.converted.root
+    candidates = [directory]
+    if component.name.startswith("text_encoder"):
+        candidates.append(directory.parent / component.name.replace("text_encoder", "tokenizer"))
+    for candidate in candidates:
+        if candidate.is_dir() and any(candidate.glob("tokenizer*")) | any(
+            candidate.glob("*.model")
+        ):
+            from transformers import AutoTokenizer
+
+            try:
+                return AutoTokenizer.from_pretrained(candidate)
+            except (OSError, ValueError, KeyError, TypeError, ImportError):
+                continue  # a tokenizer we cannot build: random ids serve as well
+    return None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def compare_outputs(
+    component: str,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    candidate: Outputs,
+    thresholds: Mapping[str, float],
+    probe_label: Callable[[str], str] = str,
+) -> list[Measurement]:
+    """Judge every output of every probe; a missing or reshaped output is itself a failure."""
+    rows: list[Measurement] = []
+    images = {p.name: p.images for p in inputs.probes}
+    for probe, outputs in baseline.items():
+        for name, base in outputs.items():
+            got = candidate.get(probe, {}).get(name)
+            label = probe_label(probe)
+            if got is None or got.shape != base.shape:
+                rows.append(
+                    Measurement(component, label, name, "nonfinite", None, 0.0, "max", False)
+                )
+                continue
+            values = compare(base, got, kind_of(name, images=images.get(probe, False)))
+            rows += measure(component, label, name, values, thresholds)
+    return rows
+
+
+def _validate_component(
+    component: Component,
+    device: torch.device,
+    budget: int,
+    supplied: Mapping[str, torch.Tensor] | None,
+) -> ComponentResult:
+    if component.fp32_bytes * WHOLE_MODEL_HEADROOM > budget:
+        from precision_convert.validate.blockwise import validate_blockwise
+
+        return validate_blockwise(component, device, budget, supplied)
+    return _validate_whole(component, device, supplied)
+
+
+def _validate_whole(
+    component: Component, device: torch.device, supplied: Mapping[str, torch.Tensor] | None
+) -> ComponentResult:
+    baseline = load_baseline(component.baseline_dir).to(device).eval()
+    if supplied is not None:
+        candidates: Iterable[ModelInputs] = iter(
+            [inputs_from_tensors(baseline, supplied, seed=SEED)]
+        )
+    else:
+        candidates = input_candidates(baseline, seed=SEED, tokenizer=_tokenizer(component))
+    coverage = Coverage()
+
+    def run(model: Any, inputs: ModelInputs) -> Outputs:
+        with coverage.track(model):
+            return run_probes(model, inputs, device, torch.float32)
+
+    chosen, base_out = select_inputs(baseline, iter(candidates), run)
+    frozen = resolve_inputs(chosen, base_out)
+    del baseline
+    _free(device)
+
+    task, thresholds = thresholds_for(chosen.task, component.record.get("recipe"))
+    record = ComponentRecord(
+        name=component.name,
+        class_name=component.converted.class_name,
+        library=component.converted.library,
+        task=task,
+        mode="whole",
+        recipe=component.record.get("recipe"),
+        plan_sha256=component.record.get("plan_sha256"),
+        inputs=frozen.describe(),
+    )
+    metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
+    try:
+        candidate = load_candidate(component.converted.root, device)
+        cand_out = run_probes(candidate, frozen, device, component.compute_dtype)
+    except RUN_ERRORS as exc:
+        return ComponentResult(
+            record,
+            metrics,
+            [f"{component.name or 'model'}: the converted model failed to run: {_first_line(exc)}"],
+        )
+    del candidate
+    _free(device)
+    metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
+    return ComponentResult(record, metrics, [])
+
+
+def _validate_pipeline(
+    opened: PipelineSource, source: SourceInfo, parts: list[ComponentResult], device: torch.device
+) -> ComponentResult:
+    """A short seeded end-to-end run: baseline pipeline in fp32, then the converted one."""
+    task, thresholds = thresholds_for("pipeline")
+    record = ComponentRecord(
+        name="pipeline",
+        class_name=opened.model_index.get("_class_name"),
+        library="diffusers",
+        task=task,
+        mode="pipeline",
+    )
+    if any(p.record.mode == "blockwise" for p in parts):
+        note = "end-to-end run skipped: a component only fits in memory block by block"
+        record.inputs = {"skipped": note}
+        return ComponentResult(record, [], [])
+    baseline = load_baseline(source.path).to(device)
+    inputs = pipeline_inputs(baseline, seed=SEED)
+    record.inputs = inputs.describe()
+    try:
+        base_out = run_probes(baseline, inputs, device)
+    except RUN_ERRORS as exc:
+        raise CannotValidateError(
+            f"cannot run the {record.class_name} pipeline end to end "
+            f"({_first_line(exc)}); pass --inputs"
+        ) from None
+    del baseline
+    _free(device)
+    try:
+        candidate = load_candidate(opened.root, device)
+        cand_out = run_probes(candidate, inputs, device)
+    except RUN_ERRORS as exc:
+        return ComponentResult(
+            record, [], [f"pipeline: the converted pipeline failed to run: {_first_line(exc)}"]
+        )
+    del candidate
+    _free(device)
+    return ComponentResult(
+        record, compare_outputs("pipeline", inputs, base_out, cand_out, thresholds), []
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# --------------------------------------------------------------------------- certificate
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for dist in (
+        "precision-convert",
+        "torch",
+        "transformers",
+        "diffusers",
+        "accelerate",
+        "safetensors",
+        "huggingface_hub",
+        "open_clip_torch",
+    ):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _device_record(
+    device: torch.device, max_memory: str | int | None, modes: set[str]
+) -> dict[str, Any]:
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine())
+    )
+    record: dict[str, Any] = {"type": device.type, "name": name, "modes": sorted(modes)}
+    if max_memory is not None:
+        record["max_memory"] = str(max_memory)
+    return record
+
+
+def _failure_lines(metrics: list[Measurement]) -> list[str]:
+    lines = []
+    fatal = [m for m in metrics if not m.passed and METRICS[m.metric].fatal_threshold is not None]
+    for m in fatal + [m for m in metrics if not m.passed and m not in fatal]:
+        if m.metric == "nonfinite":
+            what = (
+                "output missing or reshaped"
+                if m.value is None
+                else f"{int(m.value)} NaN/Inf values"
+            )
+            lines.append(f"{m.where}: {what}")
+        elif m.metric == "constant_frames":
+            lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
+        else:
+            value = "NaN" if m.value is None else f"{m.value:.4g}"
+            sign = "<=" if m.bound == "max" else ">="
+            lines.append(f"{m.where}: {m.metric} {value} (must be {sign} {m.threshold:g})")
+    return lines
+
+
+def _certificate(
+    root: Path,
+    source: SourceInfo,
+    components: list[Component],
+    results: list[ComponentResult],
+    device: torch.device,
+    max_memory: str | int | None,
+) -> Certificate:
+    from precision_convert import __version__
+
+    metrics = [m for r in results for m in r.metrics]
+    failures = [e for r in results for e in r.errors] + _failure_lines(metrics)
+    records = {c.record.get("target") for c in components} - {None}
+    compute = {c.record.get("compute_dtype") for c in components} - {None}
+    source_files = _source_files(source)
+    notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
+    if source.kind == "converted-upcast":
+        notes.append(
+            "no --baseline given: the baseline is the converted weights upcast to fp32, "
+            "so weight rounding itself is not measured"
+        )
+    return Certificate(
+        verdict="pass" if not failures and metrics else "fail",
+        target=next(iter(records)) if len(records) == 1 else ",".join(sorted(records)) or None,
+        compute_dtype=next(iter(compute))
+        if len(compute) == 1
+        else ",".join(sorted(compute)) or None,
+        source={
+            "id": source.id,
+            "revision": source.revision,
+            "path": str(source.path.absolute()),
+            "files": source_files,
+        },
+        baseline={"dtype": "float32", "kind": source.kind},
+        device=_device_record(device, max_memory, {r.record.mode for r in results}),
+        versions=_versions(),
+        components=[r.record for r in results],
+        metrics=metrics,
+        failures=failures,
+        files=hash_files(root),
+        notes=notes,
+        tool={"name": "precision-convert", "version": __version__},
+    )
+
+
+def _source_files(source: SourceInfo) -> dict[str, str]:
+    """sha256 of the weight files the baseline was built from."""
+    opened = open_source(source.path)
+    models = opened.components.values() if isinstance(opened, PipelineSource) else [opened]
+    found = {}
+    for model in models:
+        for weight_file in model.files:
+            found[weight_file.path.relative_to(source.path).as_posix()] = sha256_file(
+                weight_file.path
+            )
+    return found
