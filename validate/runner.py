@@ -271,30 +271,30 @@ def _task_table() -> Mapping[str, Mapping[str, float]]:
     return tomllib.loads(text)
 
 
-def thresholds_for(task: str, recipe: str | None = None) -> tuple[str, dict[str, float]]:
-    """The task (a recipe may rename it) and its thresholds: defaults < task < recipe."""
-    validation: Mapping[str, Any] = {}
-    if recipe:
-        from precision_convert.recipes import get
+def recipe_validation(recipe: str | None) -> Mapping[str, Any]:
+    """The ``[validation]`` table of the recipe a conversion used (empty when unknown)."""
+    if not recipe:
+        return {}
+    from precision_convert.recipes import get
 
-        try:
-            validation = get(recipe).validation
-        except InputError:
-            validation = {}  # a recipe file that has since moved: the task defaults apply
-    task = str(validation.get("task", task))
+    try:
+        return get(recipe).validation
+    except InputError:
+        return {}  # a recipe file that has since moved: the task defaults apply
+
+
+def thresholds_for(task: str, validation: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Thresholds of ``task``: ``[defaults]``, then ``[task]``, then the recipe's overrides."""
     table = _task_table()
-    merged = {
-        **table.get("defaults", {}),
-        **table.get(task, {}),
-        **validation.get("thresholds", {}),
-    }
+    overrides = (validation or {}).get("thresholds", {})
+    merged = {**table.get("defaults", {}), **table.get(task, {}), **overrides}
     unknown = set(merged) - set(METRICS)
     if unknown:
         raise InputError(
             f"unknown validation thresholds {sorted(unknown)} (task {task!r}); "
             f"known: {', '.join(METRICS)}"
         )
-    return task, {k: float(v) for k, v in merged.items()}
+    return {k: float(v) for k, v in merged.items()}
 
 
 # --------------------------------------------------------------------------- loading
@@ -393,6 +393,17 @@ def compare_outputs(
     return rows
 
 
+def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:
+    """Refuse to certify against a baseline that is itself not finite: nothing to match."""
+    for probe, tensors in outputs.items():
+        for name, tensor in tensors.items():
+            if not torch.isfinite(tensor).all():
+                raise CannotValidateError(
+                    f"cannot validate {component.name or component.converted.class_name}: the "
+                    f"fp32 baseline's {probe}/{name} holds NaN/Inf{hint}"
+                )
+
+
 def _validate_component(
     component: Component,
     device: torch.device,
@@ -423,11 +434,14 @@ def _validate_whole(
             return run_probes(model, inputs, device, torch.float32)
 
     chosen, base_out = select_inputs(baseline, iter(candidates), run)
+    check_baseline(base_out, component)
     frozen = resolve_inputs(chosen, base_out)
     del baseline
     _free(device)
 
-    task, thresholds = thresholds_for(chosen.task, component.record.get("recipe"))
+    validation = recipe_validation(component.record.get("recipe"))
+    task = str(validation.get("task", chosen.task))
+    thresholds = thresholds_for(task, validation)
     record = ComponentRecord(
         name=component.name,
         class_name=component.converted.class_name,
@@ -458,7 +472,8 @@ def _validate_pipeline(
     opened: PipelineSource, source: SourceInfo, parts: list[ComponentResult], device: torch.device
 ) -> ComponentResult:
     """A short seeded end-to-end run: baseline pipeline in fp32, then the converted one."""
-    task, thresholds = thresholds_for("pipeline")
+    task = "pipeline"
+    thresholds = thresholds_for(task)
     record = ComponentRecord(
         name="pipeline",
         class_name=opened.model_index.get("_class_name"),
