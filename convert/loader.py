@@ -98,16 +98,43 @@ def _device(device: str | torch.device | None) -> torch.device | None:
 
 
 def _load_pipeline(source: PipelineSource, trust_remote_code: bool) -> Any:
-    """Every weight-bearing component through :func:`_load_model`; diffusers does the rest."""
+    """Every weight-bearing component through :func:`_load_model`; diffusers does the rest.
+
+    Each component is built with the class ``model_index.json`` names, as diffusers would
+    (a safety checker's config reads as a plain CLIP config, but its class is diffusers').
+    """
     import diffusers
 
     components = {
-        name: _load_model(model, trust_remote_code) for name, model in source.components.items()
+        name: _load_model(
+            model, trust_remote_code, _component_class(name, source.model_index[name], source)
+        )
+        for name, model in source.components.items()
     }
     return diffusers.DiffusionPipeline.from_pretrained(source.root, **components)
 
 
-def _load_model(source: ModelSource, trust_remote_code: bool) -> nn.Module:
+def _component_class(name: str, spec: list[Any], source: PipelineSource) -> type:
+    """The class ``model_index.json`` gives a component: ``[library, class_name]``."""
+    import importlib
+
+    library, class_name = str(spec[0]), str(spec[-1])
+    module = (
+        library if library in ("transformers", "diffusers") else f"diffusers.pipelines.{library}"
+    )
+    try:
+        found = getattr(importlib.import_module(module), class_name)
+    except (ImportError, AttributeError):
+        found = None
+    if not isinstance(found, type):
+        raise InputError(
+            f"component {name!r}: {library} has no class {class_name!r} to build it with",
+            source.root / "model_index.json",
+        )
+    return found
+
+
+def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None = None) -> nn.Module:
     from precision_convert.convert.boundaries import find_boundaries, install
 
     record = _record(source)
@@ -120,7 +147,7 @@ def _load_model(source: ModelSource, trust_remote_code: bool) -> nn.Module:
         "diffusers": _build_diffusers,
         "open_clip": _build_open_clip,
     }
-    model, key_of = builders[source.library](source, compute.torch, trust_remote_code)
+    model, key_of = builders[source.library](source, compute.torch, trust_remote_code, cls)
     _restore_stored_dtypes(model, tensors, key_of, compute, source)
     reasons = _model_reasons(record.get("islands", {}) if record else {}, tensors, key_of)
     install(model, find_boundaries(model, compute=compute.torch, reasons=reasons))
@@ -215,14 +242,21 @@ def _model_reasons(
 
 
 def _read(tensor: LazyTensor) -> torch.Tensor:
-    """One tensor's data in its stored dtype, read through the converter's chunked reader."""
+    """One tensor's data in its stored dtype, copied out of the converter's chunked reader.
+
+    The reader lends each chunk from a pooled buffer of up to ``CHUNK_BYTES``; keeping the
+    chunk itself would pin that whole buffer to a small norm weight, and holding it when the
+    reader finishes would keep the buffer out of the pool, so every read would allocate anew.
+    """
     import torch
 
-    chunks = list(tensor.chunks())
-    if not chunks:
-        return torch.empty(tensor.shape, dtype=tensor.dtype.torch)
-    flat = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    return flat.reshape(tensor.shape)
+    out = torch.empty(math.prod(tensor.shape), dtype=tensor.dtype.torch)
+    offset = 0
+    for chunk in tensor.chunks():
+        out[offset : offset + chunk.numel()] = chunk
+        offset += chunk.numel()
+        del chunk  # released before the reader's cleanup runs, so its buffer is pooled
+    return out.reshape(tensor.shape)
 
 
 def _restore_stored_dtypes(
@@ -259,9 +293,9 @@ def _restore_stored_dtypes(
 
 
 def _build_transformers(
-    source: ModelSource, compute: torch.dtype, trust_remote_code: bool
+    source: ModelSource, compute: torch.dtype, trust_remote_code: bool, cls: type | None
 ) -> tuple[nn.Module, KeyMap]:
-    cls = _transformers_class(source, trust_remote_code)
+    cls = cls or _transformers_class(source, trust_remote_code)
     model = cls.from_pretrained(source.root, dtype=compute, trust_remote_code=trust_remote_code)
     return model, _transformers_keys(model)
 
@@ -331,11 +365,11 @@ def _exact_keys(model: nn.Module) -> KeyMap:
 
 
 def _build_diffusers(
-    source: ModelSource, compute: torch.dtype, trust_remote_code: bool
+    source: ModelSource, compute: torch.dtype, trust_remote_code: bool, cls: type | None
 ) -> tuple[nn.Module, KeyMap]:
     import diffusers
 
-    cls = getattr(diffusers, source.class_name or "", None)
+    cls = cls or getattr(diffusers, source.class_name or "", None)
     if not isinstance(cls, type):
         raise InputError(f"diffusers has no model class {source.class_name!r}", source.root)
     model = cls.from_pretrained(source.root, torch_dtype=compute)
@@ -343,7 +377,7 @@ def _build_diffusers(
 
 
 def _build_open_clip(
-    source: ModelSource, compute: torch.dtype, trust_remote_code: bool
+    source: ModelSource, compute: torch.dtype, trust_remote_code: bool, cls: type | None
 ) -> tuple[nn.Module, KeyMap]:
     """OpenCLIP's own factory builds the model; the weights are assigned as stored.
 

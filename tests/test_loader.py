@@ -277,6 +277,9 @@ def test_transformers_model_loads_exactly_as_stored(
                   ["fp32_modules"])  # fmt: skip
     norms = {n for n in hooked_modules(model) if n.endswith("norm")}
     assert norms == islands
+    for name in islands:  # read back from the file, holding no more memory than they need
+        weight = model.get_submodule(name).weight
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
     assert set(hooked_modules(model)) == {"", "model", "lm_head"} | islands
 
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
