@@ -326,3 +326,48 @@ def test_builders_feed_every_family(name: str) -> None:
     outputs = run_probes(model, inputs)
     tensors = [t for probe in outputs.values() for t in probe.values()]
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
+
+
+#: The feed-forward pair scaled in the overflowing CogVideoX: up by this, down by its inverse.
+OVERFLOW_SCALE = 1e7
+
+
+def t5_tokenizer() -> Any:
+    """A tiny T5 tokenizer built locally (no download): the words of the built-in sentences."""
+    from transformers import T5Tokenizer
+
+    from precision_convert.validate.inputs import SENTENCES
+
+    words = sorted({w.strip(".,:!").lower() for s in SENTENCES for w in s.split()})
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(f"▁{w}", -1.0 - i / 100) for i, w in enumerate(words)]
+    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def cogvideox_pipeline(path: Any, *, overflow: bool = False) -> None:
+    """Save a tiny CogVideoX pipeline (T5 text encoder, 3-D transformer, VAE) to ``path``.
+
+    With ``overflow`` the first block's feed-forward is rescaled (up-projection weights x1e7,
+    down-projection /1e7): fp32 computes the same function, but the up-projection's weights
+    (~2e5) and activations exceed fp16's 65504 — the CogVideoX-5B failure in miniature.
+    """
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
+
+    torch.manual_seed(0)
+    text_encoder = t5_encoder().eval()
+    transformer = cogvideox_transformer()  # text_embed_dim matches the T5's d_model
+    if overflow:
+        ff = transformer.transformer_blocks[0].ff.net
+        with torch.no_grad():
+            ff[0].proj.weight.mul_(OVERFLOW_SCALE)
+            ff[0].proj.bias.mul_(OVERFLOW_SCALE)
+            ff[2].weight.div_(OVERFLOW_SCALE)
+    pipe = CogVideoXPipeline(
+        tokenizer=t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=cogvideox_vae().eval(),
+        transformer=transformer.eval(),
+        scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipe.save_pretrained(path)

@@ -8,7 +8,7 @@ reader on the Hub sees why the conversion is trusted without opening the JSON.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ def _rows(metrics: Iterable[Measurement]) -> list[str]:
     return rows
 
 
-def render(certificate: Certificate, *, chart: str | None = None) -> str:
+def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
     """The full README.md text for ``certificate``."""
     from huggingface_hub import ModelCardData
 
@@ -120,8 +120,12 @@ def render(certificate: Certificate, *, chart: str | None = None) -> str:
         for c in certificate.components
     ]
     lines.append("")
-    if chart:
-        lines += ["## Activation ranges", "", f"![activation ranges]({chart})", ""]
+    if charts:
+        lines += ["## Activation ranges", ""]
+        lines += [
+            f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts
+        ]
+        lines.append("")
     lines += [
         "## Loading",
         "",
@@ -138,9 +142,10 @@ def render(certificate: Certificate, *, chart: str | None = None) -> str:
 
 
 def write_card(certificate: Certificate, directory: str | Path) -> Path:
-    """Write README.md next to the certificate (and show the activation chart if present)."""
+    """Write README.md next to the certificate, showing any activation charts the analysis saved
+    (``precision_activations.png`` at the top or in a pipeline component's folder)."""
     directory = Path(directory)
-    chart = CHART_NAME if (directory / CHART_NAME).is_file() else None
+    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
     path = directory / CARD_NAME
-    path.write_text(render(certificate, chart=chart), encoding="utf-8")
+    path.write_text(render(certificate, charts=charts), encoding="utf-8")
     return path

@@ -411,7 +411,7 @@ def _latent_layouts(ctx: _Ctx, name: str) -> list[dict[str, Any]]:
             {
                 name: ctx.randn(name, BATCH, h * w, c),
                 "img_ids": ids.view(h * w, axes),
-                "txt_ids": torch.zeros(TEXT_LEN // 2 + 2, axes),
+                "txt_ids": torch.zeros(_text_tokens(ctx), axes),
             }
         ]
     layouts: list[dict[str, Any]] = []
@@ -432,13 +432,19 @@ def _latent_layouts(ctx: _Ctx, name: str) -> list[dict[str, Any]]:
     return layouts
 
 
+def _text_tokens(ctx: _Ctx) -> int:
+    """Text length of a denoiser's conditioning: fixed where positional embeddings need it
+    (CogVideoX's ``max_text_seq_length``), short otherwise."""
+    return int(ctx.cfg("max_text_seq_length") or TEXT_LEN // 2 + 2)
+
+
 def _encoder_states(ctx: _Ctx) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     dim = _text_dim(ctx)
     if "encoder_hidden_states" in ctx.params and dim:
         # Text-encoder states have unit-ish scale; 0.5 keeps them in the range T5/CLIP produce.
         out["encoder_hidden_states"] = 0.5 * ctx.randn(
-            "encoder_hidden_states", BATCH, TEXT_LEN // 2 + 2, dim
+            "encoder_hidden_states", BATCH, _text_tokens(ctx), dim
         )
     pooled = ctx.cfg("pooled_projection_dim")
     if "pooled_projections" in ctx.params and pooled:
@@ -585,6 +591,9 @@ def pipeline_inputs(pipe: Any, *, seed: int = 0) -> ModelInputs:
             _get(config, "sample_width") or _get(config, "sample_size"), LATENT_SIDE, LATENT_SIDE
         )
         kwargs["height"], kwargs["width"] = latent_h * int(scale), latent_w * int(scale)
+    text_tokens = _get(denoiser.config, "max_text_seq_length") if denoiser is not None else None
+    if "max_sequence_length" in params and text_tokens:
+        kwargs["max_sequence_length"] = int(text_tokens)
     temporal = getattr(pipe, "vae_scale_factor_temporal", None)
     if "num_frames" in params and temporal:
         kwargs["num_frames"] = 1 + int(temporal) * (LATENT_FRAMES - 1)

@@ -146,12 +146,13 @@ def _image_metrics(b: torch.Tensor, c: torch.Tensor) -> dict[str, float]:
 def judge(metric: str, value: float, thresholds: Mapping[str, float]) -> tuple[float | None, bool]:
     """The threshold that applies to ``metric`` and whether ``value`` meets it.
 
-    A metric without a threshold (``max_abs``) is reported and passes. NaN never passes.
+    A metric without a threshold (``max_abs``) is only reported: it passes (NaN is judged by
+    ``nonfinite``, which always has one). Against a threshold, NaN never passes.
     """
     spec = METRICS[metric]
     threshold = spec.fatal_threshold if spec.fatal_threshold is not None else thresholds.get(metric)
     if threshold is None:
-        return None, not math.isnan(value)
+        return None, True
     if math.isnan(value):
         return threshold, False
     ok = value <= threshold if spec.bound is Bound.MAX else value >= threshold

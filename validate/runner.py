@@ -340,22 +340,28 @@ def load_candidate(directory: Path, device: torch.device) -> Any:
     return load(directory, device=device)
 
 
-def _tokenizer(component: Component) -> Any | None:
-    """The tokenizer shipped with a model (or its pipeline's matching ``tokenizer*`` folder)."""
-    directory = component.converted.root
+def tokenizer_for(directory: Path) -> Any | None:
+    """The tokenizer shipped with a model, or its pipeline's matching ``tokenizer*`` folder.
+
+    A pipeline's ``text_encoder_2`` pairs with ``tokenizer_2``. None when there is none or it
+    cannot be built: seeded random ids then serve as well.
+    """
     candidates = [directory]
-    if component.name.startswith("text_encoder"):
-        candidates.append(directory.parent / component.name.replace("text_encoder", "tokenizer"))
+    if directory.name.startswith("text_encoder"):
+        candidates.append(directory.parent / directory.name.replace("text_encoder", "tokenizer"))
     for candidate in candidates:
-        if candidate.is_dir() and any(candidate.glob("tokenizer*")) | any(
-            candidate.glob("*.model")
-        ):
+        files = (
+            [*candidate.glob("tokenizer*"), *candidate.glob("*.model")]
+            if candidate.is_dir()
+            else []
+        )
+        if files:
             from transformers import AutoTokenizer
 
             try:
                 return AutoTokenizer.from_pretrained(candidate)
             except (OSError, ValueError, KeyError, TypeError, ImportError):
-                continue  # a tokenizer we cannot build: random ids serve as well
+                continue
     return None
 
 
@@ -426,7 +432,9 @@ def _validate_whole(
             [inputs_from_tensors(baseline, supplied, seed=SEED)]
         )
     else:
-        candidates = input_candidates(baseline, seed=SEED, tokenizer=_tokenizer(component))
+        candidates = input_candidates(
+            baseline, seed=SEED, tokenizer=tokenizer_for(component.converted.root)
+        )
     coverage = Coverage()
 
     def run(model: Any, inputs: ModelInputs) -> Outputs:

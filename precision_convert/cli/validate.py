@@ -1,0 +1,91 @@
+"""``precision-convert validate CONVERTED [--baseline SOURCE]``: certify parity against fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from precision_convert.cli._common import console, emit_json, reported_errors
+
+if TYPE_CHECKING:
+    from precision_convert.validate.certificate import Certificate
+
+
+def validate_command(
+    converted: Annotated[
+        Path, typer.Argument(help="A directory written by `precision-convert model`.")
+    ],
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            help="Source to compare against (directory or Hub id); without it, the converted "
+            "weights upcast to fp32 (weight rounding is then not measured)."
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    inputs: Annotated[
+        Path | None,
+        typer.Option(
+            help="safetensors file of named tensors to feed instead of the built inputs "
+            "(pipelines: <component>/<argument>)."
+        ),
+    ] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory budget, e.g. 8GB; a model whose fp32 copy does not fit is compared "
+            "block by block."
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the certificate as one JSON object.")
+    ] = False,
+) -> None:
+    """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
+    from precision_convert.errors import CheckFailed
+    from precision_convert.validate.runner import validate
+
+    with reported_errors():
+        with console.status("validating against fp32…", spinner="dots"):
+            certificate = validate(
+                converted, baseline, device, inputs=inputs, max_memory=max_memory
+            )
+        print_certificate(certificate)
+        if json_output:
+            emit_json(certificate.to_dict())
+        if not certificate.passed:
+            raise CheckFailed(
+                f"{converted}: not certified ({len(certificate.failures)} problems, first: "
+                f"{certificate.failures[0] if certificate.failures else 'no metric was judged'})"
+            )
+
+
+def print_certificate(certificate: Certificate) -> None:
+    """The judged metrics as a table on stderr: every model-level output and every failure.
+
+    Block-wise runs judge hundreds of block outputs; passing ones are summed up in one line.
+    """
+    from rich.table import Table
+
+    table = Table(title=f"parity with fp32 ({certificate.target or 'unknown target'})")
+    for column in ("where", "metric", "value", "bound", ""):
+        table.add_column(column)
+    blocks = [m for m in certificate.metrics if m.probe.startswith("block:")]
+    for m in certificate.metrics:
+        if m in blocks and m.passed:
+            continue
+        value = "NaN/Inf" if m.value is None else f"{m.value:.4g}"
+        bound = "" if m.threshold is None else f"{'≤' if m.bound == 'max' else '≥'} {m.threshold:g}"
+        table.add_row(
+            m.where, m.metric, value, bound, "[green]ok[/]" if m.passed else "[red]FAIL[/]"
+        )
+    console.print(table)
+    passed_blocks = sum(m.passed for m in blocks)
+    if blocks:
+        console.print(f"block comparisons: {passed_blocks}/{len(blocks)} metrics within bounds")
+    for line in certificate.failures:
+        console.print(f"[red]✗[/] {line}")
+    colour = "green" if certificate.passed else "red"
+    console.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")
