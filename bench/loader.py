@@ -12,6 +12,8 @@ process:
   (blind to time spent descheduled, so it shows the model's own cost on a busy machine);
 * the same with one flowing island (``--keep-fp32`` on a layer-0 ``down_proj``), the case in
   which every compute-dtype Linear gets a cast guard, so its cost is on record too;
+* the loaded model against itself with its hooks removed and its islands cast to bf16: what
+  the boundaries alone cost;
 * the plain model against a copy of itself: the noise floor of the machine, for judging the
   two figures above;
 * load time of ``precision_convert.load`` against ``from_pretrained`` of the plain ``bf16``
@@ -122,7 +124,7 @@ def _timed(
     t_plain, t_loaded = _alternate(lambda: plain(ids), lambda: loaded(ids), runs, warmup, clock)
     ratios = _ratios(t_plain, t_loaded)
     return {
-        "plain_cast_ms": round(statistics.median(t_plain) * 1e3, 3),
+        "baseline_ms": round(statistics.median(t_plain) * 1e3, 3),
         "loaded_ms": round(statistics.median(t_loaded) * 1e3, 3),
         **ratios,
         "overhead_pct": round((ratios["ratio"] - 1) * 100, 2),
@@ -130,9 +132,14 @@ def _timed(
 
 
 def _forward(
-    plain: torch.nn.Module, loaded: torch.nn.Module, ids: torch.Tensor, runs: int, warmup: int
+    baseline: str,
+    plain: torch.nn.Module,
+    loaded: torch.nn.Module,
+    ids: torch.Tensor,
+    runs: int,
+    warmup: int,
 ) -> dict[str, Any]:
-    """Latency (wall clock, all threads) and CPU time of one thread, plain cast vs loaded.
+    """Latency (wall clock, all threads) and CPU time of one thread, ``plain`` vs ``loaded``.
 
     On a machine shared with other work, wall time moves by several percent from run to run;
     the CPU time of a single-threaded forward does not count time spent descheduled, so it
@@ -150,10 +157,23 @@ def _forward(
         finally:
             torch.set_num_threads(threads)
     return {
+        "baseline": baseline,
         "wall": wall,
         "cpu_time_1_thread": cpu,
-        "logits_cosine_vs_plain_cast": round(cos, 6),
+        "logits_cosine_vs_baseline": round(cos, 6),
     }
+
+
+def _without_boundaries(model: torch.nn.Module) -> torch.nn.Module:
+    """The loaded model with its hooks removed and its islands cast to bf16.
+
+    Same weights, same memory: timed against the loaded model it isolates what the boundary
+    hooks and the fp32 islands cost, apart from where the weights came from.
+    """
+    from precision_convert.convert.boundaries import remove
+
+    remove(model)
+    return model.to(torch.bfloat16)
 
 
 def _hooks(model: torch.nn.Module) -> dict[str, int]:
@@ -200,13 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     plain = LlamaForCausalLM.from_pretrained(source).to(torch.bfloat16).eval()
     # The same plain model timed against itself: how far apart two identical models measure.
-    noise = _forward(plain, copy.deepcopy(plain), ids, args.runs, args.warmup)
+    cast = "fp32 weights cast with .to(bfloat16)"
+    noise = _forward(cast + " (a copy)", plain, copy.deepcopy(plain), ids, args.runs, args.warmup)
     loaded = pc.load(safe)
-    forward = _forward(plain, loaded, ids, args.runs, args.warmup)
+    forward = _forward(cast, plain, loaded, ids, args.runs, args.warmup)
     hooks = _hooks(loaded)
+    boundary_cost = _forward(
+        "the loaded model without hooks, islands cast to bf16",
+        _without_boundaries(pc.load(safe)),
+        loaded,
+        ids,
+        args.runs,
+        args.warmup,
+    )
     del loaded
     flowing = pc.load(flowing_dir)
-    forward_flowing = _forward(plain, flowing, ids, args.runs, args.warmup)
+    forward_flowing = _forward(cast, plain, flowing, ids, args.runs, args.warmup)
     hooks_flowing = _hooks(flowing)
     del flowing, plain
 
@@ -233,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": args.runs,
         "forward_noise_floor_plain_vs_plain": noise,
         "forward_bf16_safe": {**forward, **hooks},
+        "forward_bf16_safe_vs_same_weights_without_boundaries": boundary_cost,
         "forward_bf16_safe_with_flowing_island": {
             "island": FLOWING_ISLAND,
             **forward_flowing,
