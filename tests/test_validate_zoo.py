@@ -221,6 +221,8 @@ def cogvideox_vae() -> Any:
         layers_per_block=1,
         norm_num_groups=2,
         temporal_compression_ratio=4,
+        sample_height=32,
+        sample_width=32,
     )
 
 

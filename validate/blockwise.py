@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from precision_convert.convert.source import ModelSource, open_source
-from precision_convert.convert.tensors import LazyTensor
+from precision_convert.convert.tensors import FileTensor, LazyTensor
 from precision_convert.errors import CannotValidateError
 from precision_convert.validate.certificate import ComponentRecord
 from precision_convert.validate.execute import Coverage, Outputs, flatten, run_probes
@@ -177,13 +177,28 @@ def partition(model: nn.Module, limit: int, bytes_per_element: int = 4) -> list[
 
 
 def _read(tensor: LazyTensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One file tensor in ``dtype``, converted chunk by chunk into a single buffer: the peak is
-    the result plus one chunk, never the file dtype and the target dtype side by side."""
+    """One file tensor in ``dtype``, with no more than one copy of it in memory.
+
+    When the file already holds ``dtype`` (the candidate always; an fp32 source's baseline)
+    its bytes are read straight into the result. Otherwise chunks are converted into a single
+    preallocated result: the peak is the result plus one chunk.
+    """
     out = torch.empty(math.prod(tensor.shape), dtype=dtype)
-    start = 0
-    for chunk in tensor.chunks():
-        out[start : start + chunk.numel()] = chunk
-        start += chunk.numel()
+    if isinstance(tensor, FileTensor) and tensor.dtype.torch == dtype and out.numel():
+        with tensor.path.open("rb", buffering=0) as f:
+            f.seek(tensor.begin)
+            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CannotValidateError(f"{tensor.path}: truncated at {tensor.name!r}")
+                got += n
+    else:
+        start = 0
+        for chunk in tensor.chunks():
+            out[start : start + chunk.numel()] = chunk
+            start += chunk.numel()
     return out.reshape(tensor.shape).to(device)
 
 

@@ -27,8 +27,6 @@ CARD_NAME = "README.md"
 UNHASHED = frozenset({CERTIFICATE_NAME, CARD_NAME})
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
 SCHEMA = "precision-convert/certificate/1"
-#: Read size for hashing: large enough to keep hashlib busy, small enough for any machine.
-_HASH_CHUNK = 16 * 1024 * 1024
 #: Hub cache blobs of LFS files are named by their sha256: no need to read them again.
 _BLOB = re.compile(r"[0-9a-f]{64}")
 
@@ -103,11 +101,9 @@ def sha256_file(path: Path) -> str:
     resolved = path.resolve()
     if resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name):
         return resolved.name
-    digest = hashlib.sha256()
     with resolved.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        # file_digest reads into one small reused buffer: a multi-GB shard costs no memory.
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def hash_files(directory: str | Path, *, only: Any = None) -> dict[str, str]:

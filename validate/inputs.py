@@ -517,7 +517,7 @@ def _denoiser_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
 
 def _autoencoder_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     channels = int(ctx.cfg("in_channels") or 3)
-    side = _side(ctx.cfg("sample_size"), PIXEL_SIDE, PIXEL_SIDE)
+    side = _side(ctx.cfg("sample_size", "sample_height"), PIXEL_SIDE, PIXEL_SIDE)
     frames = 1 + int(ctx.cfg("temporal_compression_ratio") or 4)
     video = ctx.cfg("temporal_compression_ratio") is not None
     four = _image(ctx.gen("sample"), BATCH, channels, side, side)

@@ -1,0 +1,173 @@
+"""Metrics, thresholds, certificates and model cards, on hand-made tensors (no models)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.validate.card import render
+from precision_convert.validate.certificate import (
+    CERTIFICATE_NAME,
+    Certificate,
+    ComponentRecord,
+    hash_files,
+    verify_files,
+    write,
+)
+from precision_convert.validate.inputs import build_inputs, inputs_from_tensors
+from precision_convert.validate.metrics import (
+    OutputKind,
+    compare,
+    judge,
+    kind_of,
+    measure,
+)
+from precision_convert.validate.runner import parse_memory, thresholds_for
+
+
+def test_identical_outputs_are_perfect() -> None:
+    x = torch.randn(2, 8, 16)
+    values = compare(x, x.clone(), OutputKind.LOGITS)
+    assert values["nonfinite"] == 0 and values["rel_l2"] == 0 and values["kl"] == 0
+    assert values["cosine"] == pytest.approx(1.0) and values["top1"] == 1.0
+
+
+def test_nan_is_fatal_whatever_the_thresholds_say() -> None:
+    base = torch.randn(4, 4)
+    cand = base.clone()
+    cand[0, 0] = math.nan
+    values = compare(base, cand, OutputKind.TENSOR)
+    loose = {"rel_l2": 1e9, "cosine": -1.0, "nonfinite": 1e9}
+    rows = measure("", "forward", "out", values, loose)
+    nonfinite = next(r for r in rows if r.metric == "nonfinite")
+    assert nonfinite.value == 1 and nonfinite.threshold == 0 and not nonfinite.passed
+    assert not next(r for r in rows if r.metric == "rel_l2").passed  # NaN never passes
+    assert next(r for r in rows if r.metric == "max_abs").passed  # reported, never judged
+
+
+def test_logit_metrics_see_a_changed_argmax() -> None:
+    base = torch.zeros(1, 4, 10)
+    base[..., 3] = 5.0
+    cand = base.clone()
+    cand[0, :2, 7] = 9.0  # two of four positions now pick another token
+    values = compare(base, cand, OutputKind.LOGITS)
+    assert values["top1"] == 0.5 and values["kl"] > 1.0
+    assert not judge("top1", values["top1"], {"top1": 0.9})[1]
+
+
+def test_constant_frames_are_fatal_and_psnr_uses_the_baseline_range() -> None:
+    base = torch.rand(1, 3, 2, 8, 8)  # (B, C, F, H, W)
+    black = base.clone()
+    black[:, :, 1] = 0.0  # the second frame turned black in every channel
+    values = compare(base, black, OutputKind.IMAGE)
+    assert values["constant_frames"] == 3
+    threshold, ok = judge("constant_frames", values["constant_frames"], {"constant_frames": 99})
+    assert threshold == 0 and not ok  # recipes cannot loosen a fatal check
+    noisy = base + 0.001 * torch.randn_like(base)
+    assert compare(base, noisy, OutputKind.IMAGE)["psnr"] > 50
+
+
+def test_output_kinds() -> None:
+    assert kind_of("logits", images=False) is OutputKind.LOGITS
+    assert kind_of("text_model_output.last_hidden_state", images=False) is OutputKind.TENSOR
+    assert kind_of("logits_per_image", images=False) is OutputKind.TENSOR
+    assert kind_of("sample", images=True) is OutputKind.IMAGE
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="shape mismatch"):
+        compare(torch.zeros(2), torch.zeros(3), OutputKind.TENSOR)
+
+
+def test_thresholds_merge_defaults_task_and_recipe() -> None:
+    defaults = thresholds_for("encoder")
+    pipeline = thresholds_for("pipeline")
+    assert pipeline["psnr"] < defaults["psnr"]  # the pipeline table loosens what compounds
+    assert pipeline["top1"] == defaults["top1"]  # and inherits the rest
+    tightened = thresholds_for("encoder", {"thresholds": {"rel_l2": 0.01}})
+    assert tightened["rel_l2"] == 0.01
+    with pytest.raises(InputError, match="unknown validation thresholds"):
+        thresholds_for("encoder", {"thresholds": {"rel_l3": 0.1}})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8GB", 8 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_parse_memory(text: str, expected: int) -> None:
+    assert parse_memory(text) == expected
+
+
+def test_parse_memory_rejects_nonsense() -> None:
+    with pytest.raises(InputError, match="8GB"):
+        parse_memory("lots")
+
+
+def _certificate(files: dict[str, str], *, verdict: str = "pass") -> Certificate:
+    values = {"rel_l2": 0.004, "cosine": 0.99999, "nonfinite": 0.0}
+    thresholds = thresholds_for("encoder")
+    return Certificate(
+        verdict=verdict,
+        target="bf16-safe",
+        compute_dtype="bfloat16",
+        source={"id": "google/flan-t5-small", "revision": "a" * 40, "files": {}},
+        baseline={"dtype": "float32", "kind": "source"},
+        device={"type": "cpu", "name": "x86_64", "modes": ["whole"]},
+        versions={"torch": torch.__version__},
+        components=[ComponentRecord("", "T5EncoderModel", "transformers", "encoder", "whole")],
+        metrics=measure("", "forward", "last_hidden_state", values, thresholds),
+        failures=[] if verdict == "pass" else ["forward/last_hidden_state: 3 NaN/Inf values"],
+        files=files,
+        tool={"name": "precision-convert", "version": "0.1.0"},
+    )
+
+
+def test_certificate_round_trip_and_file_check(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    certificate = _certificate(hash_files(tmp_path))
+    write(certificate, tmp_path)
+    assert CERTIFICATE_NAME not in certificate.files  # never hashes itself
+    again = Certificate.read(tmp_path)
+    assert again.to_dict() == certificate.to_dict()
+    assert verify_files(tmp_path, again) == []
+    (tmp_path / "model.safetensors").write_bytes(b"tampered")
+    (tmp_path / "extra.txt").write_text("new")
+    problems = verify_files(tmp_path, again)
+    assert "model.safetensors: changed since certification" in problems
+    assert "extra.txt: not covered by the certificate" in problems
+
+
+def test_model_card_yaml_and_table() -> None:
+    card = ModelCard(render(_certificate({}), charts=["precision_activations.png"]))
+    data = card.data.to_dict()
+    assert data["base_model"] == "google/flan-t5-small"
+    assert {"bf16", "precision-safe", "parity-certified"} <= set(data["tags"])
+    assert data["library_name"] == "transformers"
+    assert data["precision_convert"]["verdict"] == "pass"
+    assert data["precision_convert"]["target"] == "bf16-safe"
+    assert "| `forward/last_hidden_state` | rel_l2 | 0.004 | ≤ 0.1 | ✅ |" in card.text
+    assert "![activation ranges of the model](precision_activations.png)" in card.text
+
+
+def test_failed_card_says_why_and_claims_nothing() -> None:
+    card = ModelCard(render(_certificate({}, verdict="fail")))
+    assert "parity-certified" not in card.data.tags
+    assert "## Why it failed" in card.text and "3 NaN/Inf values" in card.text
+
+
+def test_an_unknown_module_cannot_be_fed() -> None:
+    with pytest.raises(CannotValidateError, match="pass --inputs"):
+        build_inputs(torch.nn.Linear(4, 4))
+
+
+def test_supplied_inputs_must_match_the_signature() -> None:
+    from test_validate_zoo import make
+
+    with pytest.raises(CannotValidateError, match="does not take"):
+        inputs_from_tensors(make("dit-transformer"), {"bogus": torch.zeros(1)})
