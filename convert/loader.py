@@ -372,7 +372,7 @@ def _build_diffusers(
     cls = cls or getattr(diffusers, source.class_name or "", None)
     if not isinstance(cls, type):
         raise InputError(f"diffusers has no model class {source.class_name!r}", source.root)
-    model = cls.from_pretrained(source.root, torch_dtype=compute)
+    model = cls.from_pretrained(source.root, dtype=compute)
     return model, _exact_keys(model)
 
 

@@ -173,10 +173,10 @@ def test_onetrainer_fp32_side_inputs(tiny_model: Callable[[str], Path], tmp_path
         expected = UNet2DConditionModel.from_pretrained(unet_source)(sample, timestep, text).sample
         expected_image = AutoencoderKL.from_pretrained(vae_source).decode(z).sample
 
-        plain_unet = UNet2DConditionModel.from_pretrained(unet_source, torch_dtype=torch.float16)
+        plain_unet = UNet2DConditionModel.from_pretrained(unet_source, dtype=torch.float16)
         with pytest.raises(RuntimeError, match=r"mat1 and mat2 must have the same dtype|bias type"):
             plain_unet(sample, timestep, text)
-        plain_vae = AutoencoderKL.from_pretrained(vae_source, torch_dtype=torch.float16)
+        plain_vae = AutoencoderKL.from_pretrained(vae_source, dtype=torch.float16)
         with pytest.raises(RuntimeError, match=r"Input type \(float\) and bias type"):
             plain_vae.decode(z)
 
