@@ -68,11 +68,13 @@ def convert(
     )
 
 
-def inspect(source: str | Path, *, revision: str | None = None) -> InspectReport:
+def inspect(
+    source: str | Path, *, revision: str | None = None, trust_remote_code: bool = False
+) -> InspectReport:
     """Real tensor dtypes per module, the matching recipe, planned islands and hazards."""
     from precision_convert.convert.inspection import inspect_source
 
-    return inspect_source(source, revision=revision)
+    return inspect_source(source, revision=revision, trust_remote_code=trust_remote_code)
 
 
 def load(path: str | Path, device: str | None = None, *, trust_remote_code: bool = False) -> Any:
