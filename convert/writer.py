@@ -1,25 +1,41 @@
 """A streaming safetensors writer whose memory stays flat.
 
 The whole header is computed up front from the plan (names, stored dtypes, shapes, offsets),
-then tensor data is cast chunk by chunk and appended. A background thread writes chunk *n*
-while the next one is read and cast, so disk reads, casts and writes overlap. The writer makes
-no dtype decisions: it takes (tensor, stored dtype) pairs in order.
+then tensor data is cast chunk by chunk and appended. Each chunk is cast straight into one of a
+few reused, page-aligned staging buffers, and a background thread writes a filled buffer while
+the next chunk is read and cast, so disk reads, casts and writes overlap and no memory is
+allocated per chunk. Where the file system allows, the output is written with ``O_DIRECT``:
+the data goes from the staging buffer to the disk without passing through (and filling up) the
+page cache, which is most of what a large buffered write costs. The writer makes no dtype
+decisions: it takes (tensor, stored dtype) pairs in order.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from precision_convert.convert import tensors as _tensors
 from precision_convert.convert.tensors import LazyTensor
 from precision_convert.dtypes import DType
 
+if TYPE_CHECKING:
+    import torch
+
 #: safetensors pads the header with spaces so tensor data starts 8-byte aligned.
 _ALIGN = 8
+#: File offsets, lengths and memory of ``O_DIRECT`` writes are multiples of this.
+_BLOCK = 4096
+#: Staging buffers: one being filled while the other is written.
+_STAGES = 2
 
 
 def header_bytes(items: Sequence[tuple[LazyTensor, DType]], metadata: dict[str, str]) -> bytes:
@@ -55,23 +71,207 @@ def write_file(
 
     header = header_bytes(items, metadata)
     expected = sum(math.prod(t.shape) * d.itemsize for t, d in items)
-    written = 0
-    with path.open("wb") as f, ThreadPoolExecutor(1, thread_name_prefix="pc-writer") as pool:
-        f.write(header)
-        pending: Future[int] | None = None
+    # One thread casts faster than several here: a cast is a memory-bound copy far quicker
+    # than the disk, and intra-op worker threads only contend with the reads, the writer
+    # thread and each other (measured: ~4x the CPU time for the same chunk on 2 cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        size = _write(path, header, items, on_progress)
+    finally:
+        torch.set_num_threads(threads)
+    written = size - len(header)
+    if written != expected:
+        raise OSError(f"{path}: wrote {written} data bytes, the header promises {expected}")
+    return written
+
+
+def _write(
+    path: Path,
+    header: bytes,
+    items: Sequence[tuple[LazyTensor, DType]],
+    on_progress: Callable[[int], None] | None,
+) -> int:
+    with _Sink(path) as sink:
+        sink.append(memoryview(header))
         for tensor, dtype in items:
             for chunk in tensor.chunks():
-                out = chunk if chunk.dtype == dtype.torch else chunk.to(dtype.torch)
-                data = out.contiguous().view(torch.uint8).numpy()
-                if pending is not None:
-                    written += pending.result()
-                pending = pool.submit(f.write, data)
+                consumed = chunk.numel() * tensor.dtype.itemsize
+                sink.append_cast(chunk, dtype)
+                del chunk  # frees its read buffer for the next chunk
                 if on_progress is not None:
-                    on_progress(chunk.numel() * tensor.dtype.itemsize)
-        if pending is not None:
-            written += pending.result()
-        if written != expected:
-            raise OSError(f"{path}: wrote {written} data bytes, the header promises {expected}")
-        f.flush()
-        os.fsync(f.fileno())
-    return written
+                    on_progress(consumed)
+        return sink.close()
+
+
+class _Sink:
+    """Append-only output through page-aligned staging buffers and one writer thread.
+
+    Bytes are appended to the current buffer; when it is full, the writer thread writes it
+    while the next one fills. A buffer holds two source chunks' worth: writes are large (the
+    per-request cost of a disk is what small writes pay) and data still reaches the file
+    every couple of chunks. Every write starts and ends on a block boundary, as ``O_DIRECT``
+    requires; ``close`` writes the last partial block padded and truncates the file to size.
+    """
+
+    def __init__(self, path: Path, capacity: int | None = None) -> None:
+        self.path = path
+        size = capacity or 2 * _tensors.CHUNK_BYTES
+        self.capacity = max(_BLOCK, size + -size % _BLOCK)
+        self.buffers = _take_staging(self.capacity)
+        self.pending: list[Future[None] | None] = [None] * _STAGES
+        self.current = 0  # index of the buffer being filled
+        self.fill = 0  # bytes in it
+        self.base = 0  # file offset of its first byte (always block-aligned)
+        self.fd, self.direct = _open_output(path)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="pc-writer")
+
+    def __enter__(self) -> _Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.pool.shutdown(wait=True)  # no write is in flight after this
+        finally:
+            os.close(self.fd)
+            _give_back_staging(self.buffers)
+
+    # -- appending -----------------------------------------------------------------------
+
+    def append(self, data: memoryview) -> None:
+        """Append raw bytes."""
+        data = data.cast("B")
+        done = 0
+        while done < len(data):
+            n = min(len(data) - done, self.capacity - self.fill)
+            self.buffers[self.current][self.fill : self.fill + n] = data[done : done + n]
+            self.fill += n
+            done += n
+            if self.fill == self.capacity:
+                self._rotate()
+
+    def append_cast(self, chunk: torch.Tensor, stored: DType) -> None:
+        """Append the flat ``chunk`` converted to ``stored``, cast straight into the buffer."""
+        import torch
+
+        dtype, itemsize = stored.torch, stored.itemsize
+        total = chunk.numel()
+        done = 0
+        while done < total:
+            room = (self.capacity - self.fill) // itemsize
+            if self.fill % itemsize == 0 and room > 0:
+                n = min(total - done, room)
+                out = torch.frombuffer(
+                    self.buffers[self.current], dtype=dtype, count=n, offset=self.fill
+                )
+                out.copy_(chunk[done : done + n])
+                del out
+                self.fill += n * itemsize
+                done += n
+                if self.fill == self.capacity:
+                    self._rotate()
+            else:
+                # An element would straddle the buffer's end, or the stream is not aligned for
+                # this dtype (after an odd-sized tensor): cast a slice aside and append bytes.
+                n = min(total - done, max(1, room))
+                piece = chunk[done : done + n].to(dtype).view(torch.uint8).numpy()
+                self.append(memoryview(piece))
+                done += n
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _rotate(self) -> None:
+        """The current buffer is full: the writer thread writes it while the other fills."""
+        buffer = self.buffers[self.current]
+        self.pending[self.current] = self.pool.submit(self._write, buffer, self.fill, self.base)
+        self.base += self.fill
+        self.current = (self.current + 1) % _STAGES
+        self.fill = 0
+        self._wait(self.current)
+
+    def close(self) -> int:
+        """Write what is left, wait for every write, fsync; the file's size in bytes."""
+        size = self.base + self.fill
+        if self.fill:
+            buffer = self.buffers[self.current]
+            length = self.fill
+            if self.direct:
+                length += -length % _BLOCK
+                buffer[self.fill : length] = bytes(length - self.fill)
+            self.pending[self.current] = self.pool.submit(self._write, buffer, length, self.base)
+        for i in range(_STAGES):
+            self._wait(i)
+        os.ftruncate(self.fd, size)  # drops the padding of an O_DIRECT last block
+        os.fsync(self.fd)
+        return size
+
+    def _wait(self, index: int) -> None:
+        future = self.pending[index]
+        if future is not None:
+            self.pending[index] = None
+            future.result()
+
+    def _write(self, buffer: mmap.mmap, length: int, offset: int) -> None:
+        view = memoryview(buffer)[:length]
+        try:
+            done = 0
+            while done < length:
+                try:
+                    n = os.pwrite(self.fd, view[done:], offset + done)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self.direct:
+                        raise
+                    self._buffered()  # the file system refused O_DIRECT after all
+                    continue
+                if n == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                done += n
+        finally:
+            view.release()
+
+    def _buffered(self) -> None:
+        import fcntl
+
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        self.direct = False
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Staging buffers kept between files (and conversions): touching fresh memory costs a page
+#: fault per 4 KiB, so each shard reuses the previous shard's buffers.
+_STAGING: list[mmap.mmap] = []
+_STAGING_LOCK = threading.Lock()
+
+
+def _take_staging(capacity: int) -> list[mmap.mmap]:
+    with _STAGING_LOCK:
+        if len(_STAGING) >= _STAGES and all(len(b) == capacity for b in _STAGING[:_STAGES]):
+            taken = _STAGING[:_STAGES]
+            del _STAGING[:_STAGES]
+            return taken
+    return [mmap.mmap(-1, capacity) for _ in range(_STAGES)]
+
+
+def _give_back_staging(buffers: list[mmap.mmap]) -> None:
+    with _STAGING_LOCK:
+        _STAGING[:] = buffers  # keep only the latest set
+
+
+def release_buffers() -> None:
+    """Drop the reused staging and read buffers (their memory goes back to the system)."""
+    with _STAGING_LOCK:
+        _STAGING.clear()
+    _tensors.release_buffers()
+
+
+def _open_output(path: Path) -> tuple[int, bool]:
+    """Open ``path`` for writing, with ``O_DIRECT`` where the platform and file system allow."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    if _O_DIRECT and os.environ.get("PRECISION_CONVERT_DIRECT_IO", "1") != "0":
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o666), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT
+                raise
+    return os.open(path, flags, 0o666), False
