@@ -23,6 +23,7 @@ from precision_convert.convert.source import (
     resolve,
 )
 from precision_convert.convert.staging import StagedOutput
+from precision_convert.convert.tensors import prefetch
 from precision_convert.convert.writer import write_file
 from precision_convert.errors import InputError
 from precision_convert.recipes import Recipe
@@ -161,6 +162,8 @@ def convert(
         raise InputError("output must not be the source directory or inside it", target_dir)
     opened = open_source(root)
     models = _models(opened)
+    # Read the weights into the page cache while planning imports torch/transformers.
+    prefetch(t for model in models.values() for t in model.tensors())
     plans = {
         name: plan_model(
             model, to, recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code
