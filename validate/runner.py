@@ -20,6 +20,7 @@ import math
 import platform
 import re
 import tomllib
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -37,7 +38,7 @@ from precision_convert.validate.certificate import (
     Certificate,
     ComponentRecord,
     hash_files,
-    sha256_file,
+    sha256_files,
     write,
 )
 from precision_convert.validate.execute import Coverage, Outputs, run_probes
@@ -365,8 +366,14 @@ def tokenizer_for(directory: Path) -> Any | None:
     return None
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
+def _free(gone: weakref.ref[Any], device: torch.device) -> None:
+    """Make sure a deleted model's memory is back before the next one loads.
+
+    Reference counting frees most models at ``del``; a full ``gc.collect()`` (a fifth of a
+    second with transformers imported) runs only when a reference cycle kept this one alive.
+    """
+    if gone() is not None:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -444,8 +451,10 @@ def _validate_whole(
     chosen, base_out = select_inputs(baseline, iter(candidates), run)
     check_baseline(base_out, component)
     frozen = resolve_inputs(chosen, base_out)
-    del baseline
-    _free(device)
+    # The candidate generator holds the model too: both must go before the candidate loads.
+    gone = weakref.ref(baseline)
+    del baseline, candidates
+    _free(gone, device)
 
     validation = recipe_validation(component.record.get("recipe"))
     task = str(validation.get("task", chosen.task))
@@ -470,8 +479,9 @@ def _validate_whole(
             metrics,
             [f"{component.name or 'model'}: the converted model failed to run: {_first_line(exc)}"],
         )
+    gone = weakref.ref(candidate)
     del candidate
-    _free(device)
+    _free(gone, device)
     metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
     return ComponentResult(record, metrics, [])
 
@@ -503,8 +513,9 @@ def _validate_pipeline(
             f"cannot run the {record.class_name} pipeline end to end "
             f"({_first_line(exc)}); pass --inputs"
         ) from None
+    gone = weakref.ref(baseline)
     del baseline
-    _free(device)
+    _free(gone, device)
     try:
         candidate = load_candidate(opened.root, device)
         cand_out = run_probes(candidate, inputs, device)
@@ -512,8 +523,9 @@ def _validate_pipeline(
         return ComponentResult(
             record, [], [f"pipeline: the converted pipeline failed to run: {_first_line(exc)}"]
         )
+    gone = weakref.ref(candidate)
     del candidate
-    _free(device)
+    _free(gone, device)
     return ComponentResult(
         record, compare_outputs("pipeline", inputs, base_out, cand_out, thresholds), []
     )
@@ -629,10 +641,4 @@ def _source_files(source: SourceInfo) -> dict[str, str]:
     """sha256 of the weight files the baseline was built from."""
     opened = open_source(source.path)
     models = opened.components.values() if isinstance(opened, PipelineSource) else [opened]
-    found = {}
-    for model in models:
-        for weight_file in model.files:
-            found[weight_file.path.relative_to(source.path).as_posix()] = sha256_file(
-                weight_file.path
-            )
-    return found
+    return sha256_files(source.path, [f.path for model in models for f in model.files])
