@@ -36,7 +36,14 @@ from precision_convert.convert.source import ModelSource, open_source
 from precision_convert.convert.tensors import FileTensor, LazyTensor
 from precision_convert.errors import CannotValidateError
 from precision_convert.validate.certificate import ComponentRecord
-from precision_convert.validate.execute import Coverage, Outputs, flatten, run_probes
+from precision_convert.validate.execute import (
+    METADATA_FUNCTIONS,
+    Coverage,
+    Outputs,
+    flatten,
+    function_name,
+    run_probes,
+)
 from precision_convert.validate.execute import resolve as resolve_inputs
 from precision_convert.validate.inputs import (
     ModelInputs,
@@ -96,7 +103,10 @@ def build_skeleton(source: ModelSource) -> nn.Module:
         else:
             import open_clip
 
-            model = open_clip.create_model(f"local-dir:{source.root}", load_weights=False)
+            # The class itself: create_model() moves the model to a device, which meta cannot.
+            config = dict(source.config["model_cfg"])
+            hf_text = config.get("text_cfg", {}).get("hf_model_name")
+            model = (open_clip.model.CustomTextCLIP if hf_text else open_clip.model.CLIP)(**config)
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     return model.eval()
@@ -231,6 +241,7 @@ class _Streamer:
     weights: Mapping[str, LazyTensor]
     device: torch.device
     upcast: bool  # baseline: every floating tensor to fp32; candidate: stored dtypes
+    coverage: Coverage | None = None  # told which tensor each loaded weight is
     keys_by_block: dict[str, list[str]] = field(default_factory=dict)
     owners: dict[str, list[Holder]] = field(default_factory=dict)
     saved: dict[str, list[tuple[nn.Module, str, Any]]] = field(default_factory=dict)
@@ -258,32 +269,24 @@ class _Streamer:
         return _read(stored, dtype, self.device)
 
     def load_keys(self, tag: str, keys: list[str]) -> None:
+        """Materialize ``keys`` in every module holding them; :meth:`unload` puts back what was
+        there (the placeholders)."""
         saved = []
         for key in keys:
             value = self.tensor(key)
+            param = nn.Parameter(value, requires_grad=False)  # one object: ties stay tied
+            if self.coverage is not None:
+                self.coverage.alias(param, key)
             for module, local, _ in self.owners[key]:
-                old = (
-                    module._parameters.get(local)
-                    if local in module._parameters
-                    else module._buffers[local]
-                )
-                saved.append((module, local, old))
-                self._set(module, local, value)
+                table = module._parameters if local in module._parameters else module._buffers
+                saved.append((table, local, table[local]))
+                table[local] = param if table is module._parameters else value
         self.saved[tag] = saved
 
     def unload(self, tag: str) -> None:
-        for module, local, old in self.saved.pop(tag, []):
-            self._set(module, local, old, restore=True)
+        for table, local, old in self.saved.pop(tag, []):
+            table[local] = old
         _release_freed_memory()
-
-    @staticmethod
-    def _set(module: nn.Module, local: str, value: Any, restore: bool = False) -> None:
-        if local in module._parameters:
-            module._parameters[local] = (
-                value if restore else nn.Parameter(value, requires_grad=False)
-            )
-        else:
-            module._buffers[local] = value
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:
@@ -330,42 +333,6 @@ def install_placeholders(
     return found
 
 
-#: Tensor functions that only read metadata, which a placeholder answers correctly.
-_METADATA = frozenset(
-    {
-        "dtype",
-        "shape",
-        "device",
-        "size",
-        "dim",
-        "ndim",
-        "numel",
-        "is_floating_point",
-        "requires_grad",
-        "is_contiguous",
-        "element_size",
-        "stride",
-        "layout",
-        "is_cuda",
-        "is_meta",
-        "__len__",
-        "names",
-        "data_ptr",
-        "is_complex",
-        "nelement",
-        "itemsize",
-        "nbytes",
-    }
-)
-
-
-def _function_name(func: Any) -> str:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":  # a property getter: name the property
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
 class LoadOnUse(TorchFunctionMode):
     """Weights used outside a streamed block — a parent reading ``child.weight`` (Whisper's
     positions), a module no hook covers — are read for that one operation and dropped."""
@@ -379,7 +346,8 @@ class LoadOnUse(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if _function_name(func) not in _METADATA:
+        # A placeholder answers metadata questions itself; only its values need the file.
+        if function_name(func) not in METADATA_FUNCTIONS:
             loaded: dict[str, torch.Tensor] = {}
 
             def real(value: Any) -> Any:
@@ -579,12 +547,12 @@ def validate_blockwise(
     try:
         base_weights = _weight_map(baseline, base_source)
         base_placeholders = install_placeholders(baseline, base_weights, device, upcast=True)
-        base_streamer = _Streamer(baseline, base_weights, device, upcast=True)
+        coverage = Coverage()
+        base_streamer = _Streamer(baseline, base_weights, device, upcast=True, coverage=coverage)
         resident = base_streamer.assign(blocks)
         base_streamer.load_keys("", resident)
         _buffers_to(baseline, device)
         base_pass = _Pass(base_streamer, base_placeholders, blocks, store)
-        coverage = Coverage()
 
         def run(model: nn.Module, inputs: ModelInputs) -> Outputs:
             base_pass.reset()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from precision_convert.validate.inputs import FromOutput, ModelInputs, Probe, Seeded
 
@@ -98,8 +100,10 @@ def call_probe(
     """Run one probe (inputs already resolved) and return its flattened CPU outputs."""
     device = torch.device(device or "cpu")
     kwargs = {k: _prepare(v, device, dtype) for k, v in probe.kwargs.items()}
+    # forward goes through __call__: the model's own hooks (the loader's input casts) must run.
+    method = model if probe.method == "forward" else getattr(model, probe.method)
     with torch.no_grad():
-        result = getattr(model, probe.method)(**kwargs)
+        result = method(**kwargs)
     return flatten(result)
 
 
@@ -122,37 +126,84 @@ def resolve_partial(inputs: ModelInputs, outputs: Outputs) -> Any:
         yield resolve(replace(inputs, probes=(probe,)), outputs).probes[0]
 
 
-@dataclass
-class Coverage:
-    """Which parameters a run exercised: those of every module whose forward was called.
+#: Tensor functions that only read metadata: a weight read this way was not computed with.
+METADATA_FUNCTIONS = frozenset(
+    {
+        "dtype",
+        "shape",
+        "device",
+        "size",
+        "dim",
+        "ndim",
+        "numel",
+        "is_floating_point",
+        "requires_grad",
+        "is_contiguous",
+        "element_size",
+        "stride",
+        "layout",
+        "is_cuda",
+        "is_meta",
+        "__len__",
+        "names",
+        "data_ptr",
+        "is_complex",
+        "nelement",
+        "itemsize",
+        "nbytes",
+    }
+)
+
+
+def function_name(func: Any) -> str:
+    """The name of a torch function as ``__torch_function__`` sees it (properties by name)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class Coverage(TorchFunctionMode):
+    """Which share of a model's parameters a run computed with.
 
     A model fed only part of what it takes (a vision-language model given text alone) still
-    produces outputs; this is what shows that half of it was never compared.
+    produces outputs; this is what shows that half of it was never compared. Use is seen at
+    the level of torch operations, so weights a module uses without being called
+    (``nn.MultiheadAttention``'s ``out_proj``) count, and metadata reads (``self.dtype``) do not.
     """
 
-    called: set[int] = field(default_factory=set)
-    fraction: float = 0.0
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[int, str] = {}  # id of a tensor -> the parameter it is
+        self.sizes: dict[str, int] = {}
+        self.used: set[str] = set()
+        self.fraction = 0.0
 
     @contextmanager
     def track(self, model: torch.nn.Module) -> Iterator[Coverage]:
-        self.called.clear()
-        modules = list(model.modules())
-        handles = [m.register_forward_pre_hook(self._seen) for m in modules]
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.sizes = {name: p.numel() for name, p in model.named_parameters()}
+        self.used = set()
         try:
-            yield self
+            with self:
+                yield self
         finally:
-            for handle in handles:
-                handle.remove()
-        # A tied parameter counts once, as exercised when any module holding it ran.
-        params: dict[int, tuple[int, bool]] = {}
-        for module in modules:
-            ran = id(module) in self.called
-            for param in module.parameters(recurse=False):
-                size, before = params.get(id(param), (param.numel(), False))
-                params[id(param)] = (size, before or ran)
-        total = sum(size for size, _ in params.values())
-        used = sum(size for size, ran in params.values() if ran)
-        self.fraction = used / total if total else 1.0
+            total = sum(self.sizes.values())
+            used = sum(self.sizes[name] for name in self.used)
+            self.fraction = used / total if total else 1.0
 
-    def _seen(self, module: torch.nn.Module, args: Any) -> None:
-        self.called.add(id(module))
+    def alias(self, tensor: torch.Tensor, name: str) -> None:
+        """``tensor`` now stands for parameter ``name`` (block-wise runs load weights anew)."""
+        if name in self.sizes:
+            self.names[id(tensor)] = name
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if function_name(func) not in METADATA_FUNCTIONS:
+            for leaf in tree_leaves((args, kwargs)):
+                name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if name is not None:
+                    self.used.add(name)
+        return func(*args, **kwargs)

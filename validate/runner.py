@@ -583,6 +583,11 @@ def _failure_lines(metrics: list[Measurement]) -> list[str]:
                 else f"{int(m.value)} NaN/Inf values"
             )
             lines.append(f"{m.where}: {what}")
+        elif m.metric == "coverage":
+            lines.append(
+                f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
+                f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
+            )
         elif m.metric == "constant_frames":
             lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
         else:
