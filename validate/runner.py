@@ -307,7 +307,7 @@ def load_baseline(directory: Path) -> Any:
     if isinstance(opened, PipelineSource):
         import diffusers
 
-        return diffusers.DiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
+        return _diffusers_fp32(diffusers.DiffusionPipeline, directory)
     if opened.library == "diffusers":
         import diffusers
 
@@ -316,7 +316,7 @@ def load_baseline(directory: Path) -> Any:
             raise CannotValidateError(
                 f"diffusers has no class {opened.class_name!r} to build the baseline with"
             )
-        return cls.from_pretrained(directory, torch_dtype=torch.float32)
+        return _diffusers_fp32(cls, directory)
     if opened.library == "open_clip":
         import open_clip
 
@@ -332,6 +332,18 @@ def load_baseline(directory: Path) -> Any:
     cls = getattr(transformers, architecture, None) if architecture else None
     cls = cls if isinstance(cls, type) else transformers.AutoModel
     return cls.from_pretrained(directory, dtype=torch.float32)
+
+
+def _diffusers_fp32(cls: Any, directory: Path) -> Any:
+    """``cls.from_pretrained`` in fp32. ``torch_dtype`` is the keyword every supported diffusers
+    honours (newer ones also take ``dtype``, and warn about the old name: silenced here)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`torch_dtype` is deprecated", category=FutureWarning
+        )
+        return cls.from_pretrained(directory, torch_dtype=torch.float32)
 
 
 def load_candidate(directory: Path, device: torch.device) -> Any:
