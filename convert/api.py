@@ -9,11 +9,17 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from precision_convert.convert.plan import ModelPlan, build_plan, check_target, scan_ranges
+from precision_convert.convert.plan import (
+    Island,
+    ModelPlan,
+    build_plan,
+    check_target,
+    scan_ranges,
+)
 from precision_convert.convert.skeleton import normalization_modules
 from precision_convert.convert.source import (
     ModelSource,
@@ -25,15 +31,20 @@ from precision_convert.convert.source import (
 from precision_convert.convert.staging import StagedOutput
 from precision_convert.convert.tensors import prefetch
 from precision_convert.convert.writer import write_file
-from precision_convert.errors import InputError
+from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
+
+if TYPE_CHECKING:
+    from precision_convert.convert.calibration import Calibration
 
 #: Progress callback: (what is being written, source bytes just consumed).
 ProgressHook = Callable[[str, int], None]
 #: Never copied from a source: Hub download bookkeeping and version control.
 _NEVER_COPY = frozenset({".cache", ".git", ".huggingface"})
+#: The calibration chart written beside the weights when analysis ran (and shown in the card).
+CHART_NAME = "activations.png"
 
 
 @dataclass(frozen=True)
@@ -44,8 +55,10 @@ class ComponentResult:
     library: str
     class_name: str | None
     plan: ModelPlan
+    calibration: Calibration | None = None
 
     def summary(self) -> dict[str, Any]:
+        calibration = self.calibration
         return {
             "component": self.name,
             "library": self.library,
@@ -56,6 +69,14 @@ class ComponentResult:
             "islands": {i.name: {"reason": i.reason, "rule": i.rule} for i in self.plan.islands},
             "warnings": list(self.plan.warnings),
             "plan_sha256": self.plan.sha256,
+            "calibration": None
+            if calibration is None
+            else {
+                "task": calibration.task,
+                "islands_added": len(calibration.islands),
+                "search_evaluations": calibration.evaluations,
+                "candidate_matched_fp32": calibration.passed,
+            },
         }
 
 
@@ -99,8 +120,16 @@ def plan_model(
     recipe: str | Recipe | None = None,
     keep_fp32: Sequence[str] = (),
     trust_remote_code: bool = False,
-) -> ModelPlan:
-    """The dtype plan for one model, reading weight data only where fp16 ranges matter."""
+    calibrate: bool = False,
+    search: bool = True,
+) -> tuple[ModelPlan, Calibration | None]:
+    """The dtype plan for one model, reading weight data only where fp16 ranges matter.
+
+    With ``calibrate`` (``-safe`` targets), the model also runs in fp32 on seeded inputs and
+    the plan gains the islands its activations need (see :mod:`.calibration`); ``search``
+    also checks the fp16 candidate against fp32 and bisects for what is missing. A model that
+    cannot be built or fed keeps the recipe's plan, with a warning saying so.
+    """
     chosen = (
         recipe
         if isinstance(recipe, Recipe)
@@ -116,14 +145,31 @@ def plan_model(
         else set()
     )
     ranges = scan_ranges(tensors) if target in ("fp16", "fp16-safe") else None
-    return build_plan(
-        tensors,
-        target=target,
-        recipe=chosen,
-        normalization=norms,
-        keep_fp32=keep_fp32,
-        ranges=ranges,
-    )
+
+    def plan_with(extra: Sequence[Island]) -> ModelPlan:
+        return build_plan(
+            tensors,
+            target=target,
+            recipe=chosen,
+            normalization=norms,
+            keep_fp32=keep_fp32,
+            ranges=ranges,
+            extra_islands=extra,
+        )
+
+    if not (calibrate and safe):
+        return plan_with(()), None
+    from precision_convert import __version__
+    from precision_convert.convert.calibration import calibrated_plan
+
+    def write_candidate(source: ModelSource, plan: ModelPlan, directory: Path) -> None:
+        _write_model(source, plan, directory, __version__, None)
+
+    try:
+        return calibrated_plan(model, target, plan_with, write_candidate, search=search)
+    except CannotValidateError as exc:
+        plan = plan_with(())
+        return replace(plan, warnings=(*plan.warnings, f"not calibrated: {exc}")), None
 
 
 def convert(
@@ -136,6 +182,7 @@ def convert(
     revision: str | None = None,
     recipe: str | None = None,
     keep_fp32: Sequence[str] = (),
+    calibrate: bool | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
     on_progress: ProgressHook | None = None,
@@ -149,6 +196,9 @@ def convert(
         validate: run the validation stage and write ``precision_certificate.json``.
         recipe: a built-in recipe name or a TOML file; default: matched by class/model_type.
         keep_fp32: extra module patterns to keep in fp32 (``*`` one component, ``**`` many).
+        calibrate: run the model in fp32 to find islands the recipe does not name (and, for
+            fp16-safe, check and search); default on for ``fp16-safe`` only, where range
+            matters; on for ``bf16-safe`` it looks for layers that lose their mantissa.
 
     Returns:
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
@@ -164,17 +214,27 @@ def convert(
     models = _models(opened)
     # Read the weights into the page cache while planning imports torch/transformers.
     prefetch(t for model in models.values() for t in model.tensors())
-    plans = {
+    if calibrate is None:
+        calibrate = to == "fp16-safe"
+    planned = {
         name: plan_model(
-            model, to, recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code
+            model,
+            to,
+            recipe=recipe,
+            keep_fp32=keep_fp32,
+            trust_remote_code=trust_remote_code,
+            calibrate=calibrate,
         )
         for name, model in models.items()
     }
+    components = [
+        ComponentResult(name, m.library, m.class_name, *planned[name]) for name, m in models.items()
+    ]
     from precision_convert import __version__
 
     try:
         with staged:
-            written = _write(opened, models, plans, staged.path, __version__, on_progress)
+            written = _write(opened, models, components, staged.path, __version__, on_progress)
             staged.commit()
     except OSError as exc:  # disk full, permissions, a vanished source file: nothing was kept
         raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
@@ -182,10 +242,7 @@ def convert(
         source=str(source),
         output=target_dir,
         target=to,
-        components=[
-            ComponentResult(name, m.library, m.class_name, plans[name])
-            for name, m in models.items()
-        ],
+        components=components,
         files=sorted(written),
     )
     if validate:
@@ -204,7 +261,7 @@ def _models(opened: Source) -> dict[str, ModelSource]:
 def _write(
     opened: Source,
     models: dict[str, ModelSource],
-    plans: dict[str, ModelPlan],
+    components: list[ComponentResult],
     staging: Path,
     version: str,
     on_progress: ProgressHook | None,
@@ -215,14 +272,29 @@ def _write(
             if entry.name in _NEVER_COPY or entry.name in models:
                 continue
             written += _copy(entry, staging / entry.name, opened.root)
-    for name, model in models.items():
+    for component in components:
+        name = component.name
         out_dir = staging / name if name else staging
         out_dir.mkdir(exist_ok=True)
-        written += [
-            f"{name}/{f}" if name else f
-            for f in _write_model(model, plans[name], out_dir, version, on_progress)
-        ]
+        files = _write_model(models[name], component.plan, out_dir, version, on_progress)
+        if component.calibration is not None:
+            _write_chart(component, out_dir / CHART_NAME)
+            files.append(CHART_NAME)
+        written += [f"{name}/{f}" if name else f for f in files]
     return written
+
+
+def _write_chart(component: ComponentResult, path: Path) -> None:
+    from precision_convert.convert.chart import activation_chart
+
+    assert component.calibration is not None
+    units = list(dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float))
+    islands = {i.name: i.reason for i in component.plan.islands}
+    title = (
+        f"{component.name or component.class_name}: peak |activation| per module "
+        f"({component.plan.target})"
+    )
+    activation_chart(component.calibration.stats, units, islands, path, title)
 
 
 def _copy(entry: Path, dest: Path, root: Path) -> list[str]:

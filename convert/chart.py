@@ -43,12 +43,12 @@ def activation_chart(
         for s in shown
     ]
     width = min(24.0, max(8.0, len(shown) * 0.18))
-    fig, ax = plt.subplots(figsize=(width, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(width, 7.0), dpi=110)
     ax.bar(range(len(shown)), peaks, color=colors, width=0.85)
     ax.set_yscale("log")
     ax.axhline(FP16_MAX, color="black", linestyle="--", linewidth=1.2)
     ax.axhline(FP16_MAX / ACTIVATION_MARGIN, color="grey", linestyle=":", linewidth=1)
-    ax.text(0, FP16_MAX * 1.15, f"fp16 max {FP16_MAX:g}", fontsize=9)
+    ax.text(len(shown) - 0.5, FP16_MAX * 1.15, f"fp16 max {FP16_MAX:g}", fontsize=9, ha="right")
     step = max(1, len(shown) // _MAX_LABELS)
     ax.set_xticks(range(0, len(shown), step))
     ax.set_xticklabels(
@@ -66,6 +66,7 @@ def activation_chart(
             Patch(color="#9467bd", label="fp32 island: found by search"),
         ],
         loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
         fontsize=8,
     )
     fig.tight_layout()

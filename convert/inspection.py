@@ -11,15 +11,18 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from precision_convert.convert.names import units
 from precision_convert.convert.plan import RangeStats, build_plan, scan_ranges
 from precision_convert.convert.skeleton import normalization_modules
 from precision_convert.convert.source import ModelSource, PipelineSource, open_source, resolve
-from precision_convert.dtypes import from_config_string
+from precision_convert.dtypes import FP16_MAX, from_config_string
 from precision_convert.recipes import SAFE_TARGETS
 from precision_convert.recipes import match as match_recipe
+
+if TYPE_CHECKING:
+    from precision_convert.convert.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,45 @@ class ComponentReport:
     modules: list[ModuleRow]
     hazards: list[Hazard]
     islands: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> name -> reason
+    calibration: Calibration | None = None
+    chart: Path | None = None
+
+    def nearest_to_limit(self, count: int = 20, within: float = 8.0) -> list[dict[str, Any]]:
+        """Calibrated modules whose peak activation is within ``within``x of fp16's limit
+        (or over it), worst first, at most ``count``."""
+        if self.calibration is None:
+            return []
+        fp16_islands = self.islands.get("fp16-safe", {})
+        weighted = {m.name for m in self.modules}  # containers repeat their children's peaks
+        stats = [
+            s
+            for s in self.calibration.stats.values()
+            if s.module in weighted and s.headroom < within
+        ]
+        rows = sorted(stats, key=lambda s: s.headroom)[:count]
+        return [
+            {
+                "module": s.module,
+                "max_abs": max(s.max_in, s.max_out),
+                "max_in": s.max_in,
+                "max_out": s.max_out,
+                "fp16_headroom": s.headroom,
+                "flushed_out": s.flushed_out,
+                "island": fp16_islands.get(s.module),
+            }
+            for s in rows
+        ]
 
     def to_json(self) -> dict[str, Any]:
+        calibration = None
+        if self.calibration is not None:
+            calibration = {
+                "task": self.calibration.task,
+                "fp16_limit": FP16_MAX,
+                "modules": self.nearest_to_limit(),
+                "chart": str(self.chart) if self.chart else None,
+                "warnings": list(self.calibration.warnings),
+            }
         return {
             "component": self.component,
             "library": self.library,
@@ -62,6 +102,7 @@ class ComponentReport:
             ],
             "hazards": [{"kind": h.kind, "name": h.name, "detail": h.detail} for h in self.hazards],
             "islands": self.islands,
+            "calibration": calibration,
         }
 
 
@@ -75,15 +116,48 @@ class InspectReport:
 
 
 def inspect_source(
-    source: str | Path, *, revision: str | None = None, trust_remote_code: bool = False
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    calibrate: bool = False,
+    chart: str | Path | None = None,
 ) -> InspectReport:
-    """Read headers and weights of ``source`` and report dtypes, hazards and planned islands."""
+    """Read headers and weights of ``source`` and report dtypes, hazards and planned islands.
+
+    With ``calibrate`` the model also runs once in fp32: the report lists the modules nearest
+    to fp16's limit, the fp16-safe islands include what the activations need, and a chart is
+    drawn to ``chart`` (default ``./<source-name>-activations.png``; one per pipeline
+    component, suffixed with its name).
+    """
     opened = open_source(resolve(source, revision))
     models = dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
-    return InspectReport(
-        str(source),
-        [_inspect_model(name, m, trust_remote_code) for name, m in models.items()],
+    reports = [_inspect_model(name, m, trust_remote_code) for name, m in models.items()]
+    if calibrate:
+        base = Path(chart) if chart else Path.cwd() / f"{Path(str(source)).name}-activations.png"
+        for report in reports:
+            path = base.with_stem(f"{base.stem}-{report.component}") if report.component else base
+            _calibrate(report, models[report.component], path, trust_remote_code)
+    return InspectReport(str(source), reports)
+
+
+def _calibrate(
+    report: ComponentReport, model: ModelSource, chart: Path, trust_remote_code: bool
+) -> None:
+    from precision_convert.convert.api import plan_model
+    from precision_convert.convert.chart import activation_chart
+
+    plan, calibration = plan_model(
+        model, "fp16-safe", calibrate=True, search=False, trust_remote_code=trust_remote_code
     )
+    report.islands["fp16-safe"] = {i.name: i.reason for i in plan.islands}
+    report.calibration = calibration
+    if calibration is not None:
+        units = list(dict.fromkeys(t.unit for t in plan.tensors if t.source.is_float))
+        title = f"{report.component or report.class_name}: peak |activation| per module"
+        report.chart = activation_chart(
+            calibration.stats, units, report.islands["fp16-safe"], chart, title
+        )
 
 
 def _inspect_model(name: str, model: ModelSource, trust_remote_code: bool) -> ComponentReport:

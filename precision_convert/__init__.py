@@ -45,6 +45,7 @@ def convert(
     revision: str | None = None,
     recipe: str | None = None,
     keep_fp32: Sequence[str] = (),
+    calibrate: bool | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
 ) -> ConversionResult:
@@ -63,18 +64,33 @@ def convert(
         revision=revision,
         recipe=recipe,
         keep_fp32=keep_fp32,
+        calibrate=calibrate,
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,
     )
 
 
 def inspect(
-    source: str | Path, *, revision: str | None = None, trust_remote_code: bool = False
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    calibrate: bool = False,
+    chart: str | Path | None = None,
 ) -> InspectReport:
-    """Real tensor dtypes per module, the matching recipe, planned islands and hazards."""
+    """Real tensor dtypes per module, the matching recipe, planned islands and hazards.
+
+    See :func:`precision_convert.convert.inspection.inspect_source`.
+    """
     from precision_convert.convert.inspection import inspect_source
 
-    return inspect_source(source, revision=revision, trust_remote_code=trust_remote_code)
+    return inspect_source(
+        source,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        calibrate=calibrate,
+        chart=chart,
+    )
 
 
 def load(path: str | Path, device: str | None = None, *, trust_remote_code: bool = False) -> Any:

@@ -37,6 +37,15 @@ def model(
             "component, ** = any run of them).",
         ),
     ] = None,
+    calibrate: Annotated[
+        bool | None,
+        typer.Option(
+            "--calibrate/--no-calibrate",
+            help="Run the model in fp32 to find islands no recipe names [default: on for "
+            "fp16-safe].",
+            show_default=False,
+        ),
+    ] = None,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Certify parity against fp32.")
     ] = True,
@@ -60,6 +69,7 @@ def model(
             revision=revision,
             recipe=recipe,
             keep_fp32=keep_fp32 or (),
+            calibrate=calibrate,
             overwrite=overwrite,
             trust_remote_code=trust_remote_code,
             on_progress=progress,

@@ -1,0 +1,181 @@
+"""Activation analysis: fp16-safe finds overflowing modules itself, checks and searches.
+
+Every overflow here is real: weights of tiny real architectures are scaled until the fp32
+activations exceed fp16's 65504, and the plain fp16 model is shown to break on them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import _models
+import torch
+from safetensors.torch import load_file, save_file
+
+import precision_convert as pc
+from precision_convert.convert.api import convert
+from precision_convert.dtypes import FP16_MAX
+
+
+def _scaled(source: Path, dest: Path, scales: dict[str, float]) -> Path:
+    shutil.copytree(source, dest)
+    weights = next(dest.glob("*.safetensors"))
+    state = load_file(weights)
+    for name, scale in scales.items():
+        state[name] = state[name] * scale
+    save_file(state, weights, metadata={"format": "pt"})
+    return dest
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(
+        torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0)
+    )
+
+
+def _t5_overflowing(tmp_path: Path) -> Path:
+    """T5 v1.1 whose feed-forward outputs (recipe case) and block 1's attention output
+    projection (a case no recipe names) both really exceed fp16."""
+    source = _models.t5_encoder(tmp_path / "t5")
+    scales = {f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight": 3e5 for i in range(2)}
+    # Weights stay inside fp16 (max |w| ~ 3e4): only the activations overflow.
+    scales["encoder.block.1.layer.0.SelfAttention.o.weight"] = 5e4
+    return _scaled(source, tmp_path / "t5-scaled", scales)
+
+
+def _t5_run(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(input_ids=ids).last_hidden_state.float()
+
+
+def test_t5_fp16_safe_finds_recipe_and_unnamed_islands(tmp_path: Path) -> None:
+    from transformers import T5EncoderModel
+
+    source = _t5_overflowing(tmp_path)
+    reference = _t5_run(T5EncoderModel.from_pretrained(source).eval())
+    assert reference.isfinite().all()
+    calibrated_peak = max(
+        s.max_out
+        for s in pc.inspect(source, calibrate=True).components[0].calibration.stats.values()
+    )
+    assert calibrated_peak > FP16_MAX, "the scaled weights must really overflow fp16"
+
+    plain = _t5_run(T5EncoderModel.from_pretrained(source).half().eval())
+    assert not plain.isfinite().all() or _cosine(plain, reference) < 0.99
+
+    result = convert(source, to="fp16-safe", output=tmp_path / "safe", validate=False)
+    islands = {i.name: i for i in result.components[0].plan.islands}
+    o_proj = "encoder.block.1.layer.0.SelfAttention.o"
+    assert islands[o_proj].reason == "range" and "calibration" in islands[o_proj].rule
+    assert islands["encoder.block.0.layer.1.DenseReluDense.wo"].reason == "range"
+    assert "encoder.block.0.layer.0.SelfAttention.o" not in islands  # unscaled: stays fp16
+    converted = _t5_run(pc.load(tmp_path / "safe"))
+    assert converted.isfinite().all()
+    assert _cosine(converted, reference) >= 0.9999
+
+
+def _cogvideox_scaled(tmp_path: Path) -> tuple[Path, set[str]]:
+    source = _models.cogvideox_transformer(tmp_path / "cogvideox")
+    overflowing = {"transformer_blocks.1.ff.net.2"}
+    return _scaled(
+        source, tmp_path / "cog-scaled", {f"{m}.weight": 2e6 for m in overflowing}
+    ), overflowing
+
+
+def _cogvideox_run(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    kwargs = {
+        "hidden_states": torch.randn(1, 2, 4, 8, 8, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, 16, generator=g),
+        "timestep": torch.tensor([500]),
+    }
+    kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
+    with torch.no_grad():
+        return model(**kwargs, return_dict=False)[0].float()
+
+
+def test_cogvideox_fp16_safe_keeps_only_the_overflowing_blocks(tmp_path: Path) -> None:
+    from diffusers import CogVideoXTransformer3DModel
+
+    source, overflowing = _cogvideox_scaled(tmp_path)
+    reference = _cogvideox_run(CogVideoXTransformer3DModel.from_pretrained(source), torch.float32)
+    plain = _cogvideox_run(
+        CogVideoXTransformer3DModel.from_pretrained(source, torch_dtype=torch.float16),
+        torch.float16,
+    )
+    assert torch.isnan(plain).any(), "plain fp16 must really produce NaN"
+
+    recipe_only = convert(source, to="bf16-safe", output=tmp_path / "bf16", validate=False)
+    result = convert(source, to="fp16-safe", output=tmp_path / "fp16", validate=False)
+    recipe_islands = set(recipe_only.components[0].plan.fp32_modules)
+    added = set(result.components[0].plan.fp32_modules) - recipe_islands
+    assert overflowing <= added
+    assert all(name.startswith("transformer_blocks.1.") for name in added)
+    assert len(added) <= len(overflowing) + 2
+    converted = _cogvideox_run(pc.load(tmp_path / "fp16"), torch.float16)
+    assert converted.isfinite().all()
+    assert _cosine(converted, reference) >= 0.999
+
+
+def test_search_finds_an_overflow_no_module_output_shows(tmp_path: Path) -> None:
+    """T5's gated feed-forward multiplies wi_0's and wi_1's outputs in functional code: each
+    stays far below fp16's limit, their product does not. No module's output shows it, so
+    only checking the candidate against fp32 and searching can find the island."""
+    from transformers import T5EncoderModel
+
+    source = _models.t5_encoder(tmp_path / "t5")
+    ff = "encoder.block.1.layer.1.DenseReluDense"
+    scaled = _scaled(
+        source, tmp_path / "scaled", {f"{ff}.wi_0.weight": 200.0, f"{ff}.wi_1.weight": 200.0}
+    )
+    stats = (
+        pc.inspect(scaled, calibrate=True, chart=tmp_path / "c.png").components[0].calibration.stats
+    )
+    assert max(stats[f"{ff}.wi_0"].max_out, stats[f"{ff}.wi_1"].max_out) < FP16_MAX / 2
+    assert stats[f"{ff}.wo"].max_in > FP16_MAX  # the product, computed between modules
+
+    result = convert(scaled, to="fp16-safe", output=tmp_path / "out", validate=False)
+    component = result.components[0]
+    searched = {i.name for i in component.plan.islands if i.reason == "search"}
+    assert searched and searched <= {f"{ff}.wi_0", f"{ff}.wi_1"}
+    assert component.calibration is not None and component.calibration.evaluations >= 2
+    reference = _t5_run(T5EncoderModel.from_pretrained(scaled).eval())
+    assert _cosine(_t5_run(pc.load(tmp_path / "out")), reference) >= 0.9999
+
+
+def test_too_many_islands_recommends_bf16_safe(tmp_path: Path) -> None:
+    source = _models.llama(tmp_path / "llama")
+    scales = {
+        f"model.layers.{i}.mlp.{p}.weight": 3000.0
+        for i in range(2)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    result = convert(
+        _scaled(source, tmp_path / "big", scales),
+        to="fp16-safe",
+        output=tmp_path / "out",
+        validate=False,
+    )
+    plan = result.components[0].plan
+    assert plan.fp32_share > 0.25
+    assert any("bf16-safe is recommended" in w for w in plan.warnings)
+
+
+def test_inspect_calibrate_draws_the_chart(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from precision_convert.cli.main import app
+
+    source = _t5_overflowing(tmp_path)
+    chart = tmp_path / "chart.png"
+    result = CliRunner().invoke(
+        app, ["inspect", str(source), "--calibrate", "--chart", str(chart), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)["components"][0]["calibration"]
+    over = [row for row in report["modules"] if row["max_abs"] > FP16_MAX]
+    assert {row["module"] for row in over} >= {"encoder.block.1.layer.0.SelfAttention.o"}
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
