@@ -59,7 +59,9 @@ def test_t5_fp16_safe_finds_recipe_and_unnamed_islands(tmp_path: Path) -> None:
     assert reference.isfinite().all()
     calibrated_peak = max(
         s.max_out
-        for s in pc.inspect(source, calibrate=True).components[0].calibration.stats.values()
+        for s in pc.inspect(source, calibrate=True, chart=tmp_path / "c.png")
+        .components[0]
+        .calibration.stats.values()
     )
     assert calibrated_peak > FP16_MAX, "the scaled weights must really overflow fp16"
 
