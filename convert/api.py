@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 ProgressHook = Callable[[str, int], None]
 #: Never copied from a source: Hub download bookkeeping and version control.
 _NEVER_COPY = frozenset({".cache", ".git", ".huggingface"})
-#: The calibration chart written beside the weights when analysis ran (and shown in the card).
-CHART_NAME = "activations.png"
 
 
 @dataclass(frozen=True)
@@ -278,14 +276,13 @@ def _write(
         out_dir.mkdir(exist_ok=True)
         files = _write_model(models[name], component.plan, out_dir, version, on_progress)
         if component.calibration is not None:
-            _write_chart(component, out_dir / CHART_NAME)
-            files.append(CHART_NAME)
+            files.append(_write_chart(component, out_dir))
         written += [f"{name}/{f}" if name else f for f in files]
     return written
 
 
-def _write_chart(component: ComponentResult, path: Path) -> None:
-    from precision_convert.convert.chart import activation_chart
+def _write_chart(component: ComponentResult, directory: Path) -> str:
+    from precision_convert.convert.chart import CHART_NAME, activation_chart
 
     assert component.calibration is not None
     units = list(dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float))
@@ -294,7 +291,8 @@ def _write_chart(component: ComponentResult, path: Path) -> None:
         f"{component.name or component.class_name}: peak |activation| per module "
         f"({component.plan.target})"
     )
-    activation_chart(component.calibration.stats, units, islands, path, title)
+    activation_chart(component.calibration.stats, units, islands, directory / CHART_NAME, title)
+    return CHART_NAME
 
 
 def _copy(entry: Path, dest: Path, root: Path) -> list[str]:

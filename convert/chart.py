@@ -13,6 +13,8 @@ from pathlib import Path
 from precision_convert.convert.analysis import ACTIVATION_MARGIN, ActivationStats
 from precision_convert.dtypes import FP16_MAX
 
+#: File name of the chart beside a model's weights; the model card shows it when present.
+CHART_NAME = "precision_activations.png"
 #: Beyond this many bars labels become unreadable; only every n-th module is labelled.
 _MAX_LABELS = 40
 
