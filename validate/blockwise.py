@@ -17,13 +17,11 @@ right after, so only one block is ever resident, on the GPU when there is one.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ from precision_convert.validate.inputs import (
     inputs_from_tensors,
     select_inputs,
 )
+from precision_convert.validate.memory import release_freed_memory
 from precision_convert.validate.metrics import Measurement, compare, kind_of, measure
 from precision_convert.validate.runner import (
     RUN_ERRORS,
@@ -212,27 +211,6 @@ def _read(tensor: LazyTensor, dtype: torch.dtype, device: torch.device) -> torch
     return out.reshape(tensor.shape).to(device)
 
 
-@cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, where there is one (Linux); None elsewhere."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def _release_freed_memory() -> None:
-    """Hand a dropped block's pages back to the OS.
-
-    glibc raises its mmap threshold after a large free, so the next block's tensors come from
-    the heap, and freed heap pages stay in RSS: without a trim, peak memory creeps up by a
-    block or two over a long model instead of staying at one block.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 @dataclass
 class _Streamer:
     """Materializes one block's tensors before its forward and puts the meta ones back after."""
@@ -286,7 +264,7 @@ class _Streamer:
     def unload(self, tag: str) -> None:
         for table, local, old in self.saved.pop(tag, []):
             table[local] = old
-        _release_freed_memory()
+        release_freed_memory()
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:
@@ -362,6 +340,22 @@ class LoadOnUse(TorchFunctionMode):
 
             args, kwargs = tree_map(real, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def build_streamed(source: ModelSource, *, upcast: bool) -> nn.Module:
+    """The whole model on the CPU, filled from its files one tensor at a time.
+
+    Peak memory is the model plus one tensor. ``from_pretrained(dtype=float32)`` of a bf16
+    checkpoint instead keeps the file's mapped pages (0.5x) next to the fp32 weights (1x).
+
+    Raises:
+        CannotValidateError: the weights do not map one-to-one onto the model's tensors (a
+            library that fuses them on load); build with the library instead.
+    """
+    model = build_skeleton(source)
+    streamer = _Streamer(model, _weight_map(model, source), torch.device("cpu"), upcast=upcast)
+    streamer.load_keys("", list(streamer.owners))
+    return model
 
 
 # --------------------------------------------------------------------------- activations

@@ -50,6 +50,7 @@ from precision_convert.validate.inputs import (
     pipeline_inputs,
     select_inputs,
 )
+from precision_convert.validate.memory import release_freed_memory
 from precision_convert.validate.metrics import METRICS, Measurement, compare, kind_of, measure
 
 __all__ = ["parse_memory", "thresholds_for", "validate"]
@@ -302,12 +303,25 @@ def thresholds_for(task: str, validation: Mapping[str, Any] | None = None) -> di
 
 
 def load_baseline(directory: Path) -> Any:
-    """The model in ``directory`` built by its own library in fp32 (bf16 sources upcast)."""
+    """The model (or pipeline) in ``directory`` in fp32, bf16 sources upcast, on the CPU.
+
+    Each model is built by its own library as a weightless skeleton and filled one tensor at a
+    time (:func:`~precision_convert.validate.blockwise.build_streamed`), so memory peaks at the
+    fp32 model plus one tensor whatever the files hold; the library's ``from_pretrained`` is
+    the fallback where weights do not map one-to-one (fused experts).
+    """
     opened = open_source(directory)
     if isinstance(opened, PipelineSource):
         import diffusers
 
-        return _diffusers_fp32(diffusers.DiffusionPipeline, directory)
+        components = {name: load_baseline(directory / name) for name in opened.components}
+        return diffusers.DiffusionPipeline.from_pretrained(directory, **components)
+    from precision_convert.validate.blockwise import build_streamed
+
+    try:
+        return build_streamed(opened, upcast=True)
+    except CannotValidateError:
+        pass
     if opened.library == "diffusers":
         import diffusers
 
@@ -386,6 +400,7 @@ def _free(gone: weakref.ref[Any], device: torch.device) -> None:
     """
     if gone() is not None:
         gc.collect()
+    release_freed_memory()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
