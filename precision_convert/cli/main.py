@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -45,4 +46,7 @@ def _root(
 
 def run() -> None:
     """Console-script entry point."""
+    # transformers/diffusers draw their own tqdm bars ("Loading weights") on every model they
+    # build; the command shows one progress display of its own instead.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     app()
