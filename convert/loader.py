@@ -297,7 +297,7 @@ def _build_transformers(
 ) -> tuple[nn.Module, KeyMap]:
     cls = cls or _transformers_class(source, trust_remote_code)
     model = cls.from_pretrained(source.root, dtype=compute, trust_remote_code=trust_remote_code)
-    return model, _transformers_keys(model)
+    return model, transformers_key_map(model)
 
 
 def _transformers_class(source: ModelSource, trust_remote_code: bool) -> Any:
@@ -326,7 +326,7 @@ def _transformers_class(source: ModelSource, trust_remote_code: bool) -> Any:
     return native or transformers.AutoModel
 
 
-def _transformers_keys(model: nn.Module) -> KeyMap:
+def transformers_key_map(model: nn.Module) -> KeyMap:
     """Checkpoint key -> state-dict key, through transformers' own renaming rules.
 
     A key that transformers merges with others (a ``WeightConverter``: fused experts, fused

@@ -104,7 +104,12 @@ def load(path: str | Path, device: str | None = None, *, trust_remote_code: bool
 
 
 def validate(
-    converted: str | Path, baseline: str | Path | None = None, device: str | None = None
+    converted: str | Path,
+    baseline: str | Path | None = None,
+    device: str | None = None,
+    *,
+    inputs: str | Path | None = None,
+    max_memory: str | int | None = None,
 ) -> Certificate:
     """Certify ``converted`` against its fp32 baseline; writes ``precision_certificate.json``.
 
@@ -112,4 +117,4 @@ def validate(
     """
     from precision_convert.validate.runner import validate as _validate
 
-    return _validate(converted, baseline=baseline, device=device)
+    return _validate(converted, baseline, device, inputs=inputs, max_memory=max_memory)

@@ -138,10 +138,10 @@ def _weight_map(model: nn.Module, source: ModelSource) -> dict[str, LazyTensor]:
     Checkpoint names go through the same mapping the loader uses (transformers renames legacy
     keys); a tied tensor stored under one of its names fills every holder.
     """
-    from precision_convert.convert.loader import _transformers_keys
+    from precision_convert.convert.loader import transformers_key_map
 
     if source.library == "transformers":
-        key_of = _transformers_keys(model)
+        key_of = transformers_key_map(model)
     else:
         state = set(model.state_dict())
         key_of = lambda name: name if name in state else None  # noqa: E731

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from precision_convert.cli._common import byte_progress, console, emit_json, reported_errors
+from precision_convert.cli.validate import print_certificate, require_pass
 
 
 def model(
@@ -93,7 +94,7 @@ def model(
         for component in result.components:
             for warning in component.plan.warnings:
                 console.print(f"[yellow]warning[/]: {warning}")
-        if result.certificate is not None:
-            console.print(f"verdict: [bold]{result.certificate.verdict}[/]")
-    if result.passed is False:
-        raise typer.Exit(1)
+    if result.certificate is not None:
+        print_certificate(result.certificate)
+        with reported_errors():
+            require_pass(result.certificate, result.output)

@@ -44,7 +44,6 @@ def validate_command(
     ] = False,
 ) -> None:
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
-    from precision_convert.errors import CheckFailed
     from precision_convert.validate.runner import validate
 
     with reported_errors():
@@ -55,11 +54,18 @@ def validate_command(
         print_certificate(certificate)
         if json_output:
             emit_json(certificate.to_dict())
-        if not certificate.passed:
-            raise CheckFailed(
-                f"{converted}: not certified ({len(certificate.failures)} problems, first: "
-                f"{certificate.failures[0] if certificate.failures else 'no metric was judged'})"
-            )
+        require_pass(certificate, converted)
+
+
+def require_pass(certificate: Certificate, converted: Path) -> None:
+    """Raise CheckFailed (exit 1) naming the first problem unless the verdict is pass."""
+    from precision_convert.errors import CheckFailed
+
+    if not certificate.passed:
+        first = certificate.failures[0] if certificate.failures else "no metric was judged"
+        raise CheckFailed(
+            f"{converted}: not certified ({len(certificate.failures)} problems, first: {first})"
+        )
 
 
 def print_certificate(certificate: Certificate) -> None:
