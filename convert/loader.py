@@ -16,6 +16,7 @@ treated as one whose fp32 output must flow on.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -372,8 +373,27 @@ def _build_diffusers(
     cls = cls or getattr(diffusers, source.class_name or "", None)
     if not isinstance(cls, type):
         raise InputError(f"diffusers has no model class {source.class_name!r}", source.root)
+    _quiet_about_our_record()
     model = cls.from_pretrained(source.root, dtype=compute)
     return model, _exact_keys(model)
+
+
+class _OurRecordFilter(logging.Filter):
+    """Drops diffusers' "config attributes {'precision_convert': …} … not expected" warning:
+    the record is ours, diffusers is right to ignore it, and users need not be told so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (RECORD_KEY in message and "not expected" in message)
+
+
+_RECORD_FILTER = _OurRecordFilter()
+
+
+def _quiet_about_our_record() -> None:
+    logger = logging.getLogger("diffusers.configuration_utils")
+    if _RECORD_FILTER not in logger.filters:
+        logger.addFilter(_RECORD_FILTER)
 
 
 def _build_open_clip(
