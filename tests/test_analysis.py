@@ -181,3 +181,41 @@ def test_inspect_calibrate_draws_the_chart(tmp_path: Path) -> None:
     over = [row for row in report["modules"] if row["max_abs"] > FP16_MAX]
     assert {row["module"] for row in over} >= {"encoder.block.1.layer.0.SelfAttention.o"}
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+
+
+def test_bf16_safe_calibration_keeps_a_cancelling_layer(tmp_path: Path) -> None:
+    """bf16 keeps 8 significant bits: a layer whose output is the difference of two nearly
+    equal large terms loses it. Calibration recomputes each layer in bf16 and keeps that one."""
+    from transformers import LlamaForCausalLM
+
+    source = _models.llama(tmp_path / "llama")
+    weights = source / "model.safetensors"
+    state = load_file(weights)
+    mlp = "model.layers.1.mlp"
+    for proj in ("gate_proj", "up_proj"):  # intermediate channels 0 and 1 become identical
+        state[f"{mlp}.{proj}.weight"][1] = state[f"{mlp}.{proj}.weight"][0]
+    down = state[f"{mlp}.down_proj.weight"]
+    down.mul_(0.01)
+    down[:, 0], down[:, 1] = 100.3, -100.0  # 100.3 is 100.5 in bf16: the 0.3 is lost
+    save_file(state, weights, metadata={"format": "pt"})
+
+    plain = convert(source, to="bf16-safe", output=tmp_path / "plain", validate=False)
+    assert plain.components[0].calibration is None  # bf16-safe calibrates only when asked
+    result = convert(
+        source, to="bf16-safe", output=tmp_path / "out", validate=False, calibrate=True
+    )
+    added = {i.name: i for i in result.components[0].calibration.islands}
+    assert set(added) == {f"{mlp}.down_proj"} and added[f"{mlp}.down_proj"].reason == "precision"
+
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()
+
+    reference = logits(LlamaForCausalLM.from_pretrained(source))
+    error = {
+        name: float((logits(pc.load(tmp_path / name)) - reference).norm() / reference.norm())
+        for name in ("plain", "out")
+    }
+    assert error["out"] < error["plain"] / 2
