@@ -33,7 +33,6 @@ from torch.utils._pytree import tree_map
 from precision_convert.convert.source import ModelSource, open_source
 from precision_convert.convert.tensors import FileTensor, LazyTensor
 from precision_convert.errors import CannotValidateError
-from precision_convert.validate.certificate import ComponentRecord
 from precision_convert.validate.execute import (
     METADATA_FUNCTIONS,
     Coverage,
@@ -58,6 +57,7 @@ from precision_convert.validate.runner import (
     ComponentResult,
     check_baseline,
     compare_outputs,
+    component_record,
     recipe_validation,
     thresholds_for,
 )
@@ -567,21 +567,10 @@ def validate_blockwise(
         )
         frozen = resolve_inputs(chosen, base_out)
 
-        validation = recipe_validation(component.record.get("recipe"))
-        task = str(validation.get("task", chosen.task))
-        thresholds = thresholds_for(task, validation)
-        block_thresholds = thresholds_for("block", validation)
-        record = ComponentRecord(
-            name=component.name,
-            class_name=component.converted.class_name,
-            library=component.converted.library,
-            task=task,
-            mode="blockwise",
-            recipe=component.record.get("recipe"),
-            plan_sha256=component.record.get("plan_sha256"),
-            inputs=frozen.describe(),
-            blocks=len(blocks),
+        record, thresholds = component_record(
+            component, chosen.task, frozen, "blockwise", blocks=len(blocks)
         )
+        block_thresholds = thresholds_for("block", recipe_validation(record.recipe))
         metrics = measure(
             component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds
         )

@@ -433,6 +433,29 @@ def compare_outputs(
     return rows
 
 
+def component_record(
+    component: Component, inputs_task: str, inputs: ModelInputs, mode: str, **extra: Any
+) -> tuple[ComponentRecord, dict[str, float]]:
+    """The certificate record of one component and the thresholds it is judged by.
+
+    The task is the recipe's ``[validation] task`` when it names one, else the inputs' own.
+    """
+    validation = recipe_validation(component.record.get("recipe"))
+    task = str(validation.get("task", inputs_task))
+    record = ComponentRecord(
+        name=component.name,
+        class_name=component.converted.class_name,
+        library=component.converted.library,
+        task=task,
+        mode=mode,
+        recipe=component.record.get("recipe"),
+        plan_sha256=component.record.get("plan_sha256"),
+        inputs=inputs.describe(),
+        **extra,
+    )
+    return record, thresholds_for(task, validation)
+
+
 def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:
     """Refuse to certify against a baseline that is itself not finite: nothing to match."""
     for probe, tensors in outputs.items():
@@ -483,19 +506,7 @@ def _validate_whole(
     del baseline, candidates
     _free(gone, device)
 
-    validation = recipe_validation(component.record.get("recipe"))
-    task = str(validation.get("task", chosen.task))
-    thresholds = thresholds_for(task, validation)
-    record = ComponentRecord(
-        name=component.name,
-        class_name=component.converted.class_name,
-        library=component.converted.library,
-        task=task,
-        mode="whole",
-        recipe=component.record.get("recipe"),
-        plan_sha256=component.record.get("plan_sha256"),
-        inputs=frozen.describe(),
-    )
+    record, thresholds = component_record(component, chosen.task, frozen, "whole")
     metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
     try:
         candidate = load_candidate(component.converted.root, device)
