@@ -108,15 +108,40 @@ def resolve(source: str | Path, revision: str | None = None) -> Path:
     if text.startswith((".", "/", "~")) or not _REPO_ID.match(text):
         raise InputError("no such directory", path)
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(text, revision=revision))
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(
-            f"not a local directory, and the Hub could not provide it: {first_line}", text
-        ) from None
+    except Exception as exc:  # whatever the download raises, the Hub could not provide it
+        raise InputError(_hub_failure(exc, revision), text) from exc
+
+
+def _hub_failure(exc: Exception, revision: str | None) -> str:
+    """One line saying why ``snapshot_download`` failed, and the fix where there is one.
+
+    The client's own messages start with "404 Client Error." whether the repo or the revision
+    is missing, so those are named here. Transport errors (a connection dropped mid-download)
+    are not ``OSError`` in huggingface_hub >= 1 (httpx), hence the catch-all around the call.
+    """
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(exc, GatedRepoError):
+        return "gated repo on the Hub: accept its terms on its page, then log in (hf auth login)"
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            "not a local directory, and no such model repo on the Hub "
+            "(a private or gated repo needs a token: hf auth login)"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return f"the Hub repo has no revision {revision or 'main'!r}"
+    lines = str(exc).strip().splitlines()
+    detail = lines[0].removeprefix("Got: ") if lines else type(exc).__name__
+    if lines and not isinstance(exc, OSError):  # transport errors: their text alone is vague
+        detail = f"{type(exc).__name__}: {detail}"
+    return f"not a local directory, and the Hub could not provide it: {detail}"
 
 
 def open_source(path: Path) -> Source:
