@@ -231,11 +231,27 @@ def _busy_cpu_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for_quiet(limit_s: float, window_s: float = 3.0, cores: float = 0.15) -> float:
+    """Wait (up to ``limit_s``) until the machine has used under ``cores`` CPUs for
+    ``window_s``; other work on a shared host skews wall times. Returns seconds waited."""
+    start = time.perf_counter()
+    while True:
+        before = _busy_cpu_s()
+        time.sleep(window_s)
+        after = _busy_cpu_s()
+        if before is None or after is None or (after - before) / window_s < cores:
+            break
+        if time.perf_counter() - start > limit_s:
+            break
+    return round(time.perf_counter() - start, 1)
+
+
 def measure(argv: list[str], *, cache: str, source: Path, scratch: Path) -> dict[str, Any]:
     """Run ``argv`` in a fresh child; wall time and that child's own peak RSS.
 
-    ``other_cpu_s`` is the CPU time the rest of the machine used meanwhile (other processes
-    on a shared host): a large value means the wall time is not to be trusted.
+    ``other_cpu_s`` is the CPU time the rest of the machine used meanwhile: kernel threads
+    working for the child (writeback, block I/O) and other processes on a shared host. Well
+    above a second or two, something else was running and the wall time is suspect.
     """
     cache = prepare_cache(cache, source)
     busy_before = _busy_cpu_s()
@@ -346,6 +362,12 @@ def main() -> None:
     parser.add_argument(
         "--transformers-repeat", type=int, default=1, help="rounds of transformers (slow)"
     )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=120,
+        help="before each run, wait up to this many seconds for the machine to go idle",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--keep-outputs", action="store_true")
     args = parser.parse_args()
@@ -399,7 +421,9 @@ def main() -> None:
         for name, argv in commands.items():
             if round_ >= rounds[name]:
                 continue
+            waited = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else 0.0
             sample = measure(argv, cache=args.cache, source=source, scratch=work)
+            sample["waited_for_quiet_s"] = waited
             sample["output_bytes"] = dir_bytes(outs[name])
             samples[name].append(sample)
             if name == "convert" and check is None:
@@ -425,8 +449,14 @@ def main() -> None:
     size_mb = size / MB
     conv = results["convert"]
     cp_wall = results["cp_sync"]["wall_s"]
+    # Per round too: cp and convert run back to back, so a round shares the host's mood.
+    paired = [
+        c["wall_s"] / p["wall_s"]
+        for c, p in zip(samples["convert"], samples["cp_sync"], strict=False)
+    ]
     ratios: dict[str, float] = {
         "convert_wall_over_cp_sync": conv["wall_s"] / cp_wall,
+        "convert_wall_over_cp_sync_median_of_rounds": _median(paired),
         "convert_rss_over_model_size": conv["peak_rss_mb"] / size_mb,
     }
     targets: dict[str, bool] = {
@@ -452,6 +482,7 @@ def main() -> None:
         "page_cache": {c: _CACHE_HELP[c] for c in sorted(caches)},
         "methods": results,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "convert_wall_over_cp_sync_by_round": [round(r, 3) for r in paired],
         "targets_met": targets,
         "output_check": check,
         "host": {
