@@ -20,7 +20,11 @@ def inspect(
     ],
     revision: Annotated[str | None, typer.Option(help="Hub revision of SOURCE.")] = None,
     trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow the model's own code (auto_map) to build its skeleton.")
+        bool,
+        typer.Option(
+            "--trust-remote-code",
+            help="Allow the model's own code (auto_map) to build its skeleton.",
+        ),
     ] = False,
     calibrate: Annotated[
         bool,
@@ -33,7 +37,7 @@ def inspect(
     chart: Annotated[
         Path | None,
         typer.Option(
-            help="Where --calibrate writes its chart [default: ./<source>-activations.png]."
+            help="Where --calibrate writes its chart (default: ./<source>-activations.png)."
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON report.")] = False,

@@ -21,13 +21,13 @@ def model(
     ],
     output: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="Output directory [default: ./<source>-<target>]."),
+        typer.Option("-o", "--output", help="Output directory (default: ./<source>-<target>)."),
     ] = None,
     revision: Annotated[
         str | None, typer.Option(help="Hub revision (branch, tag or commit) of SOURCE.")
     ] = None,
     recipe: Annotated[
-        str | None, typer.Option(help="Recipe name or TOML file [default: matched].")
+        str | None, typer.Option(help="Recipe name or TOML file (default: matched by class).")
     ] = None,
     keep_fp32: Annotated[
         list[str] | None,
@@ -42,8 +42,8 @@ def model(
         bool | None,
         typer.Option(
             "--calibrate/--no-calibrate",
-            help="Run the model in fp32 to find islands no recipe names [default: on for "
-            "fp16-safe].",
+            help="Run the model in fp32 to find islands no recipe names (default: on for "
+            "fp16-safe only).",
             show_default=False,
         ),
     ] = None,
@@ -51,9 +51,12 @@ def model(
         bool, typer.Option("--validate/--no-validate", help="Certify parity against fp32.")
     ] = True,
     device: Annotated[str, typer.Option(help="Validation device: auto, cpu or cuda.")] = "auto",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output directory.")
+    ] = False,
     trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow the model's own code (auto_map) to run.")
+        bool,
+        typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
