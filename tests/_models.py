@@ -1,7 +1,9 @@
-"""Tiny real architectures built from configs and saved the way their libraries save them.
+"""Tiny real architectures across transformers, diffusers and open_clip, built from configs.
 
-No weights can be downloaded here, so every test model is a real transformers / diffusers /
-open_clip class with a small config, randomly initialized from a fixed seed.
+No weights can be downloaded here, so every test model is a real library class with a small
+config, randomly initialized from a fixed seed. ``make(name)`` returns a model, ``save(name,
+path)`` writes it the way its library does; OpenCLIP and whole pipelines have savers of their
+own. The conftest fixture ``tiny_model`` builds each saved directory once per session.
 """
 
 from __future__ import annotations
@@ -9,69 +11,336 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def _seeded(seed: int = 0) -> None:
-    torch.manual_seed(seed)
-
-
-def t5_encoder(path: Path) -> Path:
+def t5_encoder() -> Any:
     from transformers import T5Config, T5EncoderModel
 
-    _seeded()
-    config = T5Config(
-        vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+    cfg = T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
     )
-    T5EncoderModel(config).save_pretrained(path)
-    return path
+    return T5EncoderModel(cfg)
 
 
-def llama(path: Path, *, tie_word_embeddings: bool = True) -> Path:
+def llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _seeded()
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tie_word_embeddings,
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,  # as small Llamas ship: the tied head must survive conversion
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return LlamaForCausalLM(cfg)
 
 
-def bert(path: Path) -> Path:
+def bert() -> Any:
     from transformers import BertConfig, BertModel
 
-    _seeded()
-    config = BertConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64,
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
     )
-    BertModel(config).save_pretrained(path)
-    return path
+    return BertModel(cfg)
 
 
-def clip(path: Path) -> Path:
+def clip() -> Any:
     from transformers import CLIPConfig, CLIPModel
 
-    _seeded()
-    config = CLIPConfig(
-        text_config={
-            "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 16,
-            "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
-        },
-        vision_config={
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
-        },
-        projection_dim=16,
+    text = {
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 32,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 1,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+
+
+def vit() -> Any:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+        num_labels=10,
     )
-    CLIPModel(config).save_pretrained(path)
+    return ViTForImageClassification(cfg)
+
+
+def whisper() -> Any:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=32,
+        max_target_positions=32,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return WhisperForConditionalGeneration(cfg)
+
+
+def bart() -> Any:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    return BartForConditionalGeneration(cfg)
+
+
+def wav2vec2() -> Any:
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    cfg = Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        do_stable_layer_norm=True,
+    )
+    return Wav2Vec2Model(cfg)
+
+
+def unet() -> Any:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        norm_num_groups=8,
+        cross_attention_dim=24,
+        attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    )
+
+
+def autoencoder_kl() -> Any:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+
+
+def cogvideox_transformer() -> Any:
+    from diffusers import CogVideoXTransformer3DModel
+
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=16,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+    )
+
+
+def cogvideox_vae() -> Any:
+    from diffusers import AutoencoderKLCogVideoX
+
+    return AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        sample_height=32,
+        sample_width=32,
+    )
+
+
+def sd3_transformer() -> Any:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+
+
+def flux_transformer() -> Any:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def dit_transformer() -> Any:
+    from diffusers import DiTTransformer2DModel
+
+    return DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        num_layers=2,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+        norm_num_groups=2,
+    )
+
+
+def pixart_transformer() -> Any:
+    from diffusers import PixArtTransformer2DModel
+
+    return PixArtTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        sample_size=8,
+        patch_size=2,
+        cross_attention_dim=16,
+        caption_channels=24,
+        norm_num_groups=2,
+    )
+
+
+#: name -> (builder, expected task)
+ZOO: dict[str, tuple[Callable[[], Any], str]] = {
+    "t5-encoder": (t5_encoder, "encoder"),
+    "llama": (llama, "lm-logits"),
+    "bert": (bert, "encoder"),
+    "clip": (clip, "clip"),
+    "vit": (vit, "vision"),
+    "whisper": (whisper, "speech"),
+    "bart": (bart, "seq2seq"),
+    "wav2vec2": (wav2vec2, "speech"),
+    "unet": (unet, "denoise"),
+    "autoencoder-kl": (autoencoder_kl, "vae"),
+    "cogvideox-transformer": (cogvideox_transformer, "denoise"),
+    "cogvideox-vae": (cogvideox_vae, "vae"),
+    "sd3-transformer": (sd3_transformer, "denoise"),
+    "flux-transformer": (flux_transformer, "denoise"),
+    "dit-transformer": (dit_transformer, "denoise"),
+    "pixart-transformer": (pixart_transformer, "denoise"),
+}
+
+
+def make(name: str, seed: int = 0) -> Any:
+    """A zoo model with seeded weights, in eval mode."""
+    torch.manual_seed(seed)
+    return ZOO[name][0]().eval()
+
+
+def save(name: str, path: Path) -> Path:
+    """``make(name)`` saved to ``path`` with the library's own ``save_pretrained``."""
+    make(name).save_pretrained(path)
     return path
+
+
+#: The families every conversion test runs on: one per recipe the converter ships.
+CONVERT_FAMILIES = (
+    "t5-encoder",
+    "llama",
+    "bert",
+    "clip",
+    "cogvideox-transformer",
+    "unet",
+    "autoencoder-kl",
+)
 
 
 OPEN_CLIP_CFG = {
@@ -86,7 +355,7 @@ def open_clip_model(path: Path) -> Path:
     import open_clip
     from safetensors.torch import save_file
 
-    _seeded()
+    torch.manual_seed(0)
     model = open_clip.model.CLIP(**OPEN_CLIP_CFG)
     path.mkdir(parents=True, exist_ok=True)
     config = {
@@ -96,45 +365,6 @@ def open_clip_model(path: Path) -> Path:
     (path / "open_clip_config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, path / "open_clip_model.safetensors")
-    return path
-
-
-def cogvideox_transformer(path: Path) -> Path:
-    from diffusers import CogVideoXTransformer3DModel
-
-    _seeded()
-    CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        time_embed_dim=8, text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8,
-        sample_frames=9, patch_size=2, temporal_compression_ratio=4, max_text_seq_length=8,
-    ).save_pretrained(path)
-    return path
-
-
-def unet(path: Path) -> Path:
-    from diffusers import UNet2DConditionModel
-
-    _seeded()
-    UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(8, 16), norm_num_groups=4, cross_attention_dim=16,
-        attention_head_dim=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    ).save_pretrained(path)
-    return path
-
-
-def vae(path: Path) -> Path:
-    from diffusers import AutoencoderKL
-
-    _seeded()
-    AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-        norm_num_groups=4, layers_per_block=1, sample_size=32,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    ).save_pretrained(path)
     return path
 
 
@@ -153,28 +383,31 @@ def clip_tokenizer(path: Path) -> Path:
 
 def sd_pipeline(path: Path) -> Path:
     """A whole Stable-Diffusion-style pipeline: UNet, VAE, CLIP text encoder, tokenizer."""
-    from diffusers import (
-        AutoencoderKL,
-        PNDMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    work = path.parent / f"{path.name}-parts"
-    _seeded()
+    torch.manual_seed(0)
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, max_position_embeddings=16, projection_dim=16,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1,
+            vocab_size=64,
+            hidden_size=24,  # the UNet's cross_attention_dim
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            projection_dim=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
         )
     )
     pipe = StableDiffusionPipeline(
-        unet=UNet2DConditionModel.from_pretrained(unet(work / "unet")),
-        vae=AutoencoderKL.from_pretrained(vae(work / "vae")),
+        unet=make("unet"),
+        vae=make("autoencoder-kl"),
         text_encoder=text_encoder,
-        tokenizer=CLIPTokenizer.from_pretrained(clip_tokenizer(work / "tokenizer")),
+        tokenizer=CLIPTokenizer.from_pretrained(
+            clip_tokenizer(path.parent / f"{path.name}-tokenizer")
+        ),
         scheduler=PNDMScheduler(skip_prk_steps=True, steps_offset=1),
         safety_checker=None,
         feature_extractor=None,
@@ -184,13 +417,46 @@ def sd_pipeline(path: Path) -> Path:
     return path
 
 
-#: Every single-model builder, by the name tests parametrize over.
-MODEL_BUILDERS: dict[str, Callable[[Path], Path]] = {
-    "t5": t5_encoder,
-    "llama": llama,
-    "bert": bert,
-    "clip": clip,
-    "cogvideox": cogvideox_transformer,
-    "unet": unet,
-    "vae": vae,
-}
+#: The feed-forward pair scaled in the overflowing CogVideoX: up by this, down by its inverse.
+OVERFLOW_SCALE = 1e7
+
+
+def t5_tokenizer() -> Any:
+    """A tiny T5 tokenizer built locally (no download): the words of the built-in sentences."""
+    from transformers import T5Tokenizer
+
+    from precision_convert.validate.inputs import SENTENCES
+
+    words = sorted({w.strip(".,:!").lower() for s in SENTENCES for w in s.split()})
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(f"▁{w}", -1.0 - i / 100) for i, w in enumerate(words)]
+    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def cogvideox_pipeline(path: Any, *, overflow: bool = False) -> None:
+    """Save a tiny CogVideoX pipeline (T5 text encoder, 3-D transformer, VAE) to ``path``.
+
+    With ``overflow`` the first block's feed-forward is rescaled (up-projection weights x1e7,
+    down-projection /1e7): fp32 computes the same function, but the up-projection's weights
+    (~2e5) and activations exceed fp16's 65504 — the CogVideoX-5B failure in miniature.
+    """
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
+
+    torch.manual_seed(0)
+    text_encoder = t5_encoder().eval()
+    transformer = cogvideox_transformer()  # text_embed_dim matches the T5's d_model
+    if overflow:
+        ff = transformer.transformer_blocks[0].ff.net
+        with torch.no_grad():
+            ff[0].proj.weight.mul_(OVERFLOW_SCALE)
+            ff[0].proj.bias.mul_(OVERFLOW_SCALE)
+            ff[2].weight.div_(OVERFLOW_SCALE)
+    pipe = CogVideoXPipeline(
+        tokenizer=t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=cogvideox_vae().eval(),
+        transformer=transformer.eval(),
+        scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipe.save_pretrained(path)

@@ -19,11 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model("t5")`` → a saved tiny model directory (built on first use, then reused).
 
-    Names: the keys of ``_models.MODEL_BUILDERS`` plus ``"openclip"`` and ``"sd-pipeline"``.
+    Names: the keys of ``_models.ZOO`` plus ``"openclip"`` and ``"sd-pipeline"``.
     Treat the returned directory as read-only: other tests share it.
     """
     builders: dict[str, Callable[[Path], Path]] = {
-        **_models.MODEL_BUILDERS,
         "openclip": _models.open_clip_model,
         "sd-pipeline": _models.sd_pipeline,
     }
@@ -34,7 +33,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         if name not in built:
             if name == "openclip":
                 pytest.importorskip("open_clip", reason="open_clip_torch is not installed")
-            built[name] = builders[name](root / name)
+            build = builders.get(name) or (lambda path: _models.save(name, path))
+            built[name] = build(root / name)
         return built[name]
 
     return get

@@ -38,7 +38,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def _t5_overflowing(tmp_path: Path) -> Path:
     """T5 v1.1 whose feed-forward outputs (recipe case) and block 1's attention output
     projection (a case no recipe names) both really exceed fp16."""
-    source = _models.t5_encoder(tmp_path / "t5")
+    source = _models.save("t5-encoder", tmp_path / "t5")
     scales = {f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight": 3e5 for i in range(2)}
     # Weights stay inside fp16 (max |w| ~ 3e4): only the activations overflow.
     scales["encoder.block.1.layer.0.SelfAttention.o.weight"] = 5e4
@@ -80,7 +80,7 @@ def test_t5_fp16_safe_finds_recipe_and_unnamed_islands(tmp_path: Path) -> None:
 
 
 def _cogvideox_scaled(tmp_path: Path) -> tuple[Path, set[str]]:
-    source = _models.cogvideox_transformer(tmp_path / "cogvideox")
+    source = _models.save("cogvideox-transformer", tmp_path / "cogvideox")
     overflowing = {"transformer_blocks.1.ff.net.2"}
     return _scaled(
         source, tmp_path / "cog-scaled", {f"{m}.weight": 2e6 for m in overflowing}
@@ -91,7 +91,7 @@ def _cogvideox_run(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     kwargs = {
         "hidden_states": torch.randn(1, 2, 4, 8, 8, generator=g),
-        "encoder_hidden_states": torch.randn(1, 8, 16, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),  # text_embed_dim
         "timestep": torch.tensor([500]),
     }
     kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
@@ -128,7 +128,7 @@ def test_search_finds_an_overflow_no_module_output_shows(tmp_path: Path) -> None
     only checking the candidate against fp32 and searching can find the island."""
     from transformers import T5EncoderModel
 
-    source = _models.t5_encoder(tmp_path / "t5")
+    source = _models.save("t5-encoder", tmp_path / "t5")
     ff = "encoder.block.1.layer.1.DenseReluDense"
     scaled = _scaled(
         source, tmp_path / "scaled", {f"{ff}.wi_0.weight": 200.0, f"{ff}.wi_1.weight": 200.0}
@@ -149,7 +149,7 @@ def test_search_finds_an_overflow_no_module_output_shows(tmp_path: Path) -> None
 
 
 def test_too_many_islands_recommends_bf16_safe(tmp_path: Path) -> None:
-    source = _models.llama(tmp_path / "llama")
+    source = _models.save("llama", tmp_path / "llama")
     scales = {
         f"model.layers.{i}.mlp.{p}.weight": 3000.0
         for i in range(2)
@@ -188,7 +188,7 @@ def test_bf16_safe_calibration_keeps_a_cancelling_layer(tmp_path: Path) -> None:
     equal large terms loses it. Calibration recomputes each layer in bf16 and keeps that one."""
     from transformers import LlamaForCausalLM
 
-    source = _models.llama(tmp_path / "llama")
+    source = _models.save("llama", tmp_path / "llama")
     weights = source / "model.safetensors"
     state = load_file(weights)
     mlp = "model.layers.1.mlp"

@@ -17,8 +17,12 @@ from precision_convert.convert.api import convert
 from precision_convert.convert.names import units
 
 TARGETS = ["bf16-safe", "fp16-safe", "bf16", "fp16"]
-COMPUTE = {"bf16-safe": torch.bfloat16, "bf16": torch.bfloat16, "fp16-safe": torch.float16,
-           "fp16": torch.float16}
+COMPUTE = {
+    "bf16-safe": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "fp16-safe": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def _source_state(directory: Path) -> dict[str, torch.Tensor]:
@@ -71,7 +75,7 @@ def check_converted(source: Path, output: Path, target: str) -> dict:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("name", [*_models.MODEL_BUILDERS, "openclip"])
+@pytest.mark.parametrize("name", [*_models.CONVERT_FAMILIES, "openclip"])
 def test_every_tensor_follows_the_plan(
     tiny_model: Callable[[str], Path], tmp_path: Path, name: str, target: str
 ) -> None:
@@ -86,7 +90,7 @@ def test_every_tensor_follows_the_plan(
 
 
 def test_t5_keeps_wo_fp32_only_for_fp16(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
-    source = tiny_model("t5")
+    source = tiny_model("t5-encoder")
     fp16 = convert(source, to="fp16-safe", output=tmp_path / "fp16", validate=False)
     bf16 = convert(source, to="bf16-safe", output=tmp_path / "bf16", validate=False)
     wo = "encoder.block.0.layer.1.DenseReluDense.wo"
@@ -102,19 +106,41 @@ def test_t5_keeps_wo_fp32_only_for_fp16(tiny_model: Callable[[str], Path], tmp_p
     ("name", "expected", "not_expected"),
     [
         ("llama", {"model.norm", "model.layers.0.input_layernorm"}, {"model.embed_tokens"}),
-        ("clip", {"logit_scale", "text_model.embeddings.position_embedding",
-                  "vision_model.embeddings.class_embedding", "vision_model.pre_layrnorm"},
-         {"text_projection"}),
-        ("openclip", {"logit_scale", "positional_embedding", "token_embedding", "ln_final",
-                      "visual.class_embedding", "visual.ln_pre"},
-         {"text_projection", "visual.proj", "visual.conv1"}),
+        (
+            "clip",
+            {
+                "logit_scale",
+                "text_model.embeddings.position_embedding",
+                "vision_model.embeddings.class_embedding",
+                "vision_model.pre_layrnorm",
+            },
+            {"text_projection"},
+        ),
+        (
+            "openclip",
+            {
+                "logit_scale",
+                "positional_embedding",
+                "token_embedding",
+                "ln_final",
+                "visual.class_embedding",
+                "visual.ln_pre",
+            },
+            {"text_projection", "visual.proj", "visual.conv1"},
+        ),
         ("unet", {"time_embedding.linear_1", "conv_norm_out"}, {"conv_in"}),
-        ("cogvideox", {"norm_final", "patch_embed.proj", "time_embedding.linear_1"},
-         {"norm_out.linear", "transformer_blocks.0.norm1.linear"}),
+        (
+            "cogvideox-transformer",
+            {"norm_final", "patch_embed.proj", "time_embedding.linear_1"},
+            {"norm_out.linear", "transformer_blocks.0.norm1.linear"},
+        ),
     ],
 )
 def test_recipe_islands(
-    tiny_model: Callable[[str], Path], tmp_path: Path, name: str, expected: set[str],
+    tiny_model: Callable[[str], Path],
+    tmp_path: Path,
+    name: str,
+    expected: set[str],
     not_expected: set[str],
 ) -> None:
     result = convert(tiny_model(name), to="bf16-safe", output=tmp_path / "out", validate=False)
@@ -123,7 +149,7 @@ def test_recipe_islands(
     assert not (not_expected & islands), "AdaLayerNorm-style linears and projections stay low"
 
 
-@pytest.mark.parametrize("name", ["t5", "llama", "bert", "clip"])
+@pytest.mark.parametrize("name", ["t5-encoder", "llama", "bert", "clip"])
 def test_converted_loads_with_plain_from_pretrained(
     tiny_model: Callable[[str], Path], tmp_path: Path, name: str
 ) -> None:
@@ -142,7 +168,7 @@ def test_converted_loads_with_plain_from_pretrained(
         ), key
 
 
-@pytest.mark.parametrize("name", ["unet", "vae", "cogvideox"])
+@pytest.mark.parametrize("name", ["unet", "autoencoder-kl", "cogvideox-transformer"])
 def test_diffusers_model_loads_and_sets_flags(
     tiny_model: Callable[[str], Path], tmp_path: Path, name: str
 ) -> None:
@@ -155,7 +181,7 @@ def test_diffusers_model_loads_and_sets_flags(
         config = json.loads((out / "config.json").read_text())
         model = getattr(diffusers, config["_class_name"]).from_pretrained(out)
         assert sum(p.numel() for p in model.parameters()) > 0
-        if name == "vae":
+        if name == "autoencoder-kl":
             assert config["force_upcast"] is upcast
 
 
@@ -170,8 +196,12 @@ def test_pipeline_components_convert_under_their_own_recipes(
     assert recipes == {"unet": "unet2d-condition", "vae": "autoencoder-kl", "text_encoder": "clip"}
     for component in ("unet", "vae", "text_encoder"):
         check_converted(source / component, tmp_path / "out" / component, "fp16-safe")
-    for copied in ("model_index.json", "scheduler/scheduler_config.json",
-                   "tokenizer/tokenizer_config.json", "tokenizer/tokenizer.json"):
+    for copied in (
+        "model_index.json",
+        "scheduler/scheduler_config.json",
+        "tokenizer/tokenizer_config.json",
+        "tokenizer/tokenizer.json",
+    ):
         assert (tmp_path / "out" / copied).read_bytes() == (source / copied).read_bytes()
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "out")
     assert pipe.vae.config.force_upcast is True
@@ -182,10 +212,16 @@ def test_sharded_source_keeps_its_layout(tmp_path: Path) -> None:
 
     source = tmp_path / "src"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2,
-    )).save_pretrained(source, max_shard_size="40KB")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(source, max_shard_size="40KB")
     shards = sorted(p.name for p in source.glob("*.safetensors"))
     assert len(shards) > 1
     convert(source, to="bf16", output=tmp_path / "out", validate=False)
@@ -205,7 +241,7 @@ def test_sharded_source_keeps_its_layout(tmp_path: Path) -> None:
 def test_pickle_source_with_tied_weights(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     from transformers import T5EncoderModel
 
-    model = T5EncoderModel.from_pretrained(tiny_model("t5"))
+    model = T5EncoderModel.from_pretrained(tiny_model("t5-encoder"))
     source = tmp_path / "bin"
     model.config.save_pretrained(source)
     state = model.state_dict()
@@ -260,12 +296,15 @@ def test_fp16_range_of_weights(
 
 def test_keep_fp32_adds_user_islands(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     result = convert(
-        tiny_model("t5"), to="fp16", output=tmp_path / "out", validate=False,
+        tiny_model("t5-encoder"),
+        to="fp16",
+        output=tmp_path / "out",
+        validate=False,
         keep_fp32=["encoder.block.1.layer.0.SelfAttention.o"],
     )
     islands = {i.name: i.reason for i in result.components[0].plan.islands}
     assert islands == {"encoder.block.1.layer.0.SelfAttention.o": "user"}
-    check_converted(tiny_model("t5"), tmp_path / "out", "fp16")
+    check_converted(tiny_model("t5-encoder"), tmp_path / "out", "fp16")
 
 
 def _tree_digest(root: Path) -> str:
@@ -287,8 +326,9 @@ def test_cli_default_output_and_json(
     source = tiny_model("bert")
     before = _tree_digest(source)
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["model", str(source), "--to", "bf16-safe", "--no-validate",
-                                      "--json"])
+    result = CliRunner().invoke(
+        app, ["model", str(source), "--to", "bf16-safe", "--no-validate", "--json"]
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert Path(payload["output"]) == tmp_path / "bert-bf16-safe"
@@ -298,8 +338,18 @@ def test_cli_default_output_and_json(
     again = CliRunner().invoke(app, ["model", str(source), "--to", "bf16-safe", "--no-validate"])
     assert again.exit_code == 2 and "--overwrite" in again.stderr
     forced = CliRunner().invoke(
-        app, ["model", str(source), "--to", "fp16", "--no-validate", "--overwrite",
-              "-o", "bert-bf16-safe"])
+        app,
+        [
+            "model",
+            str(source),
+            "--to",
+            "fp16",
+            "--no-validate",
+            "--overwrite",
+            "-o",
+            "bert-bf16-safe",
+        ],
+    )
     assert forced.exit_code == 0, forced.output
     check_converted(source, tmp_path / "bert-bf16-safe", "fp16")
     assert [p.name for p in tmp_path.iterdir()] == ["bert-bf16-safe"]
@@ -313,8 +363,15 @@ def test_inspect_flags_mixed_dtype_modules(tmp_path: Path) -> None:
     from precision_convert.cli.main import app
 
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=32))
+    model = BertModel(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+        )
+    )
     model.save_pretrained(tmp_path / "src")
     state = load_file(tmp_path / "src" / "model.safetensors")
     state = {k: v.half() if k.endswith(".weight") else v for k, v in state.items()}

@@ -59,7 +59,7 @@ class Served:
 def served(
     tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
-    main = tiny_model("t5")
+    main = tiny_model("t5-encoder")
     v2 = _negated(main, tmp_path_factory.mktemp("hub-v2"))
     with FakeHub() as hub:
         main_sha = hub.add_commit(REPO, main)

@@ -294,7 +294,7 @@ def test_plain_target_undoes_transformers_keep_in_fp32(
     converted: Callable[[str, str], Path],
 ) -> None:
     """T5's ``_keep_in_fp32_modules = ["wo"]`` would re-raise wo to fp32; fp16 plans say fp16."""
-    directory = converted("t5", "fp16")
+    directory = converted("t5-encoder", "fp16")
     model = pc.load(directory)
     _assert_stored_dtypes(model, directory)
     assert model.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float16
@@ -304,7 +304,7 @@ def test_plain_target_undoes_transformers_keep_in_fp32(
 
 def test_fp16_safe_t5_keeps_wo_as_a_range_island(converted: Callable[[str, str], Path]) -> None:
     """The record's reasons reach the hooks: wo's output flows on, the norms' comes back."""
-    model = pc.load(converted("t5", "fp16-safe"))
+    model = pc.load(converted("t5-encoder", "fp16-safe"))
     hooked = hooked_modules(model)
     wo = [n for n in hooked if n.endswith(".wo")]
     norms = [n for n in hooked if n.endswith("layer_norm")]
@@ -329,7 +329,7 @@ def test_diffusers_model_loads_exactly_as_stored(
     assert model.time_embedding.linear_1.weight.dtype == torch.float32
     generator = torch.Generator().manual_seed(1)
     sample = torch.randn(1, 4, 16, 16, generator=generator)
-    text = torch.randn(1, 5, 16, generator=generator)
+    text = torch.randn(1, 5, 24, generator=generator)  # the UNet's cross_attention_dim
     with torch.no_grad():
         expected = UNet2DConditionModel.from_pretrained(tiny_model("unet"))(sample, 10, text)
         got = model(sample, 10, encoder_hidden_states=text).sample
@@ -348,7 +348,7 @@ def test_diffusers_pipeline_loads_every_component(converted: Callable[[str, str]
         _assert_stored_dtypes(component, directory / name)
         assert hooked_modules(component), name
     generator = torch.Generator().manual_seed(2)
-    embeds = torch.randn(1, 4, 16, generator=generator)
+    embeds = torch.randn(1, 4, 24, generator=generator)  # the text encoder's width
     with torch.no_grad():
         images = pipe(
             prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds),
@@ -382,7 +382,7 @@ def test_openclip_model_loads_exactly_as_stored(
 
 def test_unconverted_directory_loads_as_stored(tiny_model: Callable[[str], Path]) -> None:
     """No record: stored dtypes still load exactly; nothing to hook but the entry points."""
-    model = pc.load(tiny_model("t5"), device="cpu")
+    model = pc.load(tiny_model("t5-encoder"), device="cpu")
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     found = find_boundaries(model)
@@ -390,7 +390,7 @@ def test_unconverted_directory_loads_as_stored(tiny_model: Callable[[str], Path]
 
 
 def test_device_is_checked_and_auto_resolves(converted: Callable[[str, str], Path]) -> None:
-    directory = converted("t5", "bf16-safe")
+    directory = converted("t5-encoder", "bf16-safe")
     with pytest.raises(InputError, match="unknown device"):
         pc.load(directory, device="tpu-9000")
     model = pc.load(directory, device="auto")
@@ -407,7 +407,7 @@ def test_weights_that_contradict_their_record_are_refused(
     converted: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
     directory = tmp_path / "tampered"
-    shutil.copytree(converted("t5", "bf16-safe"), directory)
+    shutil.copytree(converted("t5-encoder", "bf16-safe"), directory)
     config = json.loads((directory / "config.json").read_text())
     config["precision_convert"]["fp32_modules"].append("shared")
     (directory / "config.json").write_text(json.dumps(config))

@@ -160,7 +160,7 @@ def test_onetrainer_fp32_side_inputs(tiny_model: Callable[[str], Path], tmp_path
     """OneTrainer: fp32 timesteps, text states and a mask concatenated to fp16 latents."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
-    unet_source, vae_source = _masked_unet(tmp_path / "unet"), tiny_model("vae")
+    unet_source, vae_source = _masked_unet(tmp_path / "unet"), tiny_model("autoencoder-kl")
     generator = torch.Generator().manual_seed(4)
     latents = torch.randn(1, 4, 16, 16, generator=generator).half()
     mask = (torch.rand(1, 1, 16, 16, generator=generator) > 0.5).float()
@@ -200,7 +200,7 @@ def test_user_island_on_an_attention_output(
 
     from precision_convert.cli.main import app
 
-    source, island = tiny_model("t5"), "encoder.block.0.layer.0.SelfAttention.o"
+    source, island = tiny_model("t5-encoder"), "encoder.block.0.layer.0.SelfAttention.o"
     converted = tmp_path / "t5-fp16-safe"
     result = CliRunner().invoke(
         app,

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 import typer
+from _models import ZOO, cogvideox_pipeline, make
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
-from test_validate_zoo import ZOO, cogvideox_pipeline, make
 from typer.testing import CliRunner
 
 from precision_convert.cli.validate import validate_command

@@ -167,7 +167,7 @@ def test_an_unknown_module_cannot_be_fed() -> None:
 
 
 def test_supplied_inputs_must_match_the_signature() -> None:
-    from test_validate_zoo import make
+    from _models import make
 
     with pytest.raises(CannotValidateError, match="does not take"):
         inputs_from_tensors(make("dit-transformer"), {"bogus": torch.zeros(1)})
