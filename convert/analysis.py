@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from precision_convert.dtypes import FP16_FLUSH_BELOW, FP16_MAX
+from precision_convert.nested import map_tensors, tensors_in
 
 #: A module whose fp32 activations come within this factor of fp16's limit is kept fp32: other
 #: inputs than the calibration ones may well push it over.
@@ -121,17 +122,7 @@ class _Recorder:
 
 
 def _floats(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.numel():
-            yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _floats(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _floats(item)
-    elif hasattr(value, "to_tuple"):  # transformers ModelOutput / diffusers BaseOutput
-        yield from _floats(value.to_tuple())
+    return (t for t in tensors_in(value) if t.is_floating_point() and t.numel())
 
 
 def _max_abs(value: Any) -> torch.Tensor | None:
@@ -144,13 +135,7 @@ def _is_weighted_leaf(module: nn.Module) -> bool:
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, Mapping):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _low_precision_error(

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from precision_convert.convert.source import ModelSource, open_source
 from precision_convert.convert.tensors import FileTensor, LazyTensor
 from precision_convert.errors import CannotValidateError
+from precision_convert.nested import map_tensors, tensors_in
 from precision_convert.validate.execute import (
     METADATA_FUNCTIONS,
     Coverage,
@@ -372,7 +373,7 @@ class ActivationStore:
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
     def put(self, key: tuple[str, int], value: Any) -> None:
-        size = sum(t.numel() * t.element_size() for t in _tensors(value))
+        size = sum(t.numel() * t.element_size() for t in tensors_in(value))
         if self.used + size <= self.limit:
             self.memory[key] = value
             self.used += size
@@ -401,31 +402,8 @@ class ActivationStore:
             self._dir.cleanup()
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {k: _map(v, fn) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_map(v, fn) for v in value))
-    if isinstance(value, list | tuple):
-        return type(value)(_map(v, fn) for v in value)
-    return value
-
-
 def _to_cpu(value: Any) -> Any:
-    return _map(value, lambda t: t.detach().to("cpu"))
+    return map_tensors(value, lambda t: t.detach().to("cpu"))
 
 
 def _like(baseline: Any, live: Any, device: torch.device) -> Any:
@@ -444,7 +422,7 @@ def _like(baseline: Any, live: Any, device: torch.device) -> Any:
     ):
         items = [_like(b, v, device) for b, v in zip(baseline, live, strict=True)]
         return type(baseline)(*items) if hasattr(baseline, "_fields") else type(baseline)(items)
-    return _map(baseline, lambda t: t.to(device))
+    return map_tensors(baseline, lambda t: t.to(device))
 
 
 # --------------------------------------------------------------------------- the two passes
