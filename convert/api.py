@@ -269,7 +269,7 @@ def _write(
         for entry in sorted(opened.root.iterdir()):
             if entry.name in _NEVER_COPY or entry.name in models:
                 continue
-            written += _copy(entry, staging / entry.name, opened.root)
+            written += _copy(entry, staging / entry.name)
     for component in components:
         name = component.name
         out_dir = staging / name if name else staging
@@ -295,7 +295,8 @@ def _write_chart(component: ComponentResult, directory: Path) -> str:
     return CHART_NAME
 
 
-def _copy(entry: Path, dest: Path, root: Path) -> list[str]:
+def _copy(entry: Path, dest: Path) -> list[str]:
+    """Copy a file or folder unchanged; returns the copied files relative to ``dest``'s folder."""
     if entry.is_dir():
         shutil.copytree(entry, dest, ignore=shutil.ignore_patterns(*_NEVER_COPY))
         return [str(p.relative_to(dest.parent)) for p in dest.rglob("*") if p.is_file()]
@@ -318,7 +319,7 @@ def _write_model(
             continue
         if entry.name == model.config_name:
             continue
-        written += _copy(entry, out_dir / entry.name, model.root)
+        written += _copy(entry, out_dir / entry.name)
     _write_config(model, plan, block, out_dir / model.config_name)
     written.append(model.config_name)
 

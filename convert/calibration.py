@@ -16,7 +16,7 @@ import gc
 import logging
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +108,9 @@ def calibrated_plan(
         with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
 
             def passes(extra: frozenset[str]) -> bool:
-                islands = [
-                    *added,
-                    *(Island(u, "search", "search: needed to match fp32") for u in extra),
-                ]
                 return _candidate_passes(
                     model,
-                    plan_with(islands),
+                    plan_with([*added, *_searched(extra)]),
                     write_model,
                     Path(scratch),
                     frozen,
@@ -124,7 +120,7 @@ def calibrated_plan(
 
             result = search_islands([u for u in free if u not in found], passes)
         evaluations, passed = result.evaluations, result.passed
-        added += [Island(u, "search", "search: needed to match fp32") for u in result.added]
+        added += _searched(result.added)
         plan = plan_with(added)
     warnings = list(plan.warnings)
     if passed is False:
@@ -138,13 +134,11 @@ def calibrated_plan(
             "fp16-safe saves little here; bf16-safe is recommended"
         )
     calibration = Calibration(stats, tuple(added), evaluations, passed, task, tuple(warnings))
-    return _with_warnings(plan, warnings), calibration
+    return replace(plan, warnings=tuple(warnings)), calibration
 
 
-def _with_warnings(plan: ModelPlan, warnings: Sequence[str]) -> ModelPlan:
-    from dataclasses import replace
-
-    return replace(plan, warnings=tuple(warnings))
+def _searched(units: Iterable[str]) -> list[Island]:
+    return [Island(u, "search", "search: needed to match fp32") for u in units]
 
 
 def _float_units(plan: ModelPlan) -> list[str]:
