@@ -107,6 +107,7 @@ def _cli(
         HF_HUB_DISABLE_TELEMETRY="1",
         HF_HUB_ETAG_TIMEOUT="5",
         HF_HUB_DOWNLOAD_TIMEOUT="5",
+        PRECISION_CONVERT_HUB_TIMEOUT="2",
         PYTHONUNBUFFERED="1",
         COLUMNS="200",
     )
@@ -247,6 +248,25 @@ def test_hub_down_is_one_line_and_quick(tmp_path: Path) -> None:
     elapsed = time.monotonic() - started
     _assert_one_line_error(done, REPO, "could not provide it", "ConnectError")
     assert elapsed < 20, f"took {elapsed:.1f}s to give up on a Hub that is down"
+    _assert_nothing_written(tmp_path)
+
+
+def test_hub_that_never_answers_times_out(tmp_path: Path) -> None:
+    """A server that accepts the connection and stays silent: huggingface_hub's own client
+    would wait forever; the CLI bounds every wait for data."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes handshakes; nobody ever reads or answers
+        started = time.monotonic()
+        done = _cli(
+            ["model", REPO, "--to", "bf16-safe", "--no-validate"],
+            f"http://127.0.0.1:{silent.getsockname()[1]}",
+            tmp_path,
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+    _assert_one_line_error(done, REPO, "could not provide it", "Timeout")
+    assert elapsed < 30, f"took {elapsed:.1f}s to give up on a silent Hub"
     _assert_nothing_written(tmp_path)
 
 

@@ -46,9 +46,45 @@ def _root(
     """Rewrite PyTorch checkpoints to bf16/fp16 safely."""
 
 
+#: Seconds a Hub request may go without receiving a byte before it fails (default 60).
+HUB_TIMEOUT_VARIABLE = "PRECISION_CONVERT_HUB_TIMEOUT"
+
+
+def _bound_hub_requests() -> None:
+    """Give huggingface_hub's HTTP client a timeout.
+
+    Its client waits forever (``timeout=None``, passed on every request): a Hub that accepts
+    the connection and never answers would hang the command. A request hook replaces a missing
+    timeout with one that bounds each wait for data, not a whole download, so large files are
+    unaffected. Only the CLI does this; library users configure their own client
+    (``huggingface_hub.set_client_factory``).
+    """
+    try:
+        import httpx2
+        from huggingface_hub import set_client_factory
+        from huggingface_hub.utils._http import default_client_factory
+    except ImportError:  # another huggingface_hub generation: keep its own behaviour
+        return
+    seconds = float(os.environ.get(HUB_TIMEOUT_VARIABLE) or 60)
+
+    bounded = httpx2.Timeout(seconds).as_dict()
+
+    def bound(request: httpx2.Request) -> None:
+        if not any(request.extensions.get("timeout", {}).values()):
+            request.extensions["timeout"] = bounded
+
+    def bounded_client() -> httpx2.Client:
+        client = default_client_factory()
+        client.event_hooks["request"].append(bound)
+        return client
+
+    set_client_factory(bounded_client)
+
+
 def run() -> None:
     """Console-script entry point."""
     # transformers/diffusers draw their own tqdm bars ("Loading weights") on every model they
     # build; the command shows one progress display of its own instead.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    _bound_hub_requests()
     app()
