@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.convert.plan import (
     Island,
     ModelPlan,
+    RangeStats,
     build_plan,
     check_target,
     scan_ranges,
@@ -120,8 +121,13 @@ def plan_model(
     trust_remote_code: bool = False,
     calibrate: bool = False,
     search: bool = True,
+    normalization: Iterable[str] | None = None,
+    ranges: Mapping[str, RangeStats] | None = None,
 ) -> tuple[ModelPlan, Calibration | None]:
     """The dtype plan for one model, reading weight data only where fp16 ranges matter.
+
+    ``normalization`` and ``ranges`` are the skeleton's norm modules and the weights' fp16
+    ranges, for a caller that already has them (``inspect``); otherwise they are found here.
 
     With ``calibrate`` (``-safe`` targets), the model also runs in fp32 on seeded inputs and
     the plan gains the islands its activations need (see :mod:`.calibration`); ``search``
@@ -137,12 +143,14 @@ def plan_model(
     )
     tensors = list(model.tensors())
     safe = target.endswith("-safe")
-    norms = (
-        normalization_modules(model, trust_remote_code=trust_remote_code)
-        if safe and chosen.keep_normalization
-        else set()
-    )
-    ranges = scan_ranges(tensors) if target in ("fp16", "fp16-safe") else None
+    if normalization is not None:
+        norms = set(normalization)
+    elif safe and chosen.keep_normalization:
+        norms = normalization_modules(model, trust_remote_code=trust_remote_code)
+    else:
+        norms = set()
+    if ranges is None and target in ("fp16", "fp16-safe"):
+        ranges = scan_ranges(tensors)
 
     def plan_with(extra: Sequence[Island]) -> ModelPlan:
         return build_plan(

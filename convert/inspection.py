@@ -132,23 +132,44 @@ def inspect_source(
     """
     opened = open_source(resolve(source, revision))
     models = dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
-    reports = [_inspect_model(name, m, trust_remote_code) for name, m in models.items()]
-    if calibrate:
-        base = Path(chart) if chart else Path.cwd() / f"{Path(str(source)).name}-activations.png"
-        for report in reports:
-            path = base.with_stem(f"{base.stem}-{report.component}") if report.component else base
-            _calibrate(report, models[report.component], path, trust_remote_code)
-    return InspectReport(str(source), reports)
+    base = Path(chart) if chart else Path.cwd() / f"{Path(str(source)).name}-activations.png"
+    return InspectReport(
+        str(source),
+        [
+            _inspect_model(
+                name,
+                model,
+                trust_remote_code,
+                chart=(base.with_stem(f"{base.stem}-{name}") if name else base)
+                if calibrate
+                else None,
+            )
+            for name, model in models.items()
+        ],
+    )
 
 
 def _calibrate(
-    report: ComponentReport, model: ModelSource, chart: Path, trust_remote_code: bool
+    report: ComponentReport,
+    model: ModelSource,
+    chart: Path,
+    trust_remote_code: bool,
+    norms: set[str],
+    ranges: dict[str, RangeStats],
 ) -> None:
+    """Run the fp16-safe calibration (no search) and draw its chart; reuses the norms and
+    weight ranges the report already found."""
     from precision_convert.convert.api import plan_model
     from precision_convert.convert.chart import activation_chart
 
     plan, calibration = plan_model(
-        model, "fp16-safe", calibrate=True, search=False, trust_remote_code=trust_remote_code
+        model,
+        "fp16-safe",
+        calibrate=True,
+        search=False,
+        trust_remote_code=trust_remote_code,
+        normalization=norms,
+        ranges=ranges,
     )
     report.islands["fp16-safe"] = {i.name: i.reason for i in plan.islands}
     report.calibration = calibration
@@ -160,7 +181,10 @@ def _calibrate(
         )
 
 
-def _inspect_model(name: str, model: ModelSource, trust_remote_code: bool) -> ComponentReport:
+def _inspect_model(
+    name: str, model: ModelSource, trust_remote_code: bool, chart: Path | None
+) -> ComponentReport:
+    """The report for one model; with ``chart``, calibrated and charted there too."""
     tensors = list(model.tensors())
     unit_of = units(t.name for t in tensors)
     by_dtype: Counter[str] = Counter()
@@ -187,7 +211,7 @@ def _inspect_model(name: str, model: ModelSource, trust_remote_code: bool) -> Co
         }
         for target in SAFE_TARGETS
     }
-    return ComponentReport(
+    report = ComponentReport(
         name,
         model.library,
         model.class_name,
@@ -198,6 +222,9 @@ def _inspect_model(name: str, model: ModelSource, trust_remote_code: bool) -> Co
         hazards,
         islands,
     )
+    if chart is not None:
+        _calibrate(report, model, chart, trust_remote_code, norms, ranges)
+    return report
 
 
 def _mixed_dtype_hazards(tensors: list[Any], unit_of: dict[str, str]) -> list[Hazard]:

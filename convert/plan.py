@@ -171,7 +171,9 @@ def build_plan(
         keep(island.name, island.reason, island.rule)
 
     warnings: list[str] = []
-    for name, stats in (ranges or {}).items():
+    # fp16's range only matters to fp16 targets; bf16 has fp32's exponent.
+    fp16_ranges = ranges if COMPUTE_DTYPE[target] == FP16 else None
+    for name, stats in (fp16_ranges or {}).items():
         problem = _range_problem(stats)
         if problem is None:
             continue
