@@ -336,7 +336,7 @@ def _write_model(
     for weight_file in model.files:
         items = [(t, stored[t.name]) for t in weight_file.tensors]
         metadata = {
-            **_source_metadata(weight_file),
+            **weight_file.metadata,  # the source shard's own entries are kept
             "format": "pt",
             "precision_convert": json.dumps(block, separators=(",", ":")),
         }
@@ -356,15 +356,6 @@ def _write_model(
         (out_dir / model.index_name).write_text(json.dumps(index, indent=2) + "\n")
         written.append(model.index_name)
     return written
-
-
-def _source_metadata(weight_file: Any) -> dict[str, str]:
-    """The source shard's own ``__metadata__`` (kept), empty for pickle sources."""
-    from precision_convert.convert.safetensors_header import read_header
-
-    if weight_file.path.suffix != ".safetensors":
-        return {}
-    return read_header(weight_file.path).metadata
 
 
 def _write_config(model: ModelSource, plan: ModelPlan, block: dict[str, Any], path: Path) -> None:

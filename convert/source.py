@@ -45,6 +45,7 @@ class WeightFile:
     output_name: str
     tensors: tuple[LazyTensor, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # dropped name -> kept name
+    metadata: dict[str, str] = field(default_factory=dict)  # a safetensors source's own
 
 
 @dataclass(frozen=True)
@@ -289,9 +290,8 @@ def _safetensors_name(pickle_name: str) -> str:
 
 def _safetensors_file(path: Path, output_name: str) -> WeightFile:
     header = read_header(path)
-    return WeightFile(
-        path, output_name, tuple(FileTensor.from_entry(path, e) for e in header.tensors)
-    )
+    tensors = tuple(FileTensor.from_entry(path, e) for e in header.tensors)
+    return WeightFile(path, output_name, tensors, metadata=header.metadata)
 
 
 def _pickle_file(path: Path, output_name: str) -> WeightFile:

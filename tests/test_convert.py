@@ -387,3 +387,16 @@ def test_inspect_flags_mixed_dtype_modules(tmp_path: Path) -> None:
     after = CliRunner().invoke(app, ["inspect", str(tmp_path / "out"), "--json"])
     hazards = json.loads(after.stdout)["components"][0]["hazards"]
     assert not [h for h in hazards if h["kind"] == "mixed-dtype"]
+
+
+def test_source_shard_metadata_is_kept(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_model("bert"), source)
+    state = load_file(source / "model.safetensors")
+    save_file(state, source / "model.safetensors", metadata={"format": "pt", "origin": "lab-7"})
+    convert(source, to="bf16", output=tmp_path / "out", validate=False)
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    assert metadata["origin"] == "lab-7" and "precision_convert" in metadata
