@@ -87,7 +87,7 @@ def calibrated_plan(
     stats = recorded["stats"]
     frozen = resolve_inputs(chosen, baseline)
     del fp32
-    gc.collect()
+    _release()
 
     existing = {i.name for i in base.islands}
     float_units = _float_units(base)
@@ -162,6 +162,23 @@ def _execution_order(units: Sequence[str], stats: dict[str, ActivationStats]) ->
     return sorted(units, key=order)
 
 
+def _run_candidate(directory: Path, inputs: Any, plan: ModelPlan) -> Any:
+    from precision_convert.validate import runner
+    from precision_convert.validate.execute import run_probes
+
+    candidate = runner.load_candidate(directory, runner.resolve_device("cpu"))
+    return run_probes(candidate, inputs, "cpu", plan.compute.torch)
+
+
+def _release() -> None:
+    """Collect dropped models and hand their pages back to the OS, so one model is resident
+    at a time (see :mod:`precision_convert.validate.memory`)."""
+    from precision_convert.validate.memory import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
+
+
 def _candidate_passes(
     model: ModelSource,
     plan: ModelPlan,
@@ -175,19 +192,17 @@ def _candidate_passes(
     import shutil
 
     from precision_convert.validate import runner
-    from precision_convert.validate.execute import run_probes
 
     directory = scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir()
     write_model(model, plan, directory)
     try:
-        candidate = runner.load_candidate(directory, runner.resolve_device("cpu"))
-        outputs = run_probes(candidate, inputs, "cpu", plan.compute.torch)
+        outputs = _run_candidate(directory, inputs, plan)
     except runner.RUN_ERRORS as exc:
         logger.info("candidate failed to run: %s", exc)
         return False
     finally:
-        gc.collect()
+        _release()  # the candidate is out of scope here: give its memory back before the next
     rows = runner.compare_outputs("", inputs, baseline, outputs, thresholds)
     return all(row.passed for row in rows)
