@@ -230,3 +230,34 @@ def test_overwrite_of_a_file_or_symlink_leaves_no_trash(
     assert leftovers(tmp_path) == []
     assert (elsewhere / "keep.txt").read_text() == "not ours"  # the link's target is untouched
     _assert_converted(big_source, target)
+
+
+def test_disk_full_mid_write_is_one_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up while a shard is written (the staging directory and the file exist):
+    exit 2 with one line, and the staging directory is removed."""
+    import errno
+
+    from _corrupt import assert_one_error_line
+
+    from precision_convert.convert import writer
+
+    source = tiny_source(tmp_path / "src")
+    before = tree_digest(source)
+    staged: list[str] = []
+
+    def disk_full(fd: int, data: bytes, offset: int) -> int:
+        staged.extend(leftovers(tmp_path))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer.os, "pwrite", disk_full)
+    output = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["model", str(source), "--to", "bf16", "--no-validate", "-o", str(output)]
+    )
+    assert result.exit_code == 2, result.output
+    assert_one_error_line(result.stderr, str(output), "cannot write output", "No space left")
+    assert staged, "the failure must come while the staging directory exists"
+    assert not output.exists() and leftovers(tmp_path) == []
+    assert tree_digest(source) == before
