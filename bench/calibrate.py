@@ -80,17 +80,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
 
-    from precision_convert.convert.analysis import calibrate
-    from precision_convert.convert.api import plan_model
-    from precision_convert.convert.source import open_source
-    from precision_convert.validate.execute import run_probes
-    from precision_convert.validate.inputs import build_inputs
-    from precision_convert.validate.runner import load_baseline
+    from precision_convert.api.conversion import plan_model
+    from precision_convert.conversion.analysis.activations import calibrate
+    from precision_convert.conversion.io.source import open_source
+    from precision_convert.conversion.runtime.baseline import load_fp32
+    from precision_convert.validation.probe.execute import build_inputs, run_probes
 
     checkpoint = build(args.workdir / "llama-100m-overflowing")
 
     def measure_pass() -> tuple[int, Any, float, float, int]:
-        model = load_baseline(checkpoint).eval()
+        model = load_fp32(checkpoint).eval()
         inputs = build_inputs(model, seed=0)
 
         def forward() -> Any:

@@ -70,7 +70,7 @@ def _source(workdir: Path) -> Path:
 
 
 def _converted(source: Path, target: str, name: str, **kwargs: Any) -> Path:
-    from precision_convert.convert.api import convert
+    from precision_convert.api.conversion import convert
 
     out = source.parent / f"{source.name}-{name}"
     if not (out / "config.json").is_file():
@@ -170,14 +170,14 @@ def _without_boundaries(model: torch.nn.Module) -> torch.nn.Module:
     Same weights, same memory: timed against the loaded model it isolates what the boundary
     hooks and the fp32 islands cost, apart from where the weights came from.
     """
-    from precision_convert.convert.boundaries import remove
+    from precision_convert.conversion.runtime.boundaries import remove
 
     remove(model)
     return model.to(torch.bfloat16)
 
 
 def _hooks(model: torch.nn.Module) -> dict[str, int]:
-    from precision_convert.convert.boundaries import hooked_modules
+    from precision_convert.conversion.runtime.boundaries import hooked_modules
 
     hooked = hooked_modules(model)
     return {

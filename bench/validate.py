@@ -36,7 +36,7 @@ def _build(root: Path, hidden: int, layers: int, source_dtype: str) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from precision_convert.convert.api import convert
+    from precision_convert.api.conversion import convert
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -98,18 +98,19 @@ def _child(root: Path, mode: str, budget: int | None) -> dict[str, Any]:
 
     import torch
 
-    from precision_convert.validate import runner
-    from precision_convert.validate.execute import run_probes
-    from precision_convert.validate.inputs import build_inputs
+    from precision_convert.conversion.runtime.baseline import load_fp32
+    from precision_convert.conversion.runtime.loader import load
+    from precision_convert.validation.certify import runner
+    from precision_convert.validation.probe.execute import build_inputs, run_probes
 
     runner.validate(root / "warm-out", baseline=root / "warm-src")  # imports, kernels
     gc.collect()
     if mode == "forwards":
         timings: dict[str, float] = {}
         loaders = {
-            "fp32": (lambda: runner.load_baseline(root / "src").eval(), torch.float32),
+            "fp32": (lambda: load_fp32(root / "src").eval(), torch.float32),
             "candidate": (
-                lambda: runner.load_candidate(root / "out", torch.device("cpu")),
+                lambda: load(root / "out", device="cpu"),
                 torch.bfloat16,
             ),
         }

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from precision_convert.convert.names import matches_self_or_ancestor, units, validate_pattern
-from precision_convert.convert.tensors import LazyTensor, numel
+from precision_convert.conversion.io.tensors import LazyTensor, numel
 from precision_convert.dtypes import BF16, FP16, FP16_MAX, FP32, DType
 from precision_convert.errors import InputError
+from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
 from precision_convert.recipes import ISLAND_REASONS, TARGETS, Recipe
 
 #: Compute dtype of each target.

@@ -5,50 +5,41 @@ Example:
     >>> result = pc.convert("./tiny-t5", to="fp16-safe")
     >>> model = pc.load(result.output)
 
-Heavy libraries (torch, transformers, diffusers) are imported only when a function needs them,
-so ``import precision_convert`` and ``precision-convert --help`` stay fast.
+The public functions are imported on first use, so ``import precision_convert`` and
+``precision-convert --help`` load neither torch nor transformers. The stages live in
+``precision_convert.conversion`` (reading, planning, writing, loading, analysis),
+``precision_convert.recipes`` and ``precision_convert.validation``; docs/architecture.md draws
+the layers.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# ``convert`` and ``validate`` are both subpackages and API functions. Importing the
-# subpackages first means the function names below win as package attributes, and later
-# ``from precision_convert.convert import x`` imports still find the subpackage in sys.modules.
-# (``import precision_convert.convert.x as y`` cannot work for that reason: use ``from``.)
-import precision_convert.convert
-import precision_convert.validate  # noqa: F401
-from precision_convert.convert.api import convert
-from precision_convert.convert.inspection import inspect_source as inspect
-from precision_convert.convert.loader import load
+from precision_convert._version import __version__
 
 if TYPE_CHECKING:
-    from precision_convert.validate.certificate import Certificate
-
-try:
-    __version__ = version("precision-convert")
-except PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0.0.0"
+    from precision_convert.api.conversion import convert
+    from precision_convert.api.inspection import inspect_source as inspect
+    from precision_convert.conversion.runtime.loader import load
+    from precision_convert.validation.certify.runner import validate
 
 __all__ = ["__version__", "convert", "inspect", "load", "validate"]
 
+#: Public name -> (module, attribute) it is imported from on first use.
+_LAZY = {
+    "convert": ("precision_convert.api.conversion", "convert"),
+    "inspect": ("precision_convert.api.inspection", "inspect_source"),
+    "load": ("precision_convert.conversion.runtime.loader", "load"),
+    "validate": ("precision_convert.validation.certify.runner", "validate"),
+}
 
-def validate(
-    converted: str | Path,
-    baseline: str | Path | None = None,
-    device: str | None = None,
-    *,
-    inputs: str | Path | None = None,
-    max_memory: str | int | None = None,
-) -> Certificate:
-    """Certify ``converted`` against its fp32 baseline; writes ``precision_certificate.json``.
 
-    A wrapper rather than a re-export because the validation runner imports torch at once.
-    See :func:`precision_convert.validate.runner.validate`.
-    """
-    from precision_convert.validate.runner import validate as _validate
-
-    return _validate(converted, baseline, device, inputs=inputs, max_memory=max_memory)
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'precision_convert' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value

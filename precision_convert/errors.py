@@ -35,6 +35,11 @@ class OutputExistsError(InputError, FileExistsError):
         super().__init__("output already exists; pass --overwrite or choose another -o", path)
 
 
+class WeightsDoNotMap(InputError):
+    """The stored tensors do not map one-to-one onto the model's (a library that fuses or
+    renames them on load): the model must be built by the library's ``from_pretrained``."""
+
+
 class CheckFailed(PrecisionConvertError):
     """A check did not pass: parity not met, push refused. The CLI exits 1."""
 

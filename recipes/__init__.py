@@ -16,8 +16,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from precision_convert.convert.names import validate_pattern
 from precision_convert.errors import InputError
+from precision_convert.names import validate_pattern
 
 TARGETS = ("bf16-safe", "fp16-safe", "bf16", "fp16")
 SAFE_TARGETS = ("bf16-safe", "fp16-safe")

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from precision_convert.convert.api import convert
+from precision_convert.api.conversion import convert
 from precision_convert.dtypes import BY_CODE
 
 

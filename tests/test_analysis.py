@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import precision_convert as pc
-from precision_convert.convert.api import convert
+from precision_convert.api.conversion import convert
 from precision_convert.dtypes import FP16_MAX
 
 

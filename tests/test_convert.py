@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from precision_convert.convert.api import convert
-from precision_convert.convert.names import units
+from precision_convert.api.conversion import convert
+from precision_convert.names import units
 
 TARGETS = ["bf16-safe", "fp16-safe", "bf16", "fp16"]
 COMPUTE = {

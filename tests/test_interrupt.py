@@ -34,7 +34,7 @@ runner = CliRunner()
 #: Runs the CLI with throttled source reads (sys.argv[1:] are its arguments).
 _SLOW_CLI = """
 import sys, time
-from precision_convert.convert import tensors
+from precision_convert.conversion.io import tensors
 tensors.CHUNK_BYTES = 256 * 1024
 _chunks = tensors.FileTensor.chunks
 def _slow_chunks(self):
@@ -241,7 +241,7 @@ def test_disk_full_mid_write_is_one_line_and_leaves_nothing(
 
     from _corrupt import assert_one_error_line
 
-    from precision_convert.convert import writer
+    from precision_convert.conversion.io import writer
 
     source = tiny_source(tmp_path / "src")
     before = tree_digest(source)

@@ -18,8 +18,8 @@ from _loader_helpers import convert_to, cosine, stored_dtypes
 from torch import nn
 
 import precision_convert as pc
-from precision_convert.convert import boundaries
-from precision_convert.convert.boundaries import (
+from precision_convert.conversion.runtime import boundaries
+from precision_convert.conversion.runtime.boundaries import (
     CAST_INPUTS,
     CAST_OUTPUTS,
     PROMOTE_MIXED,

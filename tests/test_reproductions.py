@@ -26,7 +26,7 @@ from _loader_helpers import (
 )
 
 import precision_convert as pc
-from precision_convert.convert.boundaries import (
+from precision_convert.conversion.runtime.boundaries import (
     CAST_INPUTS,
     CAST_OUTPUTS,
     PROMOTE_MIXED,

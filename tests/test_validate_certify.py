@@ -21,11 +21,16 @@ from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from precision_convert.api.conversion import convert
 from precision_convert.cli.validate import validate_command
-from precision_convert.convert.api import convert
 from precision_convert.errors import CannotValidateError
-from precision_convert.validate.certificate import CERTIFICATE_NAME, Certificate, verify_files
-from precision_convert.validate.runner import thresholds_for, validate
+from precision_convert.validation.certify.certificate import (
+    CERTIFICATE_NAME,
+    Certificate,
+    verify_files,
+)
+from precision_convert.validation.certify.runner import validate
+from precision_convert.validation.probe.parity import thresholds_for
 
 #: Overflow injection: the first weight layer scaled so its weights and outputs leave fp16.
 OVERFLOW = 1e6
@@ -238,7 +243,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     import json, sys, threading, time, warnings
     warnings.filterwarnings("ignore")
     import psutil
-    from precision_convert.validate.runner import validate
+    from precision_convert.validation.certify.runner import validate
     src, out, warm_src, warm_out, budget = sys.argv[1:]
     validate(warm_out, baseline=warm_src, max_memory=budget)  # imports, kernels, allocator
     proc = psutil.Process()

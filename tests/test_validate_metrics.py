@@ -10,8 +10,8 @@ import torch
 from huggingface_hub import ModelCard
 
 from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.validate.card import render
-from precision_convert.validate.certificate import (
+from precision_convert.validation.certify.card import render
+from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
     ComponentRecord,
@@ -19,15 +19,17 @@ from precision_convert.validate.certificate import (
     verify_files,
     write,
 )
-from precision_convert.validate.inputs import build_inputs, inputs_from_tensors
-from precision_convert.validate.metrics import (
+from precision_convert.validation.certify.runner import parse_memory
+from precision_convert.validation.probe.execute import build_inputs
+from precision_convert.validation.probe.inputs import inputs_from_tensors
+from precision_convert.validation.probe.metrics import (
     OutputKind,
     compare,
     judge,
     kind_of,
     measure,
 )
-from precision_convert.validate.runner import parse_memory, thresholds_for
+from precision_convert.validation.probe.parity import thresholds_for
 
 
 def test_identical_outputs_are_perfect() -> None:

@@ -6,8 +6,7 @@ import pytest
 import torch
 from _models import ZOO, make
 
-from precision_convert.validate.execute import run_probes
-from precision_convert.validate.inputs import build_inputs
+from precision_convert.validation.probe.execute import build_inputs, run_probes
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from precision_convert.convert import tensors as tensors_module
-from precision_convert.convert import writer
-from precision_convert.convert.safetensors_header import read_header
-from precision_convert.convert.tensors import FileTensor, MemoryTensor
+from precision_convert.conversion.io import tensors as tensors_module
+from precision_convert.conversion.io import writer
+from precision_convert.conversion.io.header import read_header
+from precision_convert.conversion.io.tensors import FileTensor, MemoryTensor
 from precision_convert.dtypes import BY_TORCH_NAME, DType
 
 _GEN = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ from rich.table import Table
 from precision_convert.cli._common import console, emit_json, reported_errors
 
 if TYPE_CHECKING:
-    from precision_convert.convert.inspection import ComponentReport
+    from precision_convert.api.inspection import ComponentReport
 
 
 def inspect(
@@ -43,7 +43,7 @@ def inspect(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON report.")] = False,
 ) -> None:
     """Show real tensor dtypes per module, the matching recipe, planned islands and hazards."""
-    from precision_convert.convert.inspection import inspect_source
+    from precision_convert.api.inspection import inspect_source
 
     with reported_errors():
         report = inspect_source(

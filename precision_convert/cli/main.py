@@ -30,7 +30,7 @@ app.command("recipes")(recipes_cmd.recipes)
 
 def _version(value: bool) -> None:
     if value:
-        from precision_convert import __version__
+        from precision_convert._version import __version__
 
         typer.echo(f"precision-convert {__version__}")
         raise typer.Exit()

@@ -61,7 +61,7 @@ def model(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
-    from precision_convert.convert.api import convert
+    from precision_convert.api.conversion import convert
 
     with reported_errors(), byte_progress("converting", not json_output) as progress:
         result = convert(

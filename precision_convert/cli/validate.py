@@ -10,7 +10,7 @@ import typer
 from precision_convert.cli._common import console, emit_json, reported_errors
 
 if TYPE_CHECKING:
-    from precision_convert.validate.certificate import Certificate
+    from precision_convert.validation.certify.certificate import Certificate
 
 
 def validate_command(
@@ -44,7 +44,7 @@ def validate_command(
     ] = False,
 ) -> None:
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
-    from precision_convert.validate.runner import validate
+    from precision_convert.validation.certify.runner import validate
 
     with reported_errors():
         with console.status("validating against fp32…", spinner="dots"):

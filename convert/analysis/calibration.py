@@ -12,15 +12,16 @@ The fp32 model is freed before any candidate loads: one model is resident at a t
 
 from __future__ import annotations
 
-import gc
 import logging
+import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from precision_convert.convert.analysis import (
+from precision_convert.conversion.analysis.activations import (
     FP32_SHARE_LIMIT,
     ActivationStats,
     calibrate,
@@ -28,14 +29,25 @@ from precision_convert.convert.analysis import (
     overflowing,
     search_islands,
 )
-from precision_convert.convert.names import module_of
-from precision_convert.convert.plan import Island, ModelPlan
-from precision_convert.convert.source import ModelSource
+from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.output import write_model
+from precision_convert.conversion.plan import Island, ModelPlan
+from precision_convert.conversion.runtime.baseline import load_fp32
+from precision_convert.conversion.runtime.loader import load
+from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.names import module_of
+from precision_convert.validation.probe.execute import RUN_ERRORS, run_probes, select_inputs
+from precision_convert.validation.probe.execute import resolve as resolve_inputs
+from precision_convert.validation.probe.inputs import input_candidates
+from precision_convert.validation.probe.parity import (
+    compare_outputs,
+    recipe_validation,
+    thresholds_for,
+)
+from precision_convert.validation.probe.tokenizers import tokenizer_for
 
 logger = logging.getLogger(__name__)
 
-#: Writes a model directory for a plan (the converter's own writer, so candidates are exact).
-WriteModel = Callable[[ModelSource, ModelPlan, Path], None]
 #: Builds the plan with extra islands on top of the recipe's.
 PlanWith = Callable[[Iterable[Island]], ModelPlan]
 
@@ -56,20 +68,15 @@ def calibrated_plan(
     model: ModelSource,
     target: str,
     plan_with: PlanWith,
-    write_model: WriteModel,
     *,
     search: bool = True,
+    trust_remote_code: bool = False,
 ) -> tuple[ModelPlan, Calibration]:
     """The plan for ``target`` with analysis islands, and the calibration behind it."""
     import torch
 
-    from precision_convert.validate import runner
-    from precision_convert.validate.execute import resolve as resolve_inputs
-    from precision_convert.validate.execute import run_probes
-    from precision_convert.validate.inputs import input_candidates, select_inputs
-
     base = plan_with(())
-    fp32 = runner.load_baseline(model.root).eval()
+    fp32 = load_fp32(model.root, trust_remote_code=trust_remote_code).eval()
     simulate = torch.bfloat16 if target == "bf16-safe" else None
     recorded: dict[str, dict[str, ActivationStats]] = {}
 
@@ -82,12 +89,13 @@ def calibrated_plan(
         recorded["stats"] = stats
         return outputs
 
-    tokenizer = runner.tokenizer_for(model.root)
+    tokenizer = tokenizer_for(model.root)
     chosen, baseline = select_inputs(fp32, input_candidates(fp32, seed=0, tokenizer=tokenizer), run)
     stats = recorded["stats"]
     frozen = resolve_inputs(chosen, baseline)
+    gone = weakref.ref(fp32)
     del fp32
-    _release()
+    free_model(gone)
 
     existing = {i.name for i in base.islands}
     float_units = _float_units(base)
@@ -100,9 +108,9 @@ def calibrated_plan(
         found = losing_precision(stats, free)
         added = [Island(u, "precision", f"calibration: {why}") for u, why in found.items()]
     plan = plan_with(added)
-    validation = runner.recipe_validation(base.recipe)
+    validation = recipe_validation(base.recipe)
     task = str(validation.get("task", chosen.task))
-    thresholds = runner.thresholds_for(task, validation)
+    thresholds = thresholds_for(task, validation)
     evaluations, passed = 0, None
     if search and target == "fp16-safe":
         with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
@@ -111,8 +119,8 @@ def calibrated_plan(
                 return _candidate_passes(
                     model,
                     plan_with([*added, *_searched(extra)]),
-                    write_model,
                     Path(scratch),
+                    trust_remote_code,
                     frozen,
                     baseline,
                     thresholds,
@@ -162,47 +170,35 @@ def _execution_order(units: Sequence[str], stats: dict[str, ActivationStats]) ->
     return sorted(units, key=order)
 
 
-def _run_candidate(directory: Path, inputs: Any, plan: ModelPlan) -> Any:
-    from precision_convert.validate import runner
-    from precision_convert.validate.execute import run_probes
-
-    candidate = runner.load_candidate(directory, runner.resolve_device("cpu"))
-    return run_probes(candidate, inputs, "cpu", plan.compute.torch)
-
-
-def _release() -> None:
-    """Collect dropped models and hand their pages back to the OS, so one model is resident
-    at a time (see :mod:`precision_convert.validate.memory`)."""
-    from precision_convert.validate.memory import release_freed_memory
-
-    gc.collect()
-    release_freed_memory()
+def _run_candidate(directory: Path, inputs: Any, plan: ModelPlan, trust_remote_code: bool) -> Any:
+    """The candidate's outputs; it is freed (memory given back) before this returns."""
+    candidate = load(directory, trust_remote_code=trust_remote_code)
+    try:
+        return run_probes(candidate, inputs, "cpu", plan.compute.torch)
+    finally:
+        gone = weakref.ref(candidate)
+        del candidate
+        free_model(gone)
 
 
 def _candidate_passes(
     model: ModelSource,
     plan: ModelPlan,
-    write_model: WriteModel,
     scratch: Path,
+    trust_remote_code: bool,
     inputs: Any,
     baseline: Any,
     thresholds: dict[str, float],
 ) -> bool:
     """Write ``plan``, load it as a user would, and compare with the fp32 outputs."""
-    import shutil
-
-    from precision_convert.validate import runner
-
     directory = scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir()
     write_model(model, plan, directory)
     try:
-        outputs = _run_candidate(directory, inputs, plan)
-    except runner.RUN_ERRORS as exc:
+        outputs = _run_candidate(directory, inputs, plan, trust_remote_code)
+    except RUN_ERRORS as exc:
         logger.info("candidate failed to run: %s", exc)
         return False
-    finally:
-        _release()  # the candidate is out of scope here: give its memory back before the next
-    rows = runner.compare_outputs("", inputs, baseline, outputs, thresholds)
+    rows = compare_outputs("", inputs, baseline, outputs, thresholds)
     return all(row.passed for row in rows)

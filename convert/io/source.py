@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from precision_convert.convert.safetensors_header import read_header
-from precision_convert.convert.tensors import FileTensor, LazyTensor, MemoryTensor
+from precision_convert.conversion.io.header import read_header
+from precision_convert.conversion.io.tensors import FileTensor, LazyTensor, MemoryTensor
 from precision_convert.dtypes import from_torch
 from precision_convert.errors import InputError, UnsafeCheckpointError
 

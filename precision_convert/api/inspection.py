@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.convert.names import units
-from precision_convert.convert.plan import RangeStats, build_plan, scan_ranges
-from precision_convert.convert.skeleton import normalization_modules
-from precision_convert.convert.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.analysis.norms import normalization_modules
+from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
 from precision_convert.dtypes import FP16_MAX, from_config_string
+from precision_convert.names import units
 from precision_convert.recipes import SAFE_TARGETS
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
-    from precision_convert.convert.calibration import Calibration
+    from precision_convert.conversion.analysis.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,8 @@ def _calibrate(
 ) -> None:
     """Run the fp16-safe calibration (no search) and draw its chart; reuses the norms and
     weight ranges the report already found."""
-    from precision_convert.convert.api import plan_model
-    from precision_convert.convert.chart import activation_chart
+    from precision_convert.api.conversion import plan_model
+    from precision_convert.conversion.analysis.chart import activation_chart
 
     plan, calibration = plan_model(
         model,

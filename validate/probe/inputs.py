@@ -7,7 +7,7 @@ libraries share (``input_ids``, ``pixel_values``, ``input_features``, ``hidden_s
 needs from the config (searching sub-configs such as ``text_config``). Where a convention is
 ambiguous — a video latent laid out ``(B, C, F, H, W)`` or ``(B, F, C, H, W)``, a spectrogram
 ``(B, mel, T)`` or ``(B, T, mel)`` — the builder offers several layouts in order of
-likelihood and :func:`build_inputs` keeps the first the model accepts.
+likelihood and :func:`~.execute.build_inputs` keeps the first the model accepts.
 
 A model is exercised by one or more :class:`Probe` calls: ``forward`` for most models,
 ``encode`` then ``decode`` for autoencoders (the decoder is fed the encoder's baseline latents,
@@ -666,39 +666,3 @@ def inputs_from_tensors(
 
 def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-
-
-def build_inputs(model: Any, *, seed: int = 0, tokenizer: Any | None = None) -> ModelInputs:
-    """The seeded inputs ``model`` accepts (tries the candidates on it when there are several).
-
-    Reusable outside validation (activation analysis): give it any transformers, diffusers or
-    OpenCLIP model, get inputs that exercise it.
-
-    Raises:
-        CannotValidateError: no candidate runs; the message carries the model's last error.
-    """
-    from precision_convert.validate.execute import run_probes
-
-    inputs, _ = select_inputs(
-        model, input_candidates(model, seed=seed, tokenizer=tokenizer), run_probes
-    )
-    return inputs
-
-
-def select_inputs(
-    model: Any,
-    candidates: Iterator[ModelInputs],
-    run: Callable[[Any, ModelInputs], dict[str, dict[str, torch.Tensor]]],
-) -> tuple[ModelInputs, dict[str, dict[str, torch.Tensor]]]:
-    """Run candidates until one works; return it with its outputs (so nothing runs twice)."""
-    errors: list[str] = []
-    for candidate in candidates:
-        try:
-            return candidate, run(model, candidate)
-        except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    detail = errors[-1] if errors else "no candidate inputs"
-    raise CannotValidateError(
-        f"cannot validate {type(model).__name__}: the model rejected every built input "
-        f"({len(errors)} tried; last: {detail}); pass --inputs"
-    )

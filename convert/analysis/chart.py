@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from precision_convert.convert.analysis import ACTIVATION_MARGIN, ActivationStats
+from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN, ActivationStats
 from precision_convert.dtypes import FP16_MAX
 
 #: File name of the chart beside a model's weights; the model card shows it when present.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from precision_convert.convert.safetensors_header import TensorEntry
+from precision_convert.conversion.io.header import TensorEntry
 from precision_convert.dtypes import DType
 
 if TYPE_CHECKING:
@@ -77,6 +77,14 @@ class FileTensor:
             os.close(fd)
             if buffer is not None:
                 buffer.give_back()
+
+    def read_into(self, view: memoryview) -> None:
+        """Read the raw bytes straight into ``view`` (exactly ``end - begin`` bytes long)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            _read_exact(fd, view, self.begin, self.path)
+        finally:
+            os.close(fd)
 
 
 class _Buffer:
@@ -157,6 +165,29 @@ class MemoryTensor:
 
 def numel(tensor: LazyTensor) -> int:
     return math.prod(tensor.shape)
+
+
+def read_tensor(
+    tensor: LazyTensor, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """One stored tensor in ``dtype`` on ``device``, with no more than one copy in memory.
+
+    When the file already holds ``dtype`` its bytes are read straight into the result.
+    Otherwise chunks are converted into one preallocated result, so the peak is the result plus
+    one chunk; each chunk is released before the next is read, so its buffer is reused.
+    """
+    import torch
+
+    out = torch.empty(numel(tensor), dtype=dtype)
+    if isinstance(tensor, FileTensor) and tensor.dtype.torch == dtype and out.numel():
+        tensor.read_into(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+    else:
+        start = 0
+        for chunk in tensor.chunks():
+            out[start : start + chunk.numel()] = chunk
+            start += chunk.numel()
+            del chunk
+    return out.reshape(tensor.shape).to(device)
 
 
 def prefetch(tensors: Iterable[LazyTensor]) -> threading.Event:

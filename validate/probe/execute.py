@@ -8,7 +8,7 @@ that produced them can be freed before the next one is loaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -17,7 +17,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from precision_convert.validate.inputs import FromOutput, ModelInputs, Probe, Seeded
+from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
+from precision_convert.errors import CannotValidateError
+from precision_convert.validation.probe.inputs import (
+    FromOutput,
+    ModelInputs,
+    Probe,
+    Seeded,
+    input_candidates,
+)
 
 #: Output fields that are caches or bookkeeping, not results: never compared.
 _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_detected"})
@@ -26,6 +34,8 @@ _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_dete
 _DISTRIBUTION = ("mean", "logvar")
 
 Outputs = dict[str, dict[str, torch.Tensor]]
+#: Errors a model raises when it cannot run on what it was given (dtype clashes included).
+RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -126,41 +136,38 @@ def resolve_partial(inputs: ModelInputs, outputs: Outputs) -> Any:
         yield resolve(replace(inputs, probes=(probe,)), outputs).probes[0]
 
 
-#: Tensor functions that only read metadata: a weight read this way was not computed with.
-METADATA_FUNCTIONS = frozenset(
-    {
-        "dtype",
-        "shape",
-        "device",
-        "size",
-        "dim",
-        "ndim",
-        "numel",
-        "is_floating_point",
-        "requires_grad",
-        "is_contiguous",
-        "element_size",
-        "stride",
-        "layout",
-        "is_cuda",
-        "is_meta",
-        "__len__",
-        "names",
-        "data_ptr",
-        "is_complex",
-        "nelement",
-        "itemsize",
-        "nbytes",
-    }
-)
+def build_inputs(model: Any, *, seed: int = 0, tokenizer: Any | None = None) -> ModelInputs:
+    """The seeded inputs ``model`` accepts (tries the candidates on it when there are several).
+
+    Reusable outside validation (activation analysis): give it any transformers, diffusers or
+    OpenCLIP model, get inputs that exercise it.
+
+    Raises:
+        CannotValidateError: no candidate runs; the message carries the model's last error.
+    """
+    inputs, _ = select_inputs(
+        model, input_candidates(model, seed=seed, tokenizer=tokenizer), run_probes
+    )
+    return inputs
 
 
-def function_name(func: Any) -> str:
-    """The name of a torch function as ``__torch_function__`` sees it (properties by name)."""
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
+def select_inputs(
+    model: Any,
+    candidates: Iterator[ModelInputs],
+    run: Callable[[Any, ModelInputs], dict[str, dict[str, torch.Tensor]]],
+) -> tuple[ModelInputs, dict[str, dict[str, torch.Tensor]]]:
+    """Run candidates until one works; return it with its outputs (so nothing runs twice)."""
+    errors: list[str] = []
+    for candidate in candidates:
+        try:
+            return candidate, run(model, candidate)
+        except RUN_ERRORS as e:
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    detail = errors[-1] if errors else "no candidate inputs"
+    raise CannotValidateError(
+        f"cannot validate {type(model).__name__}: the model rejected every built input "
+        f"({len(errors)} tried; last: {detail}); pass --inputs"
+    )
 
 
 class Coverage(TorchFunctionMode):

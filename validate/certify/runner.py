@@ -1,10 +1,10 @@
 """``validate()``: run the fp32 baseline, then the converted model, compare, certify.
 
 Baseline and candidate are never resident together: the baseline (the source, upcast to fp32
-and run in fp32 by its own library) runs first, its outputs go to the CPU, it is freed, and
-only then is the candidate loaded with :func:`precision_convert.convert.loader.load` — the
-same loader users get, with its boundary hooks. A model whose fp32 copy does not fit the
-memory budget is compared block by block instead (:mod:`.blockwise`). A diffusers pipeline is
+and run in fp32) runs first, its outputs go to the CPU, it is freed, and only then is the
+candidate loaded with :func:`~precision_convert.conversion.runtime.loader.load` — the same
+loader users get, with its boundary hooks. A model whose fp32 copy does not fit the memory
+budget is compared block by block instead (:mod:`.blockwise`). A diffusers pipeline is
 validated component by component, then end to end with a short seeded run.
 
 The certificate and the model card are written into the converted directory whatever the
@@ -14,54 +14,63 @@ verdict, so a user can see why a conversion failed; only a model that cannot be 
 
 from __future__ import annotations
 
-import gc
 import importlib.metadata
-import math
 import platform
 import re
-import tomllib
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from precision_convert.convert.source import ModelSource, PipelineSource, open_source, resolve
-from precision_convert.dtypes import from_config_string
+from precision_convert._version import __version__
+from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.runtime.baseline import load_fp32
+from precision_convert.conversion.runtime.devices import resolve_device
+from precision_convert.conversion.runtime.loader import load
+from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.validate.card import write_card
-from precision_convert.validate.certificate import (
+from precision_convert.validation.certify.blockwise import validate_blockwise
+from precision_convert.validation.certify.card import write_card
+from precision_convert.validation.certify.certificate import (
     Certificate,
     ComponentRecord,
     hash_files,
     sha256_files,
     write,
 )
-from precision_convert.validate.execute import Coverage, Outputs, run_probes
-from precision_convert.validate.execute import resolve as resolve_inputs
-from precision_convert.validate.inputs import (
+from precision_convert.validation.certify.components import (
+    SEED,
+    Component,
+    ComponentResult,
+    check_baseline,
+    component_record,
+)
+from precision_convert.validation.probe.execute import (
+    RUN_ERRORS,
+    Coverage,
+    Outputs,
+    run_probes,
+    select_inputs,
+)
+from precision_convert.validation.probe.execute import resolve as resolve_inputs
+from precision_convert.validation.probe.inputs import (
     ModelInputs,
     input_candidates,
     inputs_from_tensors,
     pipeline_inputs,
-    select_inputs,
 )
-from precision_convert.validate.memory import release_freed_memory
-from precision_convert.validate.metrics import METRICS, Measurement, compare, kind_of, measure
+from precision_convert.validation.probe.metrics import METRICS, Measurement, measure
+from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
+from precision_convert.validation.probe.tokenizers import tokenizer_for
 
 __all__ = ["parse_memory", "thresholds_for", "validate"]
 
-#: Seed of every built input: fixed, so two certificates of one model are comparable.
-SEED = 0
 #: Whole-model validation needs the fp32 weights plus activations, allocator slack and the
 #: outputs kept for comparison; past this share of the budget the model goes block by block.
 WHOLE_MODEL_HEADROOM = 1.25
-#: Errors a model raises when it cannot run on what it was given (dtype clashes included).
-RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
 
 
 @dataclass(frozen=True)
@@ -72,32 +81,6 @@ class SourceInfo:
     id: str
     revision: str | None
     kind: str  # "source", or "converted-upcast" when no source was given
-
-
-@dataclass(frozen=True)
-class Component:
-    """One model to validate: a single model, or one component of a pipeline."""
-
-    name: str
-    converted: ModelSource
-    baseline_dir: Path
-    record: Mapping[str, Any]
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        found = from_config_string(str(self.record.get("compute_dtype", "")))
-        return found.torch if found is not None and found.is_float else torch.float32
-
-    @property
-    def fp32_bytes(self) -> int:
-        return sum(4 * math.prod(t.shape) for t in self.converted.tensors() if t.dtype.is_float)
-
-
-@dataclass
-class ComponentResult:
-    record: ComponentRecord
-    metrics: list[Measurement]
-    errors: list[str]
 
 
 # --------------------------------------------------------------------------- public entry
@@ -169,18 +152,6 @@ def source_info(baseline: str | Path | None, converted: Path) -> SourceInfo:
     if not Path(text).expanduser().exists():  # a Hub id resolved some other way
         return SourceInfo(path, text, None, "source")
     return SourceInfo(path, str(path.absolute()), None, "source")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        found = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
-    if found.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda was asked for but no CUDA device is available")
-    return found
 
 
 _UNITS = {
@@ -264,207 +235,7 @@ def _components(opened: ModelSource | PipelineSource, source: SourceInfo) -> lis
     return components
 
 
-# --------------------------------------------------------------------------- thresholds
-
-
-@cache
-def _task_table() -> Mapping[str, Mapping[str, float]]:
-    text = resources.files("precision_convert.recipes").joinpath("tasks.toml").read_text("utf-8")
-    return tomllib.loads(text)
-
-
-def recipe_validation(recipe: str | None) -> Mapping[str, Any]:
-    """The ``[validation]`` table of the recipe a conversion used (empty when unknown)."""
-    if not recipe:
-        return {}
-    from precision_convert.recipes import get
-
-    try:
-        return get(recipe).validation
-    except InputError:
-        return {}  # a recipe file that has since moved: the task defaults apply
-
-
-def thresholds_for(task: str, validation: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """Thresholds of ``task``: ``[defaults]``, then ``[task]``, then the recipe's overrides."""
-    table = _task_table()
-    overrides = (validation or {}).get("thresholds", {})
-    merged = {**table.get("defaults", {}), **table.get(task, {}), **overrides}
-    unknown = set(merged) - set(METRICS)
-    if unknown:
-        raise InputError(
-            f"unknown validation thresholds {sorted(unknown)} (task {task!r}); "
-            f"known: {', '.join(METRICS)}"
-        )
-    return {k: float(v) for k, v in merged.items()}
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_baseline(directory: Path) -> Any:
-    """The model (or pipeline) in ``directory`` in fp32, bf16 sources upcast, on the CPU.
-
-    Each model is built by its own library as a weightless skeleton and filled one tensor at a
-    time (:func:`~precision_convert.validate.blockwise.build_streamed`), so memory peaks at the
-    fp32 model plus one tensor whatever the files hold; the library's ``from_pretrained`` is
-    the fallback where weights do not map one-to-one (fused experts).
-    """
-    opened = open_source(directory)
-    if isinstance(opened, PipelineSource):
-        import diffusers
-
-        components = {name: load_baseline(directory / name) for name in opened.components}
-        return diffusers.DiffusionPipeline.from_pretrained(directory, **components)
-    from precision_convert.validate.blockwise import build_streamed
-
-    try:
-        return build_streamed(opened, upcast=True)
-    except CannotValidateError:
-        pass
-    if opened.library == "diffusers":
-        import diffusers
-
-        cls = getattr(diffusers, opened.class_name or "", None)
-        if not isinstance(cls, type):
-            raise CannotValidateError(
-                f"diffusers has no class {opened.class_name!r} to build the baseline with"
-            )
-        return _diffusers_fp32(cls, directory)
-    if opened.library == "open_clip":
-        import open_clip
-
-        return open_clip.create_model(f"local-dir:{directory}", precision="fp32").float()
-    import transformers
-
-    if opened.config.get("auto_map"):
-        raise CannotValidateError(
-            "the baseline needs the model's own code (auto_map); "
-            "validate it with its library and pass --inputs"
-        )
-    architecture = (opened.config.get("architectures") or [None])[0]
-    cls = getattr(transformers, architecture, None) if architecture else None
-    cls = cls if isinstance(cls, type) else transformers.AutoModel
-    return cls.from_pretrained(directory, dtype=torch.float32)
-
-
-def _diffusers_fp32(cls: Any, directory: Path) -> Any:
-    """``cls.from_pretrained`` in fp32. ``torch_dtype`` is the keyword every supported diffusers
-    honours (newer ones also take ``dtype``, and warn about the old name: silenced here)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="`torch_dtype` is deprecated", category=FutureWarning
-        )
-        return cls.from_pretrained(directory, torch_dtype=torch.float32)
-
-
-def load_candidate(directory: Path, device: torch.device) -> Any:
-    """The converted model exactly as users load it."""
-    from precision_convert.convert.loader import load
-
-    return load(directory, device=device)
-
-
-def tokenizer_for(directory: Path) -> Any | None:
-    """The tokenizer shipped with a model, or its pipeline's matching ``tokenizer*`` folder.
-
-    A pipeline's ``text_encoder_2`` pairs with ``tokenizer_2``. None when there is none or it
-    cannot be built: seeded random ids then serve as well.
-    """
-    candidates = [directory]
-    if directory.name.startswith("text_encoder"):
-        candidates.append(directory.parent / directory.name.replace("text_encoder", "tokenizer"))
-    for candidate in candidates:
-        files = (
-            [*candidate.glob("tokenizer*"), *candidate.glob("*.model")]
-            if candidate.is_dir()
-            else []
-        )
-        if files:
-            from transformers import AutoTokenizer
-
-            try:
-                return AutoTokenizer.from_pretrained(candidate)
-            except (OSError, ValueError, KeyError, TypeError, ImportError):
-                continue
-    return None
-
-
-def _free(gone: weakref.ref[Any], device: torch.device) -> None:
-    """Make sure a deleted model's memory is back before the next one loads.
-
-    Reference counting frees most models at ``del``; a full ``gc.collect()`` (a fifth of a
-    second with transformers imported) runs only when a reference cycle kept this one alive.
-    """
-    if gone() is not None:
-        gc.collect()
-    release_freed_memory()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 # --------------------------------------------------------------------------- comparison
-
-
-def compare_outputs(
-    component: str,
-    inputs: ModelInputs,
-    baseline: Outputs,
-    candidate: Outputs,
-    thresholds: Mapping[str, float],
-    probe_label: Callable[[str], str] = str,
-) -> list[Measurement]:
-    """Judge every output of every probe; a missing or reshaped output is itself a failure."""
-    rows: list[Measurement] = []
-    images = {p.name: p.images for p in inputs.probes}
-    for probe, outputs in baseline.items():
-        for name, base in outputs.items():
-            got = candidate.get(probe, {}).get(name)
-            label = probe_label(probe)
-            if got is None or got.shape != base.shape:
-                rows.append(
-                    Measurement(component, label, name, "nonfinite", None, 0.0, "max", False)
-                )
-                continue
-            values = compare(base, got, kind_of(name, images=images.get(probe, False)))
-            rows += measure(component, label, name, values, thresholds)
-    return rows
-
-
-def component_record(
-    component: Component, inputs_task: str, inputs: ModelInputs, mode: str, **extra: Any
-) -> tuple[ComponentRecord, dict[str, float]]:
-    """The certificate record of one component and the thresholds it is judged by.
-
-    The task is the recipe's ``[validation] task`` when it names one, else the inputs' own.
-    """
-    validation = recipe_validation(component.record.get("recipe"))
-    task = str(validation.get("task", inputs_task))
-    record = ComponentRecord(
-        name=component.name,
-        class_name=component.converted.class_name,
-        library=component.converted.library,
-        task=task,
-        mode=mode,
-        recipe=component.record.get("recipe"),
-        plan_sha256=component.record.get("plan_sha256"),
-        inputs=inputs.describe(),
-        **extra,
-    )
-    return record, thresholds_for(task, validation)
-
-
-def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:
-    """Refuse to certify against a baseline that is itself not finite: nothing to match."""
-    for probe, tensors in outputs.items():
-        for name, tensor in tensors.items():
-            if not torch.isfinite(tensor).all():
-                raise CannotValidateError(
-                    f"cannot validate {component.name or component.converted.class_name}: the "
-                    f"fp32 baseline's {probe}/{name} holds NaN/Inf{hint}"
-                )
 
 
 def _validate_component(
@@ -474,8 +245,6 @@ def _validate_component(
     supplied: Mapping[str, torch.Tensor] | None,
 ) -> ComponentResult:
     if component.fp32_bytes * WHOLE_MODEL_HEADROOM > budget:
-        from precision_convert.validate.blockwise import validate_blockwise
-
         return validate_blockwise(component, device, budget, supplied)
     return _validate_whole(component, device, supplied)
 
@@ -483,7 +252,7 @@ def _validate_component(
 def _validate_whole(
     component: Component, device: torch.device, supplied: Mapping[str, torch.Tensor] | None
 ) -> ComponentResult:
-    baseline = load_baseline(component.baseline_dir).to(device).eval()
+    baseline = load_fp32(component.baseline_dir).to(device).eval()
     if supplied is not None:
         candidates: Iterable[ModelInputs] = iter(
             [inputs_from_tensors(baseline, supplied, seed=SEED)]
@@ -504,12 +273,12 @@ def _validate_whole(
     # The candidate generator holds the model too: both must go before the candidate loads.
     gone = weakref.ref(baseline)
     del baseline, candidates
-    _free(gone, device)
+    free_model(gone, device)
 
     record, thresholds = component_record(component, chosen.task, frozen, "whole")
     metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
     try:
-        candidate = load_candidate(component.converted.root, device)
+        candidate = load(component.converted.root, device=device)
         cand_out = run_probes(candidate, frozen, device, component.compute_dtype)
     except RUN_ERRORS as exc:
         return ComponentResult(
@@ -519,7 +288,7 @@ def _validate_whole(
         )
     gone = weakref.ref(candidate)
     del candidate
-    _free(gone, device)
+    free_model(gone, device)
     metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
     return ComponentResult(record, metrics, [])
 
@@ -541,7 +310,7 @@ def _validate_pipeline(
         note = "end-to-end run skipped: a component only fits in memory block by block"
         record.inputs = {"skipped": note}
         return ComponentResult(record, [], [])
-    baseline = load_baseline(source.path).to(device)
+    baseline = load_fp32(source.path).to(device)
     inputs = pipeline_inputs(baseline, seed=SEED)
     record.inputs = inputs.describe()
     try:
@@ -553,9 +322,9 @@ def _validate_pipeline(
         ) from None
     gone = weakref.ref(baseline)
     del baseline
-    _free(gone, device)
+    free_model(gone, device)
     try:
-        candidate = load_candidate(opened.root, device)
+        candidate = load(opened.root, device=device)
         cand_out = run_probes(candidate, inputs, device)
     except RUN_ERRORS as exc:
         return ComponentResult(
@@ -563,7 +332,7 @@ def _validate_pipeline(
         )
     gone = weakref.ref(candidate)
     del candidate
-    _free(gone, device)
+    free_model(gone, device)
     return ComponentResult(
         record, compare_outputs("pipeline", inputs, base_out, cand_out, thresholds), []
     )
@@ -643,8 +412,6 @@ def _certificate(
     device: torch.device,
     max_memory: str | int | None,
 ) -> Certificate:
-    from precision_convert import __version__
-
     metrics = [m for r in results for m in r.metrics]
     failures = [e for r in results for e in r.errors] + _failure_lines(metrics)
     records = {c.record.get("target") for c in components} - {None}

@@ -23,8 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from precision_convert.convert import tensors as _tensors
-from precision_convert.convert.tensors import LazyTensor
+from precision_convert.conversion.io import tensors as _tensors
+from precision_convert.conversion.io.tensors import LazyTensor
 from precision_convert.dtypes import DType
 
 if TYPE_CHECKING:

@@ -1,8 +1,9 @@
 """Find normalization modules on a meta-device skeleton of the model.
 
-The model is built from its config with no weights (accelerate's ``init_empty_weights``), so
-even a 70B model costs no memory. When no class can be built (remote code not allowed, a
-library not installed, an unknown class), names are used instead.
+The model is built from its config with no weights by
+:func:`~precision_convert.conversion.runtime.builders.build_skeleton` (the builder ``pc.load``
+and validation use), so even a 70B model costs no memory. When no class can be built (remote
+code not allowed, a library not installed, an unknown class), names are used instead.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from precision_convert.convert.names import module_of
-from precision_convert.convert.source import ModelSource
+from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.runtime.builders import build_skeleton
+from precision_convert.names import module_of
 
 logger = logging.getLogger(__name__)
 
@@ -68,43 +70,10 @@ def _align_names(found: set[str], checkpoint_modules: set[str], model: Any) -> s
 
 
 def _skeleton(source: ModelSource, *, trust_remote_code: bool) -> Any | None:
-    from accelerate import init_empty_weights
-
+    if "auto_map" in source.config and not trust_remote_code:
+        return None  # remote code is never run to find norms; names serve instead
     try:
-        with init_empty_weights(include_buffers=True):
-            if source.library == "transformers":
-                return _transformers_skeleton(source, trust_remote_code)
-            if source.library == "diffusers":
-                import diffusers
-
-                cls = getattr(diffusers, source.class_name or "", None)
-                return cls.from_config(source.config) if cls is not None else None
-            return _open_clip_skeleton(source)
+        return build_skeleton(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # any failure only means "fall back to names"
         logger.info("no skeleton for %s (%s); finding norms by name", source.root, exc)
         return None
-
-
-def _transformers_skeleton(source: ModelSource, trust_remote_code: bool) -> Any | None:
-    import transformers
-
-    if "auto_map" in source.config and not trust_remote_code:
-        return None
-    config = transformers.AutoConfig.from_pretrained(
-        source.root, trust_remote_code=trust_remote_code
-    )
-    cls = getattr(transformers, source.class_name or "", None) or transformers.AutoModel
-    if cls is transformers.AutoModel:
-        return cls.from_config(config, trust_remote_code=trust_remote_code)
-    return cls(config)
-
-
-def _open_clip_skeleton(source: ModelSource) -> Any | None:
-    try:
-        import open_clip
-    except ImportError:
-        return None
-    model_cfg = dict(source.config["model_cfg"])
-    if model_cfg.get("text_cfg", {}).get("hf_model_name"):
-        return open_clip.model.CustomTextCLIP(**model_cfg)
-    return open_clip.model.CLIP(**model_cfg)

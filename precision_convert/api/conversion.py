@@ -6,14 +6,23 @@ trace; the output path only ever receives a complete, fsynced directory.
 
 from __future__ import annotations
 
-import json
-import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.convert.plan import (
+from precision_convert.conversion.analysis.norms import normalization_modules
+from precision_convert.conversion.io.source import (
+    ModelSource,
+    PipelineSource,
+    Source,
+    open_source,
+    resolve,
+)
+from precision_convert.conversion.io.staging import StagedOutput
+from precision_convert.conversion.io.tensors import prefetch
+from precision_convert.conversion.output import NEVER_COPY, ProgressHook, copy_entry, write_model
+from precision_convert.conversion.plan import (
     Island,
     ModelPlan,
     RangeStats,
@@ -21,29 +30,13 @@ from precision_convert.convert.plan import (
     check_target,
     scan_ranges,
 )
-from precision_convert.convert.skeleton import normalization_modules
-from precision_convert.convert.source import (
-    ModelSource,
-    PipelineSource,
-    Source,
-    open_source,
-    resolve,
-)
-from precision_convert.convert.staging import StagedOutput
-from precision_convert.convert.tensors import prefetch
-from precision_convert.convert.writer import write_file
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
-    from precision_convert.convert.calibration import Calibration
-
-#: Progress callback: (what is being written, source bytes just consumed).
-ProgressHook = Callable[[str, int], None]
-#: Never copied from a source: Hub download bookkeeping and version control.
-_NEVER_COPY = frozenset({".cache", ".git", ".huggingface"})
+    from precision_convert.conversion.analysis.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -165,14 +158,12 @@ def plan_model(
 
     if not (calibrate and safe):
         return plan_with(()), None
-    from precision_convert import __version__
-    from precision_convert.convert.calibration import calibrated_plan
-
-    def write_candidate(source: ModelSource, plan: ModelPlan, directory: Path) -> None:
-        _write_model(source, plan, directory, __version__, None)
+    from precision_convert.conversion.analysis.calibration import calibrated_plan
 
     try:
-        return calibrated_plan(model, target, plan_with, write_candidate, search=search)
+        return calibrated_plan(
+            model, target, plan_with, search=search, trust_remote_code=trust_remote_code
+        )
     except CannotValidateError as exc:
         plan = plan_with(())
         return replace(plan, warnings=(*plan.warnings, f"not calibrated: {exc}")), None
@@ -236,11 +227,9 @@ def convert(
     components = [
         ComponentResult(name, m.library, m.class_name, *planned[name]) for name, m in models.items()
     ]
-    from precision_convert import __version__
-
     try:
         with staged:
-            written = _write(opened, models, components, staged.path, __version__, on_progress)
+            written = _write(opened, models, components, staged.path, on_progress)
             staged.commit()
     except OSError as exc:  # disk full, permissions, a vanished source file: nothing was kept
         raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
@@ -252,7 +241,7 @@ def convert(
         files=sorted(written),
     )
     if validate:
-        from precision_convert.validate.runner import validate as run_validation
+        from precision_convert.validation.certify.runner import validate as run_validation
 
         result.certificate = run_validation(target_dir, baseline=root, device=device)
     return result
@@ -269,20 +258,19 @@ def _write(
     models: dict[str, ModelSource],
     components: list[ComponentResult],
     staging: Path,
-    version: str,
     on_progress: ProgressHook | None,
 ) -> list[str]:
     written: list[str] = []
     if isinstance(opened, PipelineSource):
         for entry in sorted(opened.root.iterdir()):
-            if entry.name in _NEVER_COPY or entry.name in models:
+            if entry.name in NEVER_COPY or entry.name in models:
                 continue
-            written += _copy(entry, staging / entry.name)
+            written += copy_entry(entry, staging / entry.name)
     for component in components:
         name = component.name
         out_dir = staging / name if name else staging
         out_dir.mkdir(exist_ok=True)
-        files = _write_model(models[name], component.plan, out_dir, version, on_progress)
+        files = write_model(models[name], component.plan, out_dir, on_progress)
         if component.calibration is not None:
             files.append(_write_chart(component, out_dir))
         written += [f"{name}/{f}" if name else f for f in files]
@@ -290,7 +278,7 @@ def _write(
 
 
 def _write_chart(component: ComponentResult, directory: Path) -> str:
-    from precision_convert.convert.chart import CHART_NAME, activation_chart
+    from precision_convert.conversion.analysis.chart import CHART_NAME, activation_chart
 
     assert component.calibration is not None
     units = list(dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float))
@@ -301,70 +289,3 @@ def _write_chart(component: ComponentResult, directory: Path) -> str:
     )
     activation_chart(component.calibration.stats, units, islands, directory / CHART_NAME, title)
     return CHART_NAME
-
-
-def _copy(entry: Path, dest: Path) -> list[str]:
-    """Copy a file or folder unchanged; returns the copied files relative to ``dest``'s folder."""
-    if entry.is_dir():
-        shutil.copytree(entry, dest, ignore=shutil.ignore_patterns(*_NEVER_COPY))
-        return [str(p.relative_to(dest.parent)) for p in dest.rglob("*") if p.is_file()]
-    shutil.copy2(entry, dest)
-    return [dest.name]
-
-
-def _write_model(
-    model: ModelSource,
-    plan: ModelPlan,
-    out_dir: Path,
-    version: str,
-    on_progress: ProgressHook | None,
-) -> list[str]:
-    block = plan.block(version)
-    stored = {t.name: t.stored for t in plan.tensors}
-    written: list[str] = []
-    for entry in sorted(model.root.iterdir()):
-        if entry.name in _NEVER_COPY or model.is_weight_file(entry.name):
-            continue
-        if entry.name == model.config_name:
-            continue
-        written += _copy(entry, out_dir / entry.name)
-    _write_config(model, plan, block, out_dir / model.config_name)
-    written.append(model.config_name)
-
-    weight_map: dict[str, str] = {}
-    total = 0
-    for weight_file in model.files:
-        items = [(t, stored[t.name]) for t in weight_file.tensors]
-        metadata = {
-            **weight_file.metadata,  # the source shard's own entries are kept
-            "format": "pt",
-            "precision_convert": json.dumps(block, separators=(",", ":")),
-        }
-
-        def progress(n: int, label: str = weight_file.output_name) -> None:
-            if on_progress is not None:
-                on_progress(label, n)
-
-        total += write_file(out_dir / weight_file.output_name, items, metadata, progress)
-        weight_map.update({t.name: weight_file.output_name for t, _ in items})
-        written.append(weight_file.output_name)
-    if model.index_name is not None:
-        index = {
-            "metadata": {**model.index_metadata, "total_size": total},
-            "weight_map": weight_map,
-        }
-        (out_dir / model.index_name).write_text(json.dumps(index, indent=2) + "\n")
-        written.append(model.index_name)
-    return written
-
-
-def _write_config(model: ModelSource, plan: ModelPlan, block: dict[str, Any], path: Path) -> None:
-    config = dict(model.config)
-    config["precision_convert"] = block
-    if model.library == "transformers":
-        config["dtype"] = plan.compute.torch_name
-        if "torch_dtype" in config:
-            config["torch_dtype"] = plan.compute.torch_name
-    for key, value in plan.config_flags.items():
-        config[key] = value
-    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from precision_convert.validate.metrics import Measurement
+from precision_convert.validation.probe.metrics import Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
 CARD_NAME = "README.md"

@@ -12,8 +12,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from precision_convert.validate.certificate import CARD_NAME, CERTIFICATE_NAME, Certificate
-from precision_convert.validate.metrics import Measurement
+from precision_convert.validation.certify.certificate import (
+    CARD_NAME,
+    CERTIFICATE_NAME,
+    Certificate,
+)
+from precision_convert.validation.probe.metrics import Measurement
 
 #: The activation-range chart the analysis stage saves; shown in the card when present.
 CHART_NAME = "precision_activations.png"

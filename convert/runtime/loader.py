@@ -16,14 +16,21 @@ treated as one whose fp32 output must flow on.
 from __future__ import annotations
 
 import json
-import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.convert.source import ModelSource, PipelineSource, open_source
-from precision_convert.convert.tensors import LazyTensor
+from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source
+from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
+from precision_convert.conversion.runtime.builders import (
+    RECORD_KEY,
+    KeyMap,
+    build_pretrained,
+    component_class,
+    key_map,
+)
+from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.dtypes import FP32, DType, from_config_string
 from precision_convert.errors import InputError
 
@@ -32,11 +39,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["load"]
-
-#: Maps a tensor name in the weight files to the model's state-dict key (None: no such key).
-KeyMap = Callable[[str], str | None]
-#: Key of the record in configs and shard metadata (docs/format.md).
-RECORD_KEY = "precision_convert"
 
 
 def load(
@@ -59,7 +61,7 @@ def load(
     Returns:
         A transformers ``PreTrainedModel``, a diffusers ``ModelMixin`` or ``DiffusionPipeline``,
         or an OpenCLIP model, in eval mode, with boundary hooks installed
-        (:func:`precision_convert.convert.boundaries.remove` takes them off).
+        (:func:`precision_convert.conversion.runtime.boundaries.remove` takes them off).
 
     Raises:
         InputError: the directory is not a model, the weights contradict their record, a module
@@ -73,7 +75,7 @@ def load(
     root = Path(path)
     if not root.is_dir():
         raise InputError("no such directory: load() takes a converted model directory", root)
-    target = _device(device)
+    target = resolve_device(device) if device is not None else None
     opened = open_source(root)
     loaded: Any = (
         _load_pipeline(opened, trust_remote_code)
@@ -83,19 +85,6 @@ def load(
     if target is not None:
         loaded = loaded.to(target)
     return loaded
-
-
-def _device(device: str | torch.device | None) -> torch.device | None:
-    import torch
-
-    if device is None:
-        return None
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
 
 
 def _load_pipeline(source: PipelineSource, trust_remote_code: bool) -> Any:
@@ -117,40 +106,27 @@ def _load_pipeline(source: PipelineSource, trust_remote_code: bool) -> Any:
 
 def _component_class(name: str, spec: list[Any], source: PipelineSource) -> type:
     """The class ``model_index.json`` gives a component: ``[library, class_name]``."""
-    import importlib
-
-    library, class_name = str(spec[0]), str(spec[-1])
-    module = (
-        library if library in ("transformers", "diffusers") else f"diffusers.pipelines.{library}"
-    )
-    try:
-        found = getattr(importlib.import_module(module), class_name)
-    except (ImportError, AttributeError):
-        found = None
-    if not isinstance(found, type):
+    found = component_class(str(spec[0]), str(spec[-1]))
+    if found is None:
         raise InputError(
-            f"component {name!r}: {library} has no class {class_name!r} to build it with",
+            f"component {name!r}: {spec[0]} has no class {spec[-1]!r} to build it with",
             source.root / "model_index.json",
         )
     return found
 
 
 def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None = None) -> nn.Module:
-    from precision_convert.convert.boundaries import find_boundaries, install
+    from precision_convert.conversion.runtime.boundaries import find_boundaries, install
 
     record = _record(source)
     tensors = list(source.tensors())
     compute = _compute_dtype(record, tensors, source)
     if record is not None:
         _check_record(record, tensors, source)
-    builders = {
-        "transformers": _build_transformers,
-        "diffusers": _build_diffusers,
-        "open_clip": _build_open_clip,
-    }
-    model, key_of = builders[source.library](source, compute.torch, trust_remote_code, cls)
+    model = build_pretrained(source, compute.torch, trust_remote_code=trust_remote_code, cls=cls)
+    key_of = key_map(model, source)
     _restore_stored_dtypes(model, tensors, key_of, compute, source)
-    reasons = _model_reasons(record.get("islands", {}) if record else {}, tensors, key_of)
+    reasons = model_reasons(record.get("islands", {}) if record else {}, tensors, key_of)
     install(model, find_boundaries(model, compute=compute.torch, reasons=reasons))
     return model.eval()
 
@@ -163,7 +139,7 @@ def _record(source: ModelSource) -> dict[str, Any] | None:
     block = source.config.get(RECORD_KEY)
     where: Path = source.root / source.config_name
     if block is None:
-        from precision_convert.convert.safetensors_header import read_header
+        from precision_convert.conversion.io.header import read_header
 
         first = source.files[0].path
         if first.suffix != ".safetensors":
@@ -225,7 +201,7 @@ def _check_record(record: dict[str, Any], tensors: list[LazyTensor], source: Mod
             )
 
 
-def _model_reasons(
+def model_reasons(
     islands: dict[str, str], tensors: list[LazyTensor], key_of: KeyMap
 ) -> dict[str, str]:
     """Island reasons re-keyed from checkpoint names to the model's module names."""
@@ -240,24 +216,6 @@ def _model_reasons(
 
 
 # --- stored dtypes ---------------------------------------------------------------------------
-
-
-def _read(tensor: LazyTensor) -> torch.Tensor:
-    """One tensor's data in its stored dtype, copied out of the converter's chunked reader.
-
-    The reader lends each chunk from a pooled buffer of up to ``CHUNK_BYTES``; keeping the
-    chunk itself would pin that whole buffer to a small norm weight, and holding it when the
-    reader finishes would keep the buffer out of the pool, so every read would allocate anew.
-    """
-    import torch
-
-    out = torch.empty(math.prod(tensor.shape), dtype=tensor.dtype.torch)
-    offset = 0
-    for chunk in tensor.chunks():
-        out[offset : offset + chunk.numel()] = chunk
-        offset += chunk.numel()
-        del chunk  # released before the reader's cleanup runs, so its buffer is pooled
-    return out.reshape(tensor.shape)
 
 
 def _restore_stored_dtypes(
@@ -287,140 +245,4 @@ def _restore_stored_dtypes(
             continue
         target = state[key]
         if target.dtype != t.dtype.torch:
-            target.data = _read(t).to(target.device)
-
-
-# --- builders --------------------------------------------------------------------------------
-
-
-def _build_transformers(
-    source: ModelSource, compute: torch.dtype, trust_remote_code: bool, cls: type | None
-) -> tuple[nn.Module, KeyMap]:
-    cls = cls or _transformers_class(source, trust_remote_code)
-    model = cls.from_pretrained(source.root, dtype=compute, trust_remote_code=trust_remote_code)
-    return model, transformers_key_map(model)
-
-
-def _transformers_class(source: ModelSource, trust_remote_code: bool) -> Any:
-    """The class named in ``architectures``; remote code (``auto_map``) only when trusted."""
-    import transformers
-
-    architecture = (source.config.get("architectures") or [None])[0]
-    native = getattr(transformers, architecture, None) if architecture else None
-    native = native if isinstance(native, type) else None
-    auto_map = source.config.get("auto_map") or {}
-    if auto_map and (trust_remote_code or native is None):
-        if not trust_remote_code:
-            raise InputError(
-                "the model's code ships with the checkpoint (auto_map in config.json); pass "
-                "trust_remote_code=True (--trust-remote-code) to run it",
-                source.root,
-            )
-        auto_names = [k for k in auto_map if k.startswith("AutoModel")]
-        chosen = next(
-            (k for k in auto_names if str(auto_map[k]).rpartition(".")[2] == architecture),
-            auto_names[0] if auto_names else None,
-        )
-        if chosen is None or not hasattr(transformers, chosen):
-            raise InputError("auto_map in config.json names no AutoModel class", source.root)
-        return getattr(transformers, chosen)
-    return native or transformers.AutoModel
-
-
-def transformers_key_map(model: nn.Module) -> KeyMap:
-    """Checkpoint key -> state-dict key, through transformers' own renaming rules.
-
-    A key that transformers merges with others (a ``WeightConverter``: fused experts, fused
-    qkv) maps to None: its stored dtype cannot survive the merge.
-    """
-    state = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-    except ImportError:  # transformers 4.x: no renaming tables, only the base-model prefix
-        return lambda key: next(
-            (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in state),
-            None,
-        )
-    mapping = get_model_conversion_mapping(model)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-
-    def key_of(key: str) -> str | None:
-        if key in state:
-            return key
-        renamed, merged = rename_source_key(key, renamings, converters, prefix, state)
-        return renamed if merged is None and renamed in state else None
-
-    return key_of
-
-
-def _exact_keys(model: nn.Module) -> KeyMap:
-    state = model.state_dict()
-    return lambda key: key if key in state else None
-
-
-def _build_diffusers(
-    source: ModelSource, compute: torch.dtype, trust_remote_code: bool, cls: type | None
-) -> tuple[nn.Module, KeyMap]:
-    import diffusers
-
-    cls = cls or getattr(diffusers, source.class_name or "", None)
-    if not isinstance(cls, type):
-        raise InputError(f"diffusers has no model class {source.class_name!r}", source.root)
-    _quiet_about_our_record()
-    model = cls.from_pretrained(source.root, dtype=compute)
-    return model, _exact_keys(model)
-
-
-class _OurRecordFilter(logging.Filter):
-    """Drops diffusers' "config attributes {'precision_convert': …} … not expected" warning:
-    the record is ours, diffusers is right to ignore it, and users need not be told so."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (RECORD_KEY in message and "not expected" in message)
-
-
-_RECORD_FILTER = _OurRecordFilter()
-
-
-def _quiet_about_our_record() -> None:
-    logger = logging.getLogger("diffusers.configuration_utils")
-    if _RECORD_FILTER not in logger.filters:
-        logger.addFilter(_RECORD_FILTER)
-
-
-def _build_open_clip(
-    source: ModelSource, compute: torch.dtype, trust_remote_code: bool, cls: type | None
-) -> tuple[nn.Module, KeyMap]:
-    """OpenCLIP's own factory builds the model; the weights are assigned as stored.
-
-    The model is built in fp32 (open_clip's ``precision="fp32"``: plain LayerNorm, no cast
-    dtype) because its ``LayerNormFp32`` refuses bf16 weights, which plain ``bf16`` plans hold;
-    the boundary hooks do for every plan what ``LayerNormFp32`` does for open_clip's own one.
-    """
-    try:
-        import open_clip
-    except ImportError:
-        raise InputError(
-            "an OpenCLIP model needs open_clip_torch: pip install 'precision-convert[openclip]'",
-            source.root,
-        ) from None
-    model = open_clip.create_model(f"local-dir:{source.root}", load_weights=False)
-    state = {t.name: _read(t) for t in source.tensors()}
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.missing_keys or result.unexpected_keys:
-        first = (result.missing_keys or result.unexpected_keys)[0]
-        raise InputError(
-            f"weights do not fit {type(model).__name__} built from open_clip_config.json "
-            f"({len(result.missing_keys)} missing, {len(result.unexpected_keys)} unexpected, "
-            f"e.g. {first!r})",
-            source.root,
-        )
-    return model, _exact_keys(model)
+            target.data = read_tensor(t, t.dtype.torch, target.device)

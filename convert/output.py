@@ -1,0 +1,92 @@
+"""Writing one model directory for a plan: weights through the streaming writer, the config
+with its ``precision_convert`` record, every other file copied unchanged.
+
+The converter writes its output with this, and calibration's search writes each candidate
+with it too, so a candidate checked against fp32 is byte for byte what the user would get.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from precision_convert._version import __version__
+from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.io.writer import write_file
+from precision_convert.conversion.plan import ModelPlan
+
+#: Progress callback: (what is being written, source bytes just consumed).
+ProgressHook = Callable[[str, int], None]
+#: Never copied from a source: Hub download bookkeeping and version control.
+NEVER_COPY = frozenset({".cache", ".git", ".huggingface"})
+
+
+def copy_entry(entry: Path, dest: Path) -> list[str]:
+    """Copy a file or folder unchanged; returns the copied files relative to ``dest``'s folder."""
+    if entry.is_dir():
+        shutil.copytree(entry, dest, ignore=shutil.ignore_patterns(*NEVER_COPY))
+        return [str(p.relative_to(dest.parent)) for p in dest.rglob("*") if p.is_file()]
+    shutil.copy2(entry, dest)
+    return [dest.name]
+
+
+def write_model(
+    model: ModelSource,
+    plan: ModelPlan,
+    out_dir: Path,
+    on_progress: ProgressHook | None = None,
+) -> list[str]:
+    """Write ``model`` under ``plan`` into the existing directory ``out_dir``; returns the
+    files written, relative to it."""
+    block = plan.block(__version__)
+    stored = {t.name: t.stored for t in plan.tensors}
+    written: list[str] = []
+    for entry in sorted(model.root.iterdir()):
+        if entry.name in NEVER_COPY or model.is_weight_file(entry.name):
+            continue
+        if entry.name == model.config_name:
+            continue
+        written += copy_entry(entry, out_dir / entry.name)
+    _write_config(model, plan, block, out_dir / model.config_name)
+    written.append(model.config_name)
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for weight_file in model.files:
+        items = [(t, stored[t.name]) for t in weight_file.tensors]
+        metadata = {
+            **weight_file.metadata,  # the source shard's own entries are kept
+            "format": "pt",
+            "precision_convert": json.dumps(block, separators=(",", ":")),
+        }
+
+        def progress(n: int, label: str = weight_file.output_name) -> None:
+            if on_progress is not None:
+                on_progress(label, n)
+
+        total += write_file(out_dir / weight_file.output_name, items, metadata, progress)
+        weight_map.update({t.name: weight_file.output_name for t, _ in items})
+        written.append(weight_file.output_name)
+    if model.index_name is not None:
+        index = {
+            "metadata": {**model.index_metadata, "total_size": total},
+            "weight_map": weight_map,
+        }
+        (out_dir / model.index_name).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(model.index_name)
+    return written
+
+
+def _write_config(model: ModelSource, plan: ModelPlan, block: dict[str, Any], path: Path) -> None:
+    config = dict(model.config)
+    config["precision_convert"] = block
+    if model.library == "transformers":
+        config["dtype"] = plan.compute.torch_name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = plan.compute.torch_name
+    for key, value in plan.config_flags.items():
+        config[key] = value
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

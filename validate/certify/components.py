@@ -1,0 +1,83 @@
+"""What validation works on and produces, shared by whole-model and block-wise runs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precision_convert.conversion.io.source import ModelSource
+from precision_convert.dtypes import from_config_string
+from precision_convert.errors import CannotValidateError
+from precision_convert.validation.certify.certificate import ComponentRecord
+from precision_convert.validation.probe.execute import Outputs
+from precision_convert.validation.probe.inputs import ModelInputs
+from precision_convert.validation.probe.metrics import Measurement
+from precision_convert.validation.probe.parity import recipe_validation, thresholds_for
+
+#: Seed of every built input: fixed, so two certificates of one model are comparable.
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Component:
+    """One model to validate: a single model, or one component of a pipeline."""
+
+    name: str
+    converted: ModelSource
+    baseline_dir: Path
+    record: Mapping[str, Any]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        found = from_config_string(str(self.record.get("compute_dtype", "")))
+        return found.torch if found is not None and found.is_float else torch.float32
+
+    @property
+    def fp32_bytes(self) -> int:
+        return sum(4 * math.prod(t.shape) for t in self.converted.tensors() if t.dtype.is_float)
+
+
+@dataclass
+class ComponentResult:
+    record: ComponentRecord
+    metrics: list[Measurement]
+    errors: list[str]
+
+
+def component_record(
+    component: Component, inputs_task: str, inputs: ModelInputs, mode: str, **extra: Any
+) -> tuple[ComponentRecord, dict[str, float]]:
+    """The certificate record of one component and the thresholds it is judged by.
+
+    The task is the recipe's ``[validation] task`` when it names one, else the inputs' own.
+    """
+    validation = recipe_validation(component.record.get("recipe"))
+    task = str(validation.get("task", inputs_task))
+    record = ComponentRecord(
+        name=component.name,
+        class_name=component.converted.class_name,
+        library=component.converted.library,
+        task=task,
+        mode=mode,
+        recipe=component.record.get("recipe"),
+        plan_sha256=component.record.get("plan_sha256"),
+        inputs=inputs.describe(),
+        **extra,
+    )
+    return record, thresholds_for(task, validation)
+
+
+def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:
+    """Refuse to certify against a baseline that is itself not finite: nothing to match."""
+    for probe, tensors in outputs.items():
+        for name, tensor in tensors.items():
+            if not torch.isfinite(tensor).all():
+                raise CannotValidateError(
+                    f"cannot validate {component.name or component.converted.class_name}: the "
+                    f"fp32 baseline's {probe}/{name} holds NaN/Inf{hint}"
+                )
