@@ -60,11 +60,8 @@ class Recipe:
         return self.config.get(target, {})
 
 
-def _parse(data: dict[str, Any], origin: str) -> Recipe:
-    def fail(problem: str) -> InputError:
-        return InputError(f"invalid recipe: {problem}", origin)
-
-    allowed = {
+_TOP_KEYS = frozenset(
+    {
         "name",
         "description",
         "library",
@@ -75,40 +72,82 @@ def _parse(data: dict[str, Any], origin: str) -> Recipe:
         "validation",
         "hazards",
     }
-    unknown = set(data) - allowed
-    if unknown:
-        raise fail(f"unknown keys {sorted(unknown)}")
+)
+_MATCH_KEYS = frozenset({"class_names", "model_types"})
+_RULE_KEYS = frozenset({"modules", "targets", "reason", "why"})
+
+
+def _parse(data: dict[str, Any], origin: str) -> Recipe:
+    """Validate a recipe's TOML into a :class:`Recipe`; any defect is one ``InputError`` naming
+    the file. Unknown keys are refused at every level: a misspelt ``reason`` must not quietly
+    become a ``precision`` island, whose output the loader casts back."""
+
+    def fail(problem: str) -> InputError:
+        return InputError(f"invalid recipe: {problem}", origin)
+
+    def table(value: Any, where: str, keys: frozenset[str] | None = None) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise fail(f"{where} must be a table")
+        unknown = set(value) - keys if keys is not None else set()
+        if unknown:
+            raise fail(f"unknown keys {sorted(unknown)} in {where}")
+        return value
+
+    def strings(value: Any, where: str) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail(f"{where} must be a list of strings")
+        return tuple(value)
+
+    def text(value: Any, where: str) -> str:
+        if not isinstance(value, str):
+            raise fail(f"{where} must be a string")
+        return value
+
+    table(data, "the recipe", _TOP_KEYS)
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise fail("'name' must be a non-empty string")
-    match = data.get("match", {})
+    match = table(data.get("match", {}), "[match]", _MATCH_KEYS)
+    raw_rules = data.get("fp32", [])
+    if not isinstance(raw_rules, list):
+        raise fail("fp32 rules must be an array of tables ([[fp32]])")
     rules = []
-    for raw in data.get("fp32", []):
-        targets = tuple(raw.get("targets", SAFE_TARGETS))
+    for index, raw in enumerate(raw_rules):
+        where = f"[[fp32]] #{index + 1}"
+        table(raw, where, _RULE_KEYS)
+        targets = strings(raw.get("targets", list(SAFE_TARGETS)), f"{where} targets")
         reason = raw.get("reason", "precision")
         if not set(targets) <= set(TARGETS):
             raise fail(f"fp32 rule targets {targets} must be among {TARGETS}")
         if reason not in ISLAND_REASONS:
             raise fail(f"fp32 rule reason {reason!r} must be one of {ISLAND_REASONS}")
+        patterns = raw.get("modules")
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            raise fail(f"{where} needs a list of module patterns (modules)")
         try:
-            modules = tuple(validate_pattern(p) for p in raw["modules"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise fail(f"fp32 rule needs a list of module patterns ({exc})") from None
-        rules.append(Fp32Rule(modules, targets, reason, raw.get("why", "")))
-    config = data.get("config", {})
+            modules = tuple(validate_pattern(p) for p in patterns)
+        except ValueError as exc:
+            raise fail(f"{where}: {exc}") from None
+        rules.append(Fp32Rule(modules, targets, reason, text(raw.get("why", ""), f"{where} why")))
+    config = table(data.get("config", {}), "[config]")
     if not set(config) <= set(TARGETS):
         raise fail(f"[config] tables must be named after targets {TARGETS}")
+    keep_normalization = data.get("keep_normalization", True)
+    if not isinstance(keep_normalization, bool):
+        raise fail("keep_normalization must be true or false")
     return Recipe(
         name=name,
-        description=data.get("description", ""),
-        library=data.get("library", "any"),
-        class_names=tuple(match.get("class_names", ())),
-        model_types=tuple(match.get("model_types", ())),
-        keep_normalization=bool(data.get("keep_normalization", True)),
+        description=text(data.get("description", ""), "description"),
+        library=text(data.get("library", "any"), "library"),
+        class_names=strings(match.get("class_names", []), "[match] class_names"),
+        model_types=strings(match.get("model_types", []), "[match] model_types"),
+        keep_normalization=keep_normalization,
         fp32=tuple(rules),
-        config=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in config.items()}),
-        validation=MappingProxyType(dict(data.get("validation", {}))),
-        hazards=tuple(data.get("hazards", ())),
+        config=MappingProxyType(
+            {k: MappingProxyType(dict(table(v, f"[config.{k}]"))) for k, v in config.items()}
+        ),
+        validation=MappingProxyType(dict(table(data.get("validation", {}), "[validation]"))),
+        hazards=strings(data.get("hazards", []), "hazards"),
         path=origin,
     )
 

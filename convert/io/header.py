@@ -19,6 +19,8 @@ from precision_convert.errors import InputError
 
 #: safetensors' own reader refuses headers above 100 MB; a larger one is corrupt or hostile.
 MAX_HEADER_BYTES = 100_000_000
+#: Dimensions a tensor may declare: real tensors have a handful; more is a hostile header.
+MAX_DIMS = 64
 
 
 @dataclass(frozen=True)
@@ -132,11 +134,22 @@ def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
         raise InputError(
             f"tensor {name!r}: data_offsets must be [begin, end] with begin <= end", path
         )
-    expected = math.prod(shape) * dtype.itemsize
-    if offsets[1] - offsets[0] != expected:
+    span = offsets[1] - offsets[0]
+    if len(shape) > MAX_DIMS:
+        raise InputError(f"tensor {name!r}: {len(shape)} dimensions (at most {MAX_DIMS})", path)
+    # One dimension at a time, stopping once past the span: a hostile shape's full product
+    # can be astronomically large (quadratic to compute, too long even to print).
+    expected = dtype.itemsize if 0 not in shape else 0
+    needs = ""
+    for index, size in enumerate(shape):
+        expected *= size
+        if expected > span and index < len(shape) - 1:
+            needs = f"needs more than {span}"
+            break
+    if needs or expected != span:
+        needs = needs or f"needs {expected}"
+        shown = f"{dtype.code}{shape}" if len(shape) <= 8 else f"a {len(shape)}-d {dtype.code}"
         raise InputError(
-            f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes but "
-            f"{dtype.code}{shape} needs {expected}",
-            path,
+            f"tensor {name!r}: data_offsets span {span} bytes but {shown} {needs}", path
         )
     return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
