@@ -4,6 +4,9 @@ The model is built from its config with no weights by
 :func:`~precision_convert.conversion.runtime.builders.build_skeleton` (the builder ``pc.load``
 and validation use), so even a 70B model costs no memory. When no class can be built (remote
 code not allowed, a library not installed, an unknown class), names are used instead.
+
+What a skeleton found is kept in a user cache (:mod:`.norm_cache`), so a later run on the same
+class and config imports neither the library nor builds anything.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from precision_convert.conversion.analysis import norm_cache
+from precision_convert.conversion.analysis.norm_cache import SkeletonNorms
 from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.runtime import builders
 from precision_convert.conversion.runtime.builders import build_skeleton
 from precision_convert.names import module_of
 
@@ -28,11 +35,36 @@ _NORM_NAME = re.compile(r"(?i).*norm.*|ln|ln_.*|ln\d+")
 
 def normalization_modules(source: ModelSource, *, trust_remote_code: bool = False) -> set[str]:
     """Names (as in the checkpoint) of every normalization module that owns parameters."""
+    found = skeleton_norms(source, trust_remote_code=trust_remote_code)
+    if found is None:
+        return _by_name(t.name for t in source.tensors() if len(t.shape) <= 1)
+    return _align_names(found, {module_of(t.name) for t in source.tensors()})
+
+
+def skeleton_norms(
+    source: ModelSource, *, trust_remote_code: bool = False, use_cache: bool = True
+) -> SkeletonNorms | None:
+    """The normalization modules of ``source``'s skeleton, in the skeleton's own names; None
+    when no skeleton can be built. Read from the cache when it holds them (``use_cache``)."""
+    if "auto_map" in source.config and not trust_remote_code:
+        return None  # remote code is never run to find norms; names serve instead
+    key = None
+    if use_cache and "auto_map" not in source.config:  # remote code may change: not cached
+        key = norm_cache.cache_key(source.library, source.class_name, source.config, _CODE)
+    if key is not None and (cached := norm_cache.load(key)) is not None:
+        return cached
     model = _skeleton(source, trust_remote_code=trust_remote_code)
     if model is None:
-        return _by_name(t.name for t in source.tensors() if len(t.shape) <= 1)
-    found = {name for name, module in model.named_modules() if name and _is_normalization(module)}
-    return _align_names(found, {module_of(t.name) for t in source.tensors()}, model)
+        return None  # failures are not cached: a missing library may be installed later
+    found = SkeletonNorms(
+        frozenset(
+            name for name, module in model.named_modules() if name and _is_normalization(module)
+        ),
+        getattr(model, "base_model_prefix", "") or "",
+    )
+    if key is not None:
+        norm_cache.store(key, found)
+    return found
 
 
 def _is_normalization(module: Any) -> bool:
@@ -57,11 +89,11 @@ def _by_name(tensor_names: Iterable[str]) -> set[str]:
     return {m for m in modules if m and _NORM_NAME.fullmatch(m.rpartition(".")[2])}
 
 
-def _align_names(found: set[str], checkpoint_modules: set[str], model: Any) -> set[str]:
+def _align_names(found: SkeletonNorms, checkpoint_modules: set[str]) -> set[str]:
     """Map skeleton module names onto checkpoint names (base-model prefix added or dropped)."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
+    prefix = found.prefix
     aligned: set[str] = set()
-    for name in found:
+    for name in found.modules:
         for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
             if candidate in checkpoint_modules:
                 aligned.add(candidate)
@@ -69,9 +101,11 @@ def _align_names(found: set[str], checkpoint_modules: set[str], model: Any) -> s
     return aligned
 
 
+#: The code a cached answer depends on besides the libraries: this module and the builders.
+_CODE = (Path(__file__), Path(builders.__file__))
+
+
 def _skeleton(source: ModelSource, *, trust_remote_code: bool) -> Any | None:
-    if "auto_map" in source.config and not trust_remote_code:
-        return None  # remote code is never run to find norms; names serve instead
     try:
         return build_skeleton(source, trust_remote_code=trust_remote_code)
     except Exception as exc:  # any failure only means "fall back to names"

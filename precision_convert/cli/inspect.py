@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from precision_convert.cli._common import console, emit_json, reported_errors
 
@@ -56,6 +55,8 @@ def inspect(
     if json_output:
         emit_json(report.to_json())
         return
+    from rich.table import Table
+
     for component in report.components:
         title = component.component or component.class_name or "model"
         modules = Table(title=f"{title}: {component.class_name} — recipe {component.recipe}")
@@ -78,6 +79,8 @@ def inspect(
 
 
 def _print_calibration(component: ComponentReport) -> None:
+    from rich.table import Table
+
     table = Table(title="modules nearest to the fp16 limit (65504), fp32 calibration run")
     table.add_column("module", overflow="fold")
     for column in ("peak |in|", "peak |out|", "headroom", "fp16-safe island"):

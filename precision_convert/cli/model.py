@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from precision_convert.cli._common import byte_progress, console, emit_json, reported_errors
 from precision_convert.cli.validate import print_certificate, require_pass
@@ -81,6 +80,8 @@ def model(
     if json_output:
         emit_json(result.to_json())
     else:
+        from rich.table import Table
+
         table = Table(title=f"{result.source} → {result.output} ({result.target})")
         for column in ("component", "recipe", "fp32 modules", "fp32 share", "warnings"):
             table.add_column(column)

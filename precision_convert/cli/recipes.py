@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
 from precision_convert.cli._common import console, reported_errors
 
@@ -15,6 +13,9 @@ def recipes(
     name: Annotated[str | None, typer.Argument(help="Show this recipe in full.")] = None,
 ) -> None:
     """List the built-in recipes, or show one."""
+    from rich.markup import escape
+    from rich.table import Table
+
     from precision_convert.recipes import builtin, get
 
     with reported_errors():

@@ -1,0 +1,196 @@
+"""A user-level cache of what skeleton analysis found: which modules of a class are norms.
+
+Building a skeleton imports the model's library (transformers alone takes seconds to import)
+to learn a handful of module names that depend only on the class, its config and the installed
+code. The names are kept as JSON under ``$XDG_CACHE_HOME/precision-convert/norms`` (default
+``~/.cache/precision-convert``); :data:`CACHE_VARIABLE` relocates the cache to another
+directory, or disables it with ``0``/``off``.
+
+An entry is keyed by a hash of everything the skeleton depends on: the library, the versions
+of the installed libraries, the class name, the whole config minus a few fields that never
+change module structure (:data:`IGNORED_CONFIG_KEYS`) and a fingerprint of the code that builds
+and reads the skeleton. Entries hold the skeleton's own names; mapping them onto a
+checkpoint's names happens on every call. Models whose code ships with the checkpoint
+(``auto_map``) are never cached. A cache that cannot be read or written is ignored: an
+unreadable or corrupt entry is recomputed, a failed write only means the next run recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from precision_convert._version import __version__
+
+logger = logging.getLogger(__name__)
+
+#: A directory to keep the cache in, or one of :data:`_DISABLED` to turn it off.
+CACHE_VARIABLE = "PRECISION_CONVERT_CACHE"
+_DISABLED = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
+#: Bump when the layout of an entry or the meaning of its key changes.
+SCHEMA = 1
+#: Top-level config fields that name, date or type a checkpoint without shaping its modules
+#: (``precision_convert`` is our own record, written into converted configs).
+IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "_diffusers_version",
+        "torch_dtype",
+        "dtype",
+        "precision_convert",
+    }
+)
+#: The distribution of each library a skeleton is built by.
+_LIBRARIES = {
+    "transformers": "transformers",
+    "diffusers": "diffusers",
+    "open_clip": "open_clip_torch",
+}
+#: Distributions whose code can shape a skeleton's modules, whichever library builds it
+#: (diffusers and OpenCLIP models may hold transformers or timm modules).
+_DISTRIBUTIONS = ("torch", "accelerate", "transformers", "diffusers", "open_clip_torch", "timm")
+#: Entries larger than this are not ours (a norm list of a huge model is a few hundred KB).
+_MAX_ENTRY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SkeletonNorms:
+    """What a skeleton says: its normalization modules and its base-model prefix."""
+
+    modules: frozenset[str]
+    prefix: str
+
+
+def cache_dir() -> Path | None:
+    """Where entries are kept, or None when the cache is disabled."""
+    chosen = os.environ.get(CACHE_VARIABLE, "").strip()
+    if chosen.lower() in _DISABLED:
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base).expanduser() if base else Path.home() / ".cache") / "precision-convert"
+
+
+def cache_key(
+    library: str, class_name: str | None, config: Mapping[str, Any], code: Iterable[Path]
+) -> dict[str, Any] | None:
+    """The key of a skeleton built by ``library`` for ``class_name`` from ``config`` by the
+    files ``code``; None when there is none (a library is not installed, a file unreadable,
+    the config not plain JSON)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if library not in _LIBRARIES:
+        return None
+    versions: dict[str, str | None] = {}
+    for name in _DISTRIBUTIONS:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+        except Exception:  # a broken installation: build the skeleton instead
+            return None
+    if versions[_LIBRARIES[library]] is None:  # the library is missing: nothing to cache
+        return None
+    try:
+        fingerprint = _fingerprint(tuple(str(p) for p in code))
+        structural = {k: v for k, v in config.items() if k not in IGNORED_CONFIG_KEYS}
+        config_hash = hashlib.sha256(_canonical(structural)).hexdigest()
+    except (OSError, TypeError, ValueError):
+        return None
+    return {
+        "schema": SCHEMA,
+        "precision_convert": __version__,
+        "code": fingerprint,
+        "library": library,
+        "versions": versions,
+        "class": class_name,
+        "config": config_hash,
+    }
+
+
+def load(key: Mapping[str, Any]) -> SkeletonNorms | None:
+    """The entry stored under ``key``; None when absent, unreadable or not what was stored."""
+    path = _entry_path(key)
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as file:
+            raw = file.read(_MAX_ENTRY_BYTES + 1)
+        if len(raw) > _MAX_ENTRY_BYTES:
+            return None
+        entry = json.loads(raw)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as exc:
+        logger.debug("ignoring unreadable norm cache entry %s (%s)", path, exc)
+        return None
+    if (
+        not isinstance(entry, dict)
+        or entry.get("key") != json.loads(_canonical(key))
+        or not isinstance(entry.get("prefix"), str)
+        or not isinstance(entry.get("modules"), list)
+        or not all(isinstance(m, str) for m in entry["modules"])
+    ):
+        logger.debug("ignoring a norm cache entry that does not match its key: %s", path)
+        return None
+    return SkeletonNorms(frozenset(entry["modules"]), entry["prefix"])
+
+
+def store(key: Mapping[str, Any], found: SkeletonNorms) -> None:
+    """Keep ``found`` under ``key``, atomically (temporary file + rename); never raises."""
+    path = _entry_path(key)
+    if path is None:
+        return
+    payload = _canonical({"key": key, "modules": sorted(found.modules), "prefix": found.prefix})
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.stem[:16]}-", suffix=".tmp"
+        )
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(payload)
+        os.replace(temporary, path)
+        temporary = None
+    except Exception as exc:  # a read-only or full disk: the next run recomputes
+        logger.debug("could not write norm cache entry %s (%s)", path, exc)
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def _entry_path(key: Mapping[str, Any]) -> Path | None:
+    directory = cache_dir()
+    if directory is None:
+        return None
+    digest = hashlib.sha256(_canonical(key)).hexdigest()
+    return directory / "norms" / f"{digest}.json"
+
+
+def _canonical(value: Any) -> bytes:
+    """One byte string per JSON value: sorted keys, no whitespace, NaN rejected."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+
+
+@cache
+def _fingerprint(paths: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
