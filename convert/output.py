@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert._version import __version__
+from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import ModelPlan
@@ -38,9 +39,18 @@ def write_model(
     plan: ModelPlan,
     out_dir: Path,
     on_progress: ProgressHook | None = None,
+    *,
+    io: IOContext | None = None,
 ) -> list[str]:
     """Write ``model`` under ``plan`` into the existing directory ``out_dir``; returns the
-    files written, relative to it."""
+    files written, relative to it.
+
+    ``io`` is the run's I/O context (its buffers are reused from shard to shard); without one,
+    the call opens its own and closes it before returning.
+    """
+    if io is None:
+        with IOContext() as own:
+            return write_model(model, plan, out_dir, on_progress, io=own)
     block = plan.block(__version__)
     stored = {t.name: t.stored for t in plan.tensors}
     written: list[str] = []
@@ -67,7 +77,7 @@ def write_model(
             if on_progress is not None:
                 on_progress(label, n)
 
-        total += write_file(out_dir / weight_file.output_name, items, metadata, progress)
+        total += write_file(out_dir / weight_file.output_name, items, metadata, progress, io=io)
         weight_map.update({t.name: weight_file.output_name for t, _ in items})
         written.append(weight_file.output_name)
     if model.index_name is not None:

@@ -37,8 +37,8 @@ import sys, time
 from precision_convert.conversion.io import tensors
 tensors.CHUNK_BYTES = 256 * 1024
 _chunks = tensors.FileTensor.chunks
-def _slow_chunks(self):
-    for chunk in _chunks(self):
+def _slow_chunks(self, *args, **kwargs):
+    for chunk in _chunks(self, *args, **kwargs):
         time.sleep(0.03)
         yield chunk
 tensors.FileTensor.chunks = _slow_chunks

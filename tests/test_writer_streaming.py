@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from precision_convert.conversion.io import tensors as tensors_module
 from precision_convert.conversion.io import writer
+from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.tensors import FileTensor, MemoryTensor
 from precision_convert.dtypes import BY_TORCH_NAME, DType
@@ -44,9 +45,6 @@ _CASES: dict[str, tuple[torch.Tensor, torch.dtype]] = {
 @pytest.fixture
 def small_io(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tensors_module, "CHUNK_BYTES", 4096 + 24)  # not block-aligned
-    writer.release_buffers()
-    yield
-    writer.release_buffers()
 
 
 def _source(tmp_path: Path) -> Path:
@@ -102,14 +100,14 @@ def test_stream_is_bit_identical_to_a_whole_tensor_cast(
 def test_reused_staging_and_read_buffers_across_files(small_io: None, tmp_path: Path) -> None:
     source = _source(tmp_path)
     items = _items(source)
-    for i in range(3):  # buffers from the previous file are reused
-        out = tmp_path / f"out{i}.safetensors"
-        writer.write_file(out, items, {"format": "pt"})
-        _check(out, [t.name for t, _ in items])
+    with IOContext() as io:
+        for i in range(3):  # buffers from the previous file are reused
+            out = tmp_path / f"out{i}.safetensors"
+            writer.write_file(out, items, {"format": "pt"}, io=io)
+            _check(out, [t.name for t, _ in items])
 
 
 def test_memory_tensors_and_the_real_chunk_size(tmp_path: Path) -> None:
-    writer.release_buffers()
     items = [
         (MemoryTensor(name, _dtype(t.dtype), tuple(t.shape), t), _dtype(stored))
         for name, (t, stored) in _CASES.items()

@@ -2,7 +2,8 @@
 
 One bar per module that owns weights, in execution order, on a log scale, with the fp16 limit
 drawn across and fp32 islands highlighted: the chart a user looks at to see where their model
-runs out of fp16 range. Rendered with matplotlib's Agg backend (no display needed).
+runs out of fp16 range. Rendered on a bare ``Figure`` with its own Agg canvas (no display
+needed): pyplot and matplotlib's process-wide backend are never touched.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ def activation_chart(
     title: str,
 ) -> Path:
     """Write a PNG chart of ``modules``' peak activations to ``path`` and return it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     shown = sorted((stats[m] for m in modules if m in stats), key=lambda s: s.order)
     peaks = [max(s.max_out, s.max_in, 1e-12) for s in shown]
@@ -45,7 +45,9 @@ def activation_chart(
         for s in shown
     ]
     width = min(24.0, max(8.0, len(shown) * 0.18))
-    fig, ax = plt.subplots(figsize=(width, 7.0), dpi=110)
+    fig = Figure(figsize=(width, 7.0), dpi=110)
+    FigureCanvasAgg(fig)  # attaches itself to the figure; no pyplot, no global backend
+    ax = fig.subplots()
     ax.bar(range(len(shown)), peaks, color=colors, width=0.85)
     ax.set_yscale("log")
     ax.axhline(FP16_MAX, color="black", linestyle="--", linewidth=1.2)
@@ -58,8 +60,6 @@ def activation_chart(
     )
     ax.set_ylabel("peak |activation| (fp32 run)")
     ax.set_title(title)
-    from matplotlib.patches import Patch
-
     ax.legend(
         handles=[
             Patch(color="#1f77b4", label="compute dtype"),
@@ -74,5 +74,4 @@ def activation_chart(
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -94,8 +94,20 @@ class PipelineSource:
 Source = ModelSource | PipelineSource
 
 
-def resolve(source: str | Path, revision: str | None = None) -> Path:
-    """A local directory for ``source``, downloading a Hub repo id when no such path exists."""
+def resolve(
+    source: str | Path, revision: str | None = None, *, timeout: float | None = None
+) -> Path:
+    """A local directory for ``source``, downloading a Hub repo id when no such path exists.
+
+    ``timeout`` bounds, in seconds, what huggingface_hub lets a caller bound per call: each
+    file's metadata request (``etag_timeout``; the ``HF_HUB_ETAG_TIMEOUT`` variable, when set,
+    takes precedence inside huggingface_hub). File data reads are bounded by huggingface_hub
+    itself (``HF_HUB_DOWNLOAD_TIMEOUT``, 10 s by default). The repo look-up and the file listing
+    take no per-call timeout: they wait as long as huggingface_hub's shared HTTP client lets
+    them, which is process-wide (``huggingface_hub.set_client_factory``) and so left to the
+    application; this function changes no huggingface_hub setting. The ``precision-convert``
+    command bounds them for its own process (``PRECISION_CONVERT_HUB_TIMEOUT``).
+    """
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -110,8 +122,9 @@ def resolve(source: str | Path, revision: str | None = None) -> Path:
         raise InputError("no such directory", path)
     from huggingface_hub import snapshot_download
 
+    options: dict[str, Any] = {} if timeout is None else {"etag_timeout": timeout}
     try:
-        return Path(snapshot_download(text, revision=revision))
+        return Path(snapshot_download(text, revision=revision, **options))
     except Exception as exc:  # whatever the download raises, the Hub could not provide it
         raise InputError(_hub_failure(exc, revision), text) from exc
 

@@ -5,8 +5,11 @@ data, so converting or scanning a tensor of any size holds only one chunk in mem
 
 Reads go into recycled buffers: fresh memory costs a page fault per 4 KiB (a large share of a
 conversion's time), so a chunk buffer that nobody holds any more is read into again, by this
-tensor's next chunk or the next tensor. A chunk that is kept (``list(t.chunks())``) keeps its
-buffer to itself: recycling only ever takes a buffer whose chunk tensors are all gone.
+tensor's next chunk or, through a :class:`BufferPool` the caller passes in (a conversion's
+:class:`~precision_convert.conversion.io.context.IOContext` owns one), by the next tensor. A
+chunk that is kept (``list(t.chunks())``) keeps its buffer to itself: recycling only ever takes
+a buffer whose chunk tensors are all gone. Nothing is kept between calls at module level: with
+no pool, a call's buffer is dropped when the call is done.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -37,8 +40,9 @@ class LazyTensor(Protocol):
     dtype: DType
     shape: tuple[int, ...]
 
-    def chunks(self) -> Iterator[torch.Tensor]:
-        """The flattened data in source dtype, at most CHUNK_BYTES at a time."""
+    def chunks(self, pool: BufferPool | None = None) -> Iterator[torch.Tensor]:
+        """The flattened data in source dtype, at most CHUNK_BYTES at a time; file reads go
+        into ``pool``'s buffers when one is given."""
         ...
 
 
@@ -57,7 +61,9 @@ class FileTensor:
     def from_entry(cls, path: Path, entry: TensorEntry) -> FileTensor:
         return cls(entry.name, entry.dtype, entry.shape, path, entry.begin, entry.end)
 
-    def chunks(self) -> Iterator[torch.Tensor]:
+    def chunks(self, pool: BufferPool | None = None) -> Iterator[torch.Tensor]:
+        """The data in chunks read into ``pool``'s free buffers (without one, into a buffer of
+        this call's own, reused from chunk to chunk while nobody keeps a chunk)."""
         import torch
 
         itemsize = self.dtype.itemsize
@@ -68,15 +74,15 @@ class FileTensor:
             for start in range(self.begin, self.end, step):
                 size = min(step, self.end - start)
                 if buffer is None or not buffer.free() or len(buffer.data) < size:
-                    buffer = _Buffer.take(step)
+                    buffer = pool.take(step) if pool is not None else _Buffer(step)
                 view = buffer.lend(size)
                 _read_exact(fd, view, start, self.path)
                 yield torch.frombuffer(view, dtype=self.dtype.torch, count=size // itemsize)
                 del view
         finally:
             os.close(fd)
-            if buffer is not None:
-                buffer.give_back()
+            if buffer is not None and pool is not None:
+                pool.give_back(buffer)
 
     def read_into(self, view: memoryview) -> None:
         """Read the raw bytes straight into ``view`` (exactly ``end - begin`` bytes long)."""
@@ -100,15 +106,6 @@ class _Buffer:
         self.data = mmap.mmap(-1, size)
         self._loan: weakref.ref[memoryview] | None = None
 
-    @staticmethod
-    def take(size: int) -> _Buffer:
-        """A free pooled buffer of at least ``size`` bytes, else a new one."""
-        with _POOL_LOCK:
-            for i, buffer in enumerate(_POOL):
-                if len(buffer.data) >= size:
-                    return _POOL.pop(i)
-        return _Buffer(size)
-
     def free(self) -> bool:
         return self._loan is None or self._loan() is None
 
@@ -117,25 +114,60 @@ class _Buffer:
         self._loan = weakref.ref(view)
         return view
 
-    def give_back(self) -> None:
-        """Pool the buffer for the next tensor, unless a chunk still uses it (then it is
-        left to that chunk and freed with it)."""
-        if self.free():
-            with _POOL_LOCK:
-                if len(_POOL) < _POOL_SIZE:
-                    _POOL.append(self)
+
+class BufferPool:
+    """Free read buffers kept between tensors, so that each tensor does not fault in new
+    memory. One belongs to one run (an ``IOContext``); it is safe to share between threads."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._free: list[_Buffer] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> _Buffer:
+        """A free pooled buffer of at least ``size`` bytes, else a new one."""
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if len(buffer.data) >= size:
+                    return self._free.pop(i)
+        return _Buffer(size)
+
+    def give_back(self, buffer: _Buffer) -> None:
+        """Pool ``buffer`` for the next tensor, unless a chunk still uses it (then it is left
+        to that chunk and freed with it) or the pool is full."""
+        if buffer.free():
+            with self._lock:
+                if len(self._free) < self.size:
+                    self._free.append(buffer)
+
+    def clear(self) -> None:
+        """Drop the pooled buffers (their memory goes back once no chunk uses them)."""
+        with self._lock:
+            self._free.clear()
 
 
-#: Free read buffers kept between tensors, so that each tensor does not fault in new memory.
-_POOL_SIZE = 2
-_POOL: list[_Buffer] = []
-_POOL_LOCK = threading.Lock()
+@dataclass(frozen=True)
+class PooledTensor:
+    """``tensor``, with ``chunks()`` reading through ``pool`` unless told otherwise: for code
+    that iterates plain ``LazyTensor`` s (``scan_ranges``) but should reuse a run's buffers."""
 
+    tensor: LazyTensor
+    pool: BufferPool
 
-def release_buffers() -> None:
-    """Drop the pooled read buffers (their memory goes back once no chunk uses them)."""
-    with _POOL_LOCK:
-        _POOL.clear()
+    @property
+    def name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def dtype(self) -> DType:
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    def chunks(self, pool: BufferPool | None = None) -> Iterator[torch.Tensor]:
+        return self.tensor.chunks(pool if pool is not None else self.pool)
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
@@ -156,7 +188,8 @@ class MemoryTensor:
     shape: tuple[int, ...]
     tensor: torch.Tensor
 
-    def chunks(self) -> Iterator[torch.Tensor]:
+    def chunks(self, pool: BufferPool | None = None) -> Iterator[torch.Tensor]:
+        del pool  # nothing is read: the chunks are views of the tensor
         flat = self.tensor.reshape(-1)
         step = max(1, CHUNK_BYTES // self.dtype.itemsize)
         for start in range(0, flat.numel(), step):
@@ -168,13 +201,17 @@ def numel(tensor: LazyTensor) -> int:
 
 
 def read_tensor(
-    tensor: LazyTensor, dtype: torch.dtype, device: torch.device | str = "cpu"
+    tensor: LazyTensor,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    pool: BufferPool | None = None,
 ) -> torch.Tensor:
     """One stored tensor in ``dtype`` on ``device``, with no more than one copy in memory.
 
     When the file already holds ``dtype`` its bytes are read straight into the result.
     Otherwise chunks are converted into one preallocated result, so the peak is the result plus
-    one chunk; each chunk is released before the next is read, so its buffer is reused.
+    one chunk; each chunk is released before the next is read, so its buffer is reused (and,
+    with ``pool``, kept there for the caller's next tensor).
     """
     import torch
 
@@ -183,80 +220,8 @@ def read_tensor(
         tensor.read_into(memoryview(out.view(torch.uint8).numpy()).cast("B"))
     else:
         start = 0
-        for chunk in tensor.chunks():
+        for chunk in tensor.chunks(pool):
             out[start : start + chunk.numel()] = chunk
             start += chunk.numel()
             del chunk
     return out.reshape(tensor.shape).to(device)
-
-
-def prefetch(tensors: Iterable[LazyTensor]) -> threading.Event:
-    """Start reading the files behind ``tensors`` into the page cache, in the background.
-
-    A conversion spends its first seconds importing torch and transformers and building the
-    meta-device skeleton; reading the source meanwhile takes the disk off the critical path.
-    The thread reads through one reused buffer in large steps, so it holds little memory and
-    rarely needs the interpreter lock; reading (not just ``POSIX_FADV_WILLNEED``) also makes
-    the first touch of each freshly cached page (costly on virtual machines) happen here, not
-    in the writer's loop. At most half of the available memory is read ahead, so what is read
-    is still cached when the writer gets to it; the writer's own sequential reads (and the
-    kernel's readahead) cover the rest.
-
-    Returns an event; setting it stops the prefetch early.
-    """
-    stop = threading.Event()
-    spans: list[tuple[Path, int, int]] = []
-    for tensor in tensors:
-        if not isinstance(tensor, FileTensor) or tensor.end <= tensor.begin:
-            continue
-        if spans and spans[-1][0] == tensor.path and spans[-1][2] == tensor.begin:
-            spans[-1] = (tensor.path, spans[-1][1], tensor.end)
-        else:
-            spans.append((tensor.path, tensor.begin, tensor.end))
-    budget = _available_memory() // 2
-    if spans and budget > 0:
-        thread = threading.Thread(
-            target=_prefetch, args=(spans, budget, stop), name="pc-prefetch", daemon=True
-        )
-        thread.start()
-    return stop
-
-
-def _prefetch(spans: list[tuple[Path, int, int]], budget: int, stop: threading.Event) -> None:
-    view = memoryview(mmap.mmap(-1, _PREFETCH_STEP))  # pages come in only as far as used
-    for path, begin, end in spans:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_SEQUENTIAL)
-            offset = begin
-            while offset < end and budget > 0 and not stop.is_set():
-                n = os.preadv(fd, [view[: min(len(view), end - offset)]], offset)
-                if n <= 0:
-                    break
-                offset += n
-                budget -= n
-        except OSError:
-            pass  # prefetching is only ever an optimisation
-        finally:
-            os.close(fd)
-        if budget <= 0 or stop.is_set():
-            return
-
-
-#: Bytes per prefetch read: few enough calls that the thread seldom waits for the GIL.
-_PREFETCH_STEP = 64 * 1024 * 1024
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0

@@ -8,6 +8,13 @@ allocated per chunk. Where the file system allows, the output is written with ``
 the data goes from the staging buffer to the disk without passing through (and filling up) the
 page cache, which is most of what a large buffered write costs. The writer makes no dtype
 decisions: it takes (tensor, stored dtype) pairs in order.
+
+Casts run on the calling thread alone, in pieces small enough that torch never hands them to its
+intra-op thread pool: a cast is a memory-bound copy far quicker than the disk, and pool workers
+only contend with the reads, the writer thread and each other (measured: 2-4x the CPU time for
+the same chunk on 2 cores). Torch's thread count is process-wide, so the writer never changes it.
+The staging and read buffers belong to the run's :class:`IOContext`; nothing is kept at module
+level.
 """
 
 from __future__ import annotations
@@ -17,13 +24,13 @@ import json
 import math
 import mmap
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from precision_convert.conversion.io import tensors as _tensors
+from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.tensors import LazyTensor
 from precision_convert.dtypes import DType
 
@@ -36,6 +43,9 @@ _ALIGN = 8
 _BLOCK = 4096
 #: Staging buffers: one being filled while the other is written.
 _STAGES = 2
+#: Elements per cast call: ATen's grain size (``at::internal::GRAIN_SIZE``). An element-wise op
+#: over at most this many elements runs on the calling thread alone, never on the intra-op pool.
+_SERIAL_ELEMENTS = 32768
 
 
 def header_bytes(items: Sequence[tuple[LazyTensor, DType]], metadata: dict[str, str]) -> bytes:
@@ -62,24 +72,22 @@ def write_file(
     items: Sequence[tuple[LazyTensor, DType]],
     metadata: dict[str, str],
     on_progress: Callable[[int], None] | None = None,
+    *,
+    io: IOContext | None = None,
 ) -> int:
     """Write ``items`` to ``path`` as safetensors, fsync it, and return its data size in bytes.
 
     ``on_progress`` is called with the number of *source* bytes consumed after each chunk.
+    ``io`` lends the read and staging buffers (a run writing several files passes its own, so
+    each file reuses the previous one's); without it the call uses buffers of its own.
     """
-    import torch
-
     header = header_bytes(items, metadata)
     expected = sum(math.prod(t.shape) * d.itemsize for t, d in items)
-    # One thread casts faster than several here: a cast is a memory-bound copy far quicker
-    # than the disk, and intra-op worker threads only contend with the reads, the writer
-    # thread and each other (measured: ~4x the CPU time for the same chunk on 2 cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        size = _write(path, header, items, on_progress)
-    finally:
-        torch.set_num_threads(threads)
+    if io is None:
+        with IOContext() as own:
+            size = _write(path, header, items, on_progress, own)
+    else:
+        size = _write(path, header, items, on_progress, io)
     written = size - len(header)
     if written != expected:
         raise OSError(f"{path}: wrote {written} data bytes, the header promises {expected}")
@@ -91,11 +99,12 @@ def _write(
     header: bytes,
     items: Sequence[tuple[LazyTensor, DType]],
     on_progress: Callable[[int], None] | None,
+    io: IOContext,
 ) -> int:
-    with _Sink(path) as sink:
+    with _Sink(path, io) as sink:
         sink.append(memoryview(header))
         for tensor, dtype in items:
-            for chunk in tensor.chunks():
+            for chunk in tensor.chunks(io.reads):
                 consumed = chunk.numel() * tensor.dtype.itemsize
                 sink.append_cast(chunk, dtype)
                 del chunk  # frees its read buffer for the next chunk
@@ -114,11 +123,12 @@ class _Sink:
     requires; ``close`` writes the last partial block padded and truncates the file to size.
     """
 
-    def __init__(self, path: Path, capacity: int | None = None) -> None:
+    def __init__(self, path: Path, io: IOContext, capacity: int | None = None) -> None:
         self.path = path
+        self.io = io
         size = capacity or 2 * _tensors.CHUNK_BYTES
         self.capacity = max(_BLOCK, size + -size % _BLOCK)
-        self.buffers = _take_staging(self.capacity)
+        self.buffers = io.take_staging(_STAGES, self.capacity)
         self.pending: list[Future[None] | None] = [None] * _STAGES
         self.current = 0  # index of the buffer being filled
         self.fill = 0  # bytes in it
@@ -134,7 +144,7 @@ class _Sink:
             self.pool.shutdown(wait=True)  # no write is in flight after this
         finally:
             os.close(self.fd)
-            _give_back_staging(self.buffers)
+            self.io.give_back_staging(self.buffers)
 
     # -- appending -----------------------------------------------------------------------
 
@@ -164,7 +174,7 @@ class _Sink:
                 out = torch.frombuffer(
                     self.buffers[self.current], dtype=dtype, count=n, offset=self.fill
                 )
-                out.copy_(chunk[done : done + n])
+                _cast_into(out, chunk[done : done + n])
                 del out
                 self.fill += n * itemsize
                 done += n
@@ -174,8 +184,10 @@ class _Sink:
                 # An element would straddle the buffer's end, or the stream is not aligned for
                 # this dtype (after an odd-sized tensor): cast a slice aside and append bytes.
                 n = min(total - done, max(1, room))
-                piece = chunk[done : done + n].to(dtype).view(torch.uint8).numpy()
-                self.append(memoryview(piece))
+                piece = torch.empty(n, dtype=dtype)
+                _cast_into(piece, chunk[done : done + n])
+                self.append(memoryview(piece.view(torch.uint8).numpy()))
+                del piece
                 done += n
 
     # -- writing -------------------------------------------------------------------------
@@ -237,32 +249,19 @@ class _Sink:
         self.direct = False
 
 
+def _cast_into(out: torch.Tensor, source: torch.Tensor) -> None:
+    """``out.copy_(source)`` (flat, same length), on this thread only: in pieces at most ATen's
+    grain size, so the copy never wakes torch's intra-op workers, whatever their number."""
+    if out.numel() <= _SERIAL_ELEMENTS:
+        out.copy_(source)
+        return
+    for piece, part in zip(
+        out.split(_SERIAL_ELEMENTS), source.split(_SERIAL_ELEMENTS), strict=True
+    ):
+        piece.copy_(part)
+
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-#: Staging buffers kept between files (and conversions): touching fresh memory costs a page
-#: fault per 4 KiB, so each shard reuses the previous shard's buffers.
-_STAGING: list[mmap.mmap] = []
-_STAGING_LOCK = threading.Lock()
-
-
-def _take_staging(capacity: int) -> list[mmap.mmap]:
-    with _STAGING_LOCK:
-        if len(_STAGING) >= _STAGES and all(len(b) == capacity for b in _STAGING[:_STAGES]):
-            taken = _STAGING[:_STAGES]
-            del _STAGING[:_STAGES]
-            return taken
-    return [mmap.mmap(-1, capacity) for _ in range(_STAGES)]
-
-
-def _give_back_staging(buffers: list[mmap.mmap]) -> None:
-    with _STAGING_LOCK:
-        _STAGING[:] = buffers  # keep only the latest set
-
-
-def release_buffers() -> None:
-    """Drop the reused staging and read buffers (their memory goes back to the system)."""
-    with _STAGING_LOCK:
-        _STAGING.clear()
-    _tensors.release_buffers()
 
 
 def _open_output(path: Path) -> tuple[int, bool]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.analysis.norms import normalization_modules
+from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -20,7 +21,7 @@ from precision_convert.conversion.io.source import (
     resolve,
 )
 from precision_convert.conversion.io.staging import StagedOutput
-from precision_convert.conversion.io.tensors import prefetch
+from precision_convert.conversion.io.tensors import BufferPool, PooledTensor
 from precision_convert.conversion.output import NEVER_COPY, ProgressHook, copy_entry, write_model
 from precision_convert.conversion.plan import (
     Island,
@@ -116,11 +117,13 @@ def plan_model(
     search: bool = True,
     normalization: Iterable[str] | None = None,
     ranges: Mapping[str, RangeStats] | None = None,
+    pool: BufferPool | None = None,
 ) -> tuple[ModelPlan, Calibration | None]:
     """The dtype plan for one model, reading weight data only where fp16 ranges matter.
 
     ``normalization`` and ``ranges`` are the skeleton's norm modules and the weights' fp16
-    ranges, for a caller that already has them (``inspect``); otherwise they are found here.
+    ranges, for a caller that already has them (``inspect``); otherwise they are found here,
+    reading through ``pool``'s buffers when one is given (a run's ``IOContext.reads``).
 
     With ``calibrate`` (``-safe`` targets), the model also runs in fp32 on seeded inputs and
     the plan gains the islands its activations need (see :mod:`.calibration`); ``search``
@@ -143,7 +146,7 @@ def plan_model(
     else:
         norms = set()
     if ranges is None and target in ("fp16", "fp16-safe"):
-        ranges = scan_ranges(tensors)
+        ranges = scan_ranges(tensors if pool is None else [PooledTensor(t, pool) for t in tensors])
 
     def plan_with(extra: Sequence[Island]) -> ModelPlan:
         return build_plan(
@@ -183,6 +186,7 @@ def convert(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     on_progress: ProgressHook | None = None,
+    hub_timeout: float | None = None,
 ) -> ConversionResult:
     """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
 
@@ -196,12 +200,19 @@ def convert(
         calibrate: run the model in fp32 to find islands the recipe does not name (and, for
             fp16-safe, check and search); default on for ``fp16-safe`` only, where range
             matters; on for ``bf16-safe`` it looks for layers that lose their mantissa.
+        hub_timeout: seconds a Hub download may wait for metadata (see
+            :func:`~precision_convert.conversion.io.source.resolve`); default: the
+            huggingface_hub settings.
+
+    The call changes no process-wide state (torch's thread count, matplotlib's backend,
+    huggingface_hub's client, loggers), and the threads and buffers it uses are its own: it
+    can run in several threads of one process at once.
 
     Returns:
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
     check_target(to)
-    root = resolve(source, revision)
+    root = resolve(source, revision, timeout=hub_timeout)
     target_dir = Path(output) if output is not None else default_output(source, to)
     staged = StagedOutput(target_dir, overwrite=overwrite)
     staged.check()
@@ -209,30 +220,35 @@ def convert(
         raise InputError("output must not be the source directory or inside it", target_dir)
     opened = open_source(root)
     models = _models(opened)
-    # Read the weights into the page cache while planning imports torch/transformers.
-    prefetch(t for model in models.values() for t in model.tensors())
     if calibrate is None:
         calibrate = to == "fp16-safe"
-    planned = {
-        name: plan_model(
-            model,
-            to,
-            recipe=recipe,
-            keep_fp32=keep_fp32,
-            trust_remote_code=trust_remote_code,
-            calibrate=calibrate,
-        )
-        for name, model in models.items()
-    }
-    components = [
-        ComponentResult(name, m.library, m.class_name, *planned[name]) for name, m in models.items()
-    ]
-    try:
-        with staged:
-            written = _write(opened, models, components, staged.path, on_progress)
-            staged.commit()
-    except OSError as exc:  # disk full, permissions, a vanished source file: nothing was kept
-        raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
+    # The run's buffers and prefetch thread: all released, the thread joined, on the way out
+    # (whether the conversion succeeds or fails).
+    with IOContext() as io:
+        # Read the weights into the page cache while planning imports torch/transformers.
+        io.prefetch(t for model in models.values() for t in model.tensors())
+        planned = {
+            name: plan_model(
+                model,
+                to,
+                recipe=recipe,
+                keep_fp32=keep_fp32,
+                trust_remote_code=trust_remote_code,
+                calibrate=calibrate,
+                pool=io.reads,
+            )
+            for name, model in models.items()
+        }
+        components = [
+            ComponentResult(name, m.library, m.class_name, *planned[name])
+            for name, m in models.items()
+        ]
+        try:
+            with staged:
+                written = _write(opened, models, components, staged.path, on_progress, io)
+                staged.commit()
+        except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
+            raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
     result = ConversionResult(
         source=str(source),
         output=target_dir,
@@ -259,6 +275,7 @@ def _write(
     components: list[ComponentResult],
     staging: Path,
     on_progress: ProgressHook | None,
+    io: IOContext,
 ) -> list[str]:
     written: list[str] = []
     if isinstance(opened, PipelineSource):
@@ -270,7 +287,7 @@ def _write(
         name = component.name
         out_dir = staging / name if name else staging
         out_dir.mkdir(exist_ok=True)
-        files = write_model(models[name], component.plan, out_dir, on_progress)
+        files = write_model(models[name], component.plan, out_dir, on_progress, io=io)
         if component.calibration is not None:
             files.append(_write_chart(component, out_dir))
         written += [f"{name}/{f}" if name else f for f in files]

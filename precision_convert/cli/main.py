@@ -51,12 +51,15 @@ HUB_TIMEOUT_VARIABLE = "PRECISION_CONVERT_HUB_TIMEOUT"
 
 
 def _bound_hub_requests() -> None:
-    """Give huggingface_hub's HTTP client a timeout.
+    """Give huggingface_hub's HTTP client a timeout, for this process.
 
     Its client waits forever (``timeout=None``, passed on every request): a Hub that accepts
     the connection and never answers would hang the command. A request hook replaces a missing
     timeout with one that bounds each wait for data, not a whole download, so large files are
-    unaffected. Only the CLI does this; library users configure their own client
+    unaffected. huggingface_hub offers no per-call timeout for its repo look-up and file
+    listing, only this process-wide client factory, so only the command (which owns its
+    process) installs it, from :func:`run`; the library never does (``resolve(timeout=...)``
+    bounds what can be bounded per call), and library users configure their own client
     (``huggingface_hub.set_client_factory``).
     """
     try:
