@@ -310,16 +310,13 @@ def _safetensors_file(path: Path, output_name: str) -> WeightFile:
 def _pickle_file(path: Path, output_name: str) -> WeightFile:
     """Read a legacy pickle checkpoint with ``weights_only=True``; shared tensors kept once."""
     import pickle
-    import warnings
 
     import torch
 
     def load(mmap: bool) -> Any:
-        # torch warns on stderr about pickle protocols and sparse checks; the CLI's contract is
-        # one line on stderr, so a file it rejects is reported through our error alone.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # torch may warn about pickle protocols; the CLI, which owns its process, filters
+        # those (a library call must not change the process's warning filters).
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
     try:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Annotated
 
 import typer
@@ -89,5 +90,8 @@ def run() -> None:
     # transformers/diffusers draw their own tqdm bars ("Loading weights") on every model they
     # build; the command shows one progress display of its own instead.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # torch.load's notes about pickle protocols would break the one-line-on-stderr contract
+    # for a checkpoint we reject; the command owns its process, so it filters them here.
+    warnings.filterwarnings("ignore", module=r"torch\.serialization")
     _bound_hub_requests()
     app()
