@@ -92,6 +92,6 @@ def run() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # torch.load's notes about pickle protocols would break the one-line-on-stderr contract
     # for a checkpoint we reject; the command owns its process, so it filters them here.
-    warnings.filterwarnings("ignore", module=r"torch\.serialization")
+    warnings.filterwarnings("ignore", module=r"torch\.(serialization|_weights_only_unpickler)")
     _bound_hub_requests()
     app()
