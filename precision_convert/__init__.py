@@ -23,15 +23,17 @@ if TYPE_CHECKING:
     from precision_convert.api.conversion import convert
     from precision_convert.api.inspection import inspect_source as inspect
     from precision_convert.conversion.runtime.loader import load
+    from precision_convert.hub import push
     from precision_convert.validation.certify.runner import validate
 
-__all__ = ["__version__", "convert", "inspect", "load", "validate"]
+__all__ = ["__version__", "convert", "inspect", "load", "push", "validate"]
 
 #: Public name -> (module, attribute) it is imported from on first use.
 _LAZY = {
     "convert": ("precision_convert.api.conversion", "convert"),
     "inspect": ("precision_convert.api.inspection", "inspect_source"),
     "load": ("precision_convert.conversion.runtime.loader", "load"),
+    "push": ("precision_convert.hub", "push"),
     "validate": ("precision_convert.validation.certify.runner", "validate"),
 }
 

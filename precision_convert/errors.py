@@ -48,3 +48,29 @@ class CheckFailed(PrecisionConvertError):
 
 class CannotValidateError(CheckFailed):
     """No input builder can feed this architecture; the user must supply inputs."""
+
+
+class PushRefused(CheckFailed):
+    """``push``'s certificate gate refused: no ``pass`` certificate, or the files (card
+    included) differ from what it certified. Nothing was uploaded. ``problems`` has one line
+    per file at fault."""
+
+    def __init__(self, directory: str | Path, problems: list[str]) -> None:
+        self.path = str(directory)
+        self.problems = list(problems)
+        super().__init__(f"{self.path}: push refused, nothing uploaded: " + "; ".join(problems))
+
+
+class HubAuthError(InputError):
+    """No Hugging Face token was found, or the Hub rejected it."""
+
+
+class HubPermissionError(InputError):
+    """The token may not write to the repo (the Hub answered 403)."""
+
+
+class PushFailed(PrecisionConvertError):
+    """The Hub did not complete a push: the connection was lost, server errors outlasted the
+    client's retries, the branch moved meanwhile, or the Hub refused the card's metadata. The
+    commit was not confirmed; running ``push`` again resumes, and what the Hub already holds is
+    not uploaded twice."""

@@ -10,6 +10,7 @@ import typer
 
 from precision_convert.cli import inspect as inspect_cmd
 from precision_convert.cli import model as model_cmd
+from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
 
@@ -26,6 +27,7 @@ app = typer.Typer(
 app.command("model")(model_cmd.model)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("validate")(validate_cmd.validate_command)
+app.command("push")(push_cmd.push_command)
 app.command("recipes")(recipes_cmd.recipes)
 
 

@@ -1,0 +1,122 @@
+"""``precision-convert push CONVERTED REPO_ID``: publish a certified output to the Hub."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from precision_convert.cli._common import console, reported_errors
+
+if TYPE_CHECKING:
+    from precision_convert.hub import PushResult
+
+
+def push_command(
+    converted: Annotated[
+        Path,
+        typer.Argument(help="A directory written and certified by `precision-convert model`."),
+    ],
+    repo_id: Annotated[
+        str,
+        typer.Argument(
+            help="Hub repo to publish to (namespace/name). The source repo of an output written "
+            "with --variant: a pull request adding the variant."
+        ),
+    ],
+    create_pr: Annotated[
+        bool,
+        typer.Option(
+            "--create-pr",
+            help="Open a pull request instead of committing to the branch (re-running updates "
+            "the same PR).",
+        ),
+    ] = False,
+    private: Annotated[
+        bool, typer.Option("--private", help="Create the repo private (if it does not exist).")
+    ] = False,
+    revision: Annotated[
+        str | None,
+        typer.Option(
+            help="Branch to commit to, or to open the pull request against (default: main)."
+        ),
+    ] = None,
+) -> None:
+    """Upload a converted model, only if its certificate passes and matches every file.
+
+    Prints the URL of the commit or pull request on stdout.
+
+    Exit 1: the certificate gate refused (each differing file named; nothing uploaded).
+
+    Exit 2: no token, a rejected token, no write permission, or the Hub did not complete it.
+    """
+    with reported_errors():
+        result = push_and_report(
+            converted, repo_id, create_pr=create_pr, private=private or None, revision=revision
+        )
+    typer.echo(result.url)
+
+
+def push_and_report(
+    converted: Path,
+    repo_id: str,
+    *,
+    create_pr: bool = False,
+    private: bool | None = None,
+    revision: str | None = None,
+) -> PushResult:
+    """Push and say what happened on stderr; for ``push`` and for ``model … --push`` (call it
+    inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
+    from precision_convert.hub import publish
+
+    with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
+        result = publish(
+            converted, repo_id, create_pr=create_pr, private=private, revision=revision
+        )
+    console.print(_report(result), highlight=False, soft_wrap=True)
+    return result
+
+
+def _report(result: PushResult) -> str:
+    count = f"{len(result.uploaded)} certified files"
+    removed = f", {len(result.deleted)} stale files removed" if result.deleted else ""
+    if result.pull_request is None:
+        where = f"{result.repo_id}@{result.revision}"
+        if not result.changed:
+            return f"nothing to push: {where} already holds these {count}"
+        return f"pushed {count} to {where}{removed}"
+    what = "variant pull request" if result.shape == "variant-pr" else "pull request"
+    where = f"{what} #{result.pull_request} on {result.repo_id} (into {result.revision})"
+    if not result.changed:
+        return f"nothing to push: the open {where} already holds these {count}"
+    verb = "updated" if result.reused_pull_request else "opened"
+    return f"{verb} {where}: {count}{removed}"
+
+
+@contextmanager
+def _quiet_hub_client() -> Iterator[None]:
+    """huggingface_hub logs each retry and no-op commit as a warning on stderr and draws its
+    own upload bars; the command shows one status line and reports one line itself. The
+    command owns its process, so it may mute them meanwhile (and restores them after)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    bars = not are_progress_bars_disabled()
+    logger.setLevel(logging.ERROR)
+    if bars:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            enable_progress_bars()
