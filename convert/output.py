@@ -18,11 +18,14 @@ from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import ModelPlan
+from precision_convert.dtypes import FP16, FP32, DType
 
 #: Progress callback: (what is being written, source bytes just consumed).
 ProgressHook = Callable[[str, int], None]
 #: Never copied from a source: Hub download bookkeeping and version control.
 NEVER_COPY = frozenset({".cache", ".git", ".huggingface"})
+#: A pipeline's index: a model directory next to it is one of the pipeline's components.
+PIPELINE_INDEX = "model_index.json"
 
 
 def copy_entry(entry: Path, dest: Path) -> list[str]:
@@ -92,11 +95,67 @@ def write_model(
 
 def _write_config(model: ModelSource, plan: ModelPlan, block: dict[str, Any], path: Path) -> None:
     config = dict(model.config)
-    config["precision_convert"] = block
+    config["precision_convert"] = block  # the real compute dtype, whatever the key below says
     if model.library == "transformers":
-        config["dtype"] = plan.compute.torch_name
+        dtype = plain_load_dtype(model, plan)
+        config["dtype"] = dtype.torch_name
         if "torch_dtype" in config:
-            config["torch_dtype"] = plan.compute.torch_name
+            config["torch_dtype"] = dtype.torch_name
     for key, value in plan.config_flags.items():
         config[key] = value
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def plain_load_dtype(model: ModelSource, plan: ModelPlan) -> DType:
+    """The dtype for config.json's ``dtype``: what transformers' plain ``from_pretrained(dir)``
+    (and ``dtype="auto"``) loads every tensor in, flattening the plan's islands.
+
+    The compute dtype, so the plain load keeps the memory saving, except where that load
+    would not be finite or would not run:
+
+    - an fp16 plan with islands whose fp32 *output* must flow on (reasons ``range``,
+      ``search``, ``user``) that the class does not keep fp32 itself
+      (``_keep_in_fp32_modules``): flattened to fp16 they overflow, so float32 (the plain load
+      is then fp32 throughout: finite, without the memory saving);
+    - a component of a diffusers pipeline: ``DiffusionPipeline.from_pretrained(dir)`` loads
+      its diffusers models in float32 whatever the files hold, and a text encoder loaded in
+      fp16/bf16 hands the denoiser half-precision latents ("mat1 and mat2 must have the same
+      dtype" at its fp32 time embedding), so float32.
+
+    ``precision_convert.load`` reads the compute dtype from the record, never from this key.
+    """
+    if (model.root.parent / PIPELINE_INDEX).is_file():
+        return FP32
+    if plan.compute != FP16:
+        return plan.compute
+    kept = _kept_fp32_by_class(model)
+    flowing = [i.name for i in plan.islands if i.reason != "precision"]
+    if any(not _covered(name, kept) for name in flowing):
+        return FP32
+    return plan.compute
+
+
+def _kept_fp32_by_class(model: ModelSource) -> frozenset[str]:
+    """Module names transformers keeps in fp32 when it loads this class in fp16 (none known
+    for remote code or a class this transformers lacks: then every island counts)."""
+    architecture = (model.config.get("architectures") or [None])[0]
+    if not isinstance(architecture, str) or model.config.get("auto_map"):
+        return frozenset()
+    try:
+        import transformers
+
+        cls = getattr(transformers, architecture, None)
+    except (ImportError, RuntimeError):
+        return frozenset()
+    names: set[str] = set()
+    for attribute in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        names.update(str(n) for n in getattr(cls, attribute, None) or ())
+    # Plain names only: a pattern's reach is the library's to judge, so it is not counted.
+    return frozenset(n for n in names if n and not any(c in n for c in "*?[]()^$\\|+"))
+
+
+def _covered(module: str, kept: frozenset[str]) -> bool:
+    """Whether ``module`` is one transformers keeps fp32: a kept name matches whole
+    dot-separated components of it (transformers' own match is looser, never stricter)."""
+    dotted = f".{module}."
+    return any(f".{name}." in dotted for name in kept)

@@ -377,7 +377,8 @@ def clip_tokenizer(path: Path) -> Path:
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for token in letters + [f"{c}</w>" for c in letters]:
         vocab[token] = len(vocab)
-    CLIPTokenizer(vocab=vocab, merges=[]).save_pretrained(path)
+    # A real maximum length: pipelines truncate prompts to it (the default is "unbounded").
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16).save_pretrained(path)
     return path
 
 

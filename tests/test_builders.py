@@ -79,9 +79,7 @@ def test_blockwise_validation_runs_what_pc_load_returns(
         return streamer, placeholders
 
     monkeypatch.setattr(blockwise, "_streamed", spy)
-    certificate = runner.validate(
-        converted, baseline=tiny_model("t5-encoder"), max_memory="20KB"
-    )
+    certificate = runner.validate(converted, baseline=tiny_model("t5-encoder"), max_memory="20KB")
     assert certificate.verdict == "pass", certificate.failures
     assert certificate.components[0].mode == "blockwise"
 

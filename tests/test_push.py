@@ -637,11 +637,6 @@ def test_variant_kept_files_must_match_the_source(
     assert not [p for _, p in hub.requests if p.startswith("/upload/") or "/commit/" in p]
 
 
-@pytest.mark.xfail(
-    reason="validate/certify/card.py does not yet write base_model_relation, pipeline_tag, "
-    "license or the full target tag (issue 10's card YAML)",
-    strict=False,
-)
 def test_card_yaml_describes_the_relation(served: Served) -> None:
     from huggingface_hub import ModelCard
 
@@ -662,3 +657,26 @@ def test_fake_hub_validates_card_yaml() -> None:
     assert errors
     errors, _ = validate_card("---\nbase_model: not a repo\npipeline_tag: dancing\n---\n")
     assert len(errors) == 2
+
+
+def test_model_push_converts_validates_and_publishes(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """``model SOURCE --to T --push REPO``: one command from a Hub id to a certified repo."""
+    repo_id = "ns/tiny-fp16-in-one-go"
+    out = tmp_path / "one-go"
+    done = CliRunner().invoke(
+        app, ["model", SOURCE_REPO, "--to", "bf16-safe", "-o", str(out), "--push", repo_id]
+    )
+    assert done.exit_code == 0, done.output
+    assert repo_id in done.stderr and "pushed" in done.stderr
+    snapshot = _download(repo_id, tmp_path / "cache")
+    pushed = _local_files(snapshot)
+    pushed.pop(".gitattributes")
+    assert pushed == _local_files(out)
+    _assert_no_secret(done.output, roots=(out,))
+
+    refused = CliRunner().invoke(
+        app, ["model", SOURCE_REPO, "--to", "bf16", "--no-validate", "--push", repo_id]
+    )
+    _one_line_error(refused, 2, "--push needs a certificate")

@@ -347,7 +347,9 @@ def test_unfeedable_model_needs_inputs(tmp_path: Path) -> None:
         validate(out, baseline=source)
     result = CliRunner().invoke(_cli(), [str(out), "--baseline", str(source)])
     assert result.exit_code == 1 and "cannot validate" in result.stderr
-    assert not (out / CERTIFICATE_NAME).exists()  # never a silent pass
+    failed = Certificate.read(out)  # never a silent pass, never an unexplained output
+    assert failed.verdict == "fail" and "pass --inputs" in failed.failures[0]
+    assert "--inputs FILE" in failed.failures[1]
 
     length = 6
     save_file(

@@ -15,6 +15,7 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
     ComponentRecord,
+    LoadPath,
     hash_files,
     verify_files,
     write,
@@ -126,6 +127,10 @@ def _certificate(files: dict[str, str], *, verdict: str = "pass") -> Certificate
         failures=[] if verdict == "pass" else ["forward/last_hidden_state: 3 NaN/Inf values"],
         files=files,
         tool={"name": "precision-convert", "version": "0.1.0"},
+        load_paths=[
+            LoadPath("", "pc.load", 'precision_convert.load("<repo>")', verdict, True),
+            LoadPath("", "plain", 'T5EncoderModel.from_pretrained("<repo>")', "pass", True),
+        ],
     )
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from precision_convert.cli._common import byte_progress, console, emit_json, reported_errors
-from precision_convert.cli.validate import print_certificate, require_pass
+from precision_convert.cli.validate import note_unvalidated, print_certificate, require_pass
 
 
 def model(
@@ -57,26 +57,51 @@ def model(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
+    push: Annotated[
+        str | None,
+        typer.Option(
+            "--push",
+            metavar="REPO_ID",
+            help="After a passing certificate, publish the output to this Hub repo "
+            "(see `precision-convert push`).",
+        ),
+    ] = None,
+    create_pr: Annotated[
+        bool, typer.Option("--create-pr", help="With --push: open a pull request.")
+    ] = False,
+    private: Annotated[
+        bool, typer.Option("--private", help="With --push: create the repo private.")
+    ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
-    from precision_convert.api.conversion import convert
+    if push is not None and not validate:
+        with reported_errors():
+            from precision_convert.errors import InputError
+
+            raise InputError("--push needs a certificate: drop --no-validate")
+    from precision_convert.api.conversion import convert, default_output
+    from precision_convert.errors import CannotValidateError
 
     with reported_errors(), byte_progress("converting", not json_output) as progress:
-        result = convert(
-            source,
-            to,
-            output,
-            validate=validate,
-            device=None if device == "auto" else device,
-            revision=revision,
-            recipe=recipe,
-            keep_fp32=keep_fp32 or (),
-            calibrate=calibrate,
-            overwrite=overwrite,
-            trust_remote_code=trust_remote_code,
-            on_progress=progress,
-        )
+        try:
+            result = convert(
+                source,
+                to,
+                output,
+                validate=validate,
+                device=None if device == "auto" else device,
+                revision=revision,
+                recipe=recipe,
+                keep_fp32=keep_fp32 or (),
+                calibrate=calibrate,
+                overwrite=overwrite,
+                trust_remote_code=trust_remote_code,
+                on_progress=progress,
+            )
+        except CannotValidateError:  # the output is written, with a failing certificate
+            note_unvalidated(output if output is not None else default_output(source, to))
+            raise
     if json_output:
         emit_json(result.to_json())
     else:
@@ -102,3 +127,9 @@ def model(
         print_certificate(result.certificate)
         with reported_errors():
             require_pass(result.certificate, result.output)
+            if push is not None:
+                from precision_convert.cli.push import push_and_report
+
+                push_and_report(
+                    result.output, push, create_pr=create_pr, private=private or None
+                )

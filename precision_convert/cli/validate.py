@@ -44,17 +44,34 @@ def validate_command(
     ] = False,
 ) -> None:
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
+    from precision_convert.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
 
     with reported_errors():
-        with console.status("validating against fp32…", spinner="dots"):
-            certificate = validate(
-                converted, baseline, device, inputs=inputs, max_memory=max_memory
-            )
+        try:
+            with console.status("validating against fp32…", spinner="dots"):
+                certificate = validate(
+                    converted, baseline, device, inputs=inputs, max_memory=max_memory
+                )
+        except CannotValidateError:
+            note_unvalidated(converted)
+            raise
         print_certificate(certificate)
         if json_output:
             emit_json(certificate.to_dict())
         require_pass(certificate, converted)
+
+
+def note_unvalidated(converted: Path) -> None:
+    """Say where the failing certificate of a validation that could not run went."""
+    from precision_convert.validation.certify.certificate import CARD_NAME, CERTIFICATE_NAME
+
+    if (converted / CERTIFICATE_NAME).is_file():
+        console.print(
+            f"[red]✗[/] not validated: {converted / CERTIFICATE_NAME} (verdict fail) and "
+            f"{CARD_NAME} say what is missing",
+            soft_wrap=True,
+        )
 
 
 def require_pass(certificate: Certificate, converted: Path) -> None:

@@ -2,11 +2,20 @@
 
 The YAML front matter is a ``huggingface_hub.ModelCardData`` (``base_model``, tags, the
 library, and a ``precision_convert:`` summary); the body is a table of the judged metrics, so a
-reader on the Hub sees why the conversion is trusted without opening the JSON.
+reader on the Hub sees why the conversion is trusted without opening the JSON, and a loading
+section that says, for every way of loading the files, what a user gets.
+
+Tags: ``parity-certified`` only when the certificate passed *and* the library's plain
+``from_pretrained`` with default arguments was checked and passed (for a pipeline: every plain
+load recorded); a passing certificate whose plain load was not checked (a model validated
+block by block, or a certificate from before load paths were recorded) is tagged
+``parity-certified-pc-load-only``; a failed one carries neither. The card is a pure function of
+the certificate (and the activation charts beside it), so it can be checked by regenerating it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -16,9 +25,23 @@ from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     CERTIFICATE_NAME,
     Certificate,
+    LoadPath,
 )
 from precision_convert.validation.probe.metrics import Measurement
 
+#: The tag of a certificate that holds wherever users load it, and of one that holds only
+#: through ``precision_convert.load`` (the library's plain load was not checked).
+PLAIN_TAG = "parity-certified"
+PC_LOAD_ONLY_TAG = "parity-certified-pc-load-only"
+#: How the card names each way of loading (see validation.certify.load_paths).
+WAY_NAMES = {
+    "pc.load": "precision-convert",
+    "plain": "plain default",
+    "auto": '`"auto"` dtype',
+    "compute": "explicit compute dtype",
+}
+#: Bytes per element of the dtypes a load path records.
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 #: The activation-range chart the analysis stage saves; shown in the card when present.
 CHART_NAME = "precision_activations.png"
 #: Most metric rows in the card; the certificate keeps all of them.
@@ -36,12 +59,21 @@ def base_model_id(certificate: Certificate) -> str | None:
 
 def tags(certificate: Certificate) -> list[str]:
     target = certificate.target or ""
-    found = ["precision-convert", target.removesuffix("-safe")] if target else ["precision-convert"]
+    found = ["precision-convert"]
+    if target:
+        found += list(dict.fromkeys([target, target.removesuffix("-safe")]))
     if target.endswith("-safe"):
         found.append("precision-safe")
     if certificate.passed:
-        found.append("parity-certified")
+        found.append(PLAIN_TAG if plain_load_passed(certificate) else PC_LOAD_ONLY_TAG)
     return found
+
+
+def plain_load_passed(certificate: Certificate) -> bool:
+    """Whether every plain ``from_pretrained`` the certificate records was checked and passed
+    (False when none was recorded)."""
+    plain = [p for p in certificate.load_paths if p.way == "plain"]
+    return bool(plain) and all(p.verdict == "pass" for p in plain)
 
 
 def summary(certificate: Certificate) -> dict[str, Any]:
@@ -57,8 +89,17 @@ def summary(certificate: Certificate) -> dict[str, Any]:
         "components": {c.name or c.class_name or "model": c.task for c in certificate.components},
         "metrics_judged": len(certificate.metrics),
         "metrics_failed": len(failed),
+        "loading": _loading_summary(certificate),
         "certificate": CERTIFICATE_NAME,
     }
+
+
+def _loading_summary(certificate: Certificate) -> dict[str, dict[str, str]]:
+    """``{component or "model": {way: verdict}}`` for the front matter."""
+    out: dict[str, dict[str, str]] = {}
+    for p in certificate.load_paths:
+        out.setdefault(p.component or "model", {})[p.way] = p.verdict
+    return out
 
 
 def _fmt(value: float | None) -> str:
@@ -89,15 +130,29 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
     """The full README.md text for ``certificate``."""
     from huggingface_hub import ModelCardData
 
+    inherited = certificate.source.get("card") or {}
     library = next((c.library for c in certificate.components if c.library != "pipeline"), None)
+    if any(c.mode == "pipeline" for c in certificate.components):
+        library = "diffusers"
+    base_model = base_model_id(certificate)
     data = ModelCardData(
-        base_model=base_model_id(certificate),
+        base_model=base_model,
+        # The Hub's closest relation for a precision conversion (it has no "cast").
+        base_model_relation="quantized" if base_model else None,
         tags=tags(certificate),
-        library_name=library if library in ("transformers", "diffusers", "open_clip") else None,
+        library_name=inherited.get("library_name")
+        or (library if library in ("transformers", "diffusers", "open_clip") else None),
+        pipeline_tag=inherited.get("pipeline_tag"),
+        license=inherited.get("license"),
         precision_convert=summary(certificate),
     )
     source = certificate.source.get("id") or "the source checkpoint"
-    verdict = "**certified**" if certificate.passed else "**not certified**"
+    if not certificate.passed:
+        verdict = "**not certified**"
+    elif plain_load_passed(certificate):
+        verdict = "**certified** (through `precision_convert.load` and plain `from_pretrained`)"
+    else:
+        verdict = "**certified for `precision_convert.load` only** (plain loads not checked)"
     lines = [
         "---",
         data.to_yaml(),
@@ -112,7 +167,10 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
     ]
     if certificate.failures:
         lines += ["## Why it failed", "", *(f"- {f}" for f in certificate.failures), ""]
-    lines += ["## Parity", "", *_rows(certificate.metrics), ""]
+    if certificate.metrics:
+        lines += ["## Parity", "", *_rows(certificate.metrics), ""]
+    else:
+        lines += ["## Parity", "", "Nothing was compared with fp32.", ""]
     lines += [
         "## Components",
         "",
@@ -130,19 +188,116 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
             f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts
         ]
         lines.append("")
+    lines += _loading(certificate)
     lines += [
-        "## Loading",
-        "",
-        "```python",
-        "import precision_convert as pc",
-        'model = pc.load("<this repo or dir>")',
-        "```",
-        "",
         f"Every file's sha256 is listed in `{CERTIFICATE_NAME}`; `precision-convert push` refuses "
         "files that differ from it.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _loading(certificate: Certificate) -> list[str]:
+    """The loading section: the recommended call, then what every way of loading gives."""
+    lines = [
+        "## Loading",
+        "",
+        "```python",
+        "import precision_convert as pc",
+        'model = pc.load("<this repo or dir>")  # stored dtypes kept, fp32 islands intact',
+        "```",
+        "",
+    ]
+    if not certificate.load_paths:
+        checked = (
+            "Only `precision_convert.load` was checked"
+            if certificate.metrics
+            else "No way of loading was checked (validation did not run)"
+        )
+        lines += [
+            f"{checked}: the library's own `from_pretrained` may load these files differently.",
+            "",
+        ]
+        return lines
+    components = list(dict.fromkeys(p.component for p in certificate.load_paths))
+    several = len(components) > 1
+    lines += [
+        "Every way of loading these files, run on the validation inputs and judged against "
+        "fp32 like the model itself; the verdict depends on `precision_convert.load` and the "
+        "plain default load.",
+        "",
+        (
+            "| component | way | call | loads as | result |"
+            if several
+            else "| way | call | loads as | result |"
+        ),
+        "|---|---|---|---|---|" if several else "|---|---|---|---|",
+    ]
+    for p in certificate.load_paths:
+        reference = certificate.load_path("pc.load", p.component)
+        cells = [
+            WAY_NAMES.get(p.way, p.way),
+            f"`{p.call}`",
+            _loads_as(p, reference),
+            _result(p),
+        ]
+        if several:
+            cells.insert(0, p.component or "—")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _nbytes(dtypes: dict[str, int]) -> int:
+    return sum(n * _ITEMSIZE.get(d, 4) for d, n in dtypes.items())
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def _loads_as(path: LoadPath, reference: LoadPath | None) -> str:
+    """The dtypes a way of loading ends up with, and its memory against ``pc.load``'s."""
+    if not path.dtypes:
+        return "—"
+    total = sum(path.dtypes.values())
+    main = max(path.dtypes, key=path.dtypes.__getitem__)
+    if len(path.dtypes) == 1:
+        text = f"{main} throughout"
+    else:
+        rest = ", ".join(
+            f"{n / total:.0%} {d}" for d, n in sorted(path.dtypes.items()) if d != main
+        )
+        text = f"{main}, {rest}"
+    if reference is not None and reference is not path and reference.dtypes:
+        mine, theirs = _nbytes(path.dtypes), _nbytes(reference.dtypes)
+        if mine > theirs * 1.2:
+            text += (
+                f"; weights {_size(mine)} vs {_size(theirs)} with `pc.load`: "
+                "the memory saving is lost"
+            )
+        elif path.dtypes.get("float32", 0) < reference.dtypes.get("float32", 0):
+            some = "fp32 islands" if "float32" not in path.dtypes else "some fp32 islands"
+            text += f" ({some} flattened)"
+    return text
+
+
+def _result(path: LoadPath) -> str:
+    if path.verdict == "not-checked":
+        return f"not checked: {path.detail or 'no reason recorded'}"
+    if path.verdict == "pass":
+        cosine = next((m for m in path.metrics if m.metric == "cosine"), None)
+        floor = math.floor(cosine.value * 1e5) / 1e5 if cosine and cosine.value else None
+        close = f" (cosine ≥ {floor:.5f})" if floor is not None else ""
+        note = f"; {path.detail}" if path.detail else ""
+        return f"✅ matches fp32{close}{note}"
+    if path.detail and path.detail.startswith("fails"):
+        return f"❌ {path.detail}"
+    first = path.failures[0] if path.failures else (path.detail or "outputs differ")
+    return f"❌ differs from fp32: {first}"
 
 
 def write_card(certificate: Certificate, directory: str | Path) -> Path:

@@ -49,6 +49,37 @@ class ComponentRecord:
     blocks: int | None = None  # blocks compared one at a time (blockwise mode)
 
 
+#: Verdicts of one way of loading (see :mod:`.load_paths`).
+LOAD_VERDICTS = ("pass", "fail", "not-checked")
+
+
+@dataclass
+class LoadPath:
+    """One way users load the converted files, and what it gave on the validation probes.
+
+    ``way`` is ``pc.load`` (precision-convert's loader), ``plain`` (the library's own
+    ``from_pretrained`` with default arguments), ``auto`` (``dtype="auto"``) or ``compute``
+    (the compute dtype passed explicitly). ``decides``: whether the way's verdict is part of
+    the certificate's (``pc.load`` and ``plain``).
+    """
+
+    component: str  # "" for a single model, a pipeline component, or "pipeline" (end to end)
+    way: str
+    call: str  # the call a user writes
+    verdict: str  # one of LOAD_VERDICTS
+    decides: bool
+    dtypes: dict[str, int] = field(default_factory=dict)  # parameter elements per dtype
+    detail: str | None = None  # the error, why it was not checked, or a note
+    metrics: list[Measurement] = field(default_factory=list)  # each metric's worst value
+    failures: list[str] = field(default_factory=list)  # the first failed metrics, worst first
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoadPath:
+        values = dict(data)
+        values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
+        return cls(**values)
+
+
 @dataclass
 class Certificate:
     verdict: str  # "pass" or "fail"
@@ -64,6 +95,8 @@ class Certificate:
     files: dict[str, str]  # converted file (relative path) -> sha256
     notes: list[str] = field(default_factory=list)
     tool: dict[str, str] = field(default_factory=dict)
+    #: Every way of loading, checked or not (absent in certificates written before it existed).
+    load_paths: list[LoadPath] = field(default_factory=list)
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     schema: str = SCHEMA
 
@@ -81,7 +114,16 @@ class Certificate:
         values = dict(data)
         values["components"] = [ComponentRecord(**c) for c in values.get("components", [])]
         values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
+        values["load_paths"] = [LoadPath.from_dict(p) for p in values.get("load_paths", [])]
         return cls(**values)
+
+    def load_path(self, way: str, component: str | None = None) -> LoadPath | None:
+        """The record of ``way`` for ``component`` (default: the model, or the whole pipeline
+        when there is one), or None when it was not recorded."""
+        if component is None:
+            names = {p.component for p in self.load_paths}
+            component = "pipeline" if "pipeline" in names else ""
+        return next((p for p in self.load_paths if p.way == way and p.component == component), None)
 
     @classmethod
     def read(cls, directory: str | Path) -> Certificate:

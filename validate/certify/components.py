@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.dtypes import from_config_string
 from precision_convert.errors import CannotValidateError
-from precision_convert.validation.certify.certificate import ComponentRecord
+from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
 from precision_convert.validation.probe.execute import Outputs
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.metrics import Measurement
@@ -47,6 +47,7 @@ class ComponentResult:
     record: ComponentRecord
     metrics: list[Measurement]
     errors: list[str]
+    load_paths: list[LoadPath] = field(default_factory=list)  # every way of loading it
 
 
 def component_record(

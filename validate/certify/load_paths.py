@@ -1,0 +1,461 @@
+"""Every way users load a converted checkpoint, run on the validation probes and judged.
+
+A certificate that holds only under ``precision_convert.load`` promises little: the Hub shows
+``<Class>.from_pretrained(repo)`` for transformers and diffusers repos, and that is how most
+people load one. So after the candidate has been compared through ``pc.load``, the converted
+files are loaded each other way a user would, one model resident at a time (each freed before
+the next loads), and run on the same probes (already resolved against the fp32 baseline's
+outputs) under the same thresholds:
+
+===========  ================================================================  ==========
+way          call                                                              decides
+===========  ================================================================  ==========
+``pc.load``  ``precision_convert.load(dir)``                                   yes
+``plain``    the library's ``from_pretrained(dir)`` with default arguments     yes
+             (pipelines: ``DiffusionPipeline.from_pretrained(dir)``; OpenCLIP:
+             ``open_clip.create_model("local-dir:dir")``)
+``auto``     ``from_pretrained(dir, dtype="auto")`` (transformers only)        no
+``compute``  the compute dtype passed explicitly (``dtype=torch.float16``;      no
+             OpenCLIP: ``precision="fp16"``)
+===========  ================================================================  ==========
+
+The certificate's verdict is ``pass`` only when both deciding ways pass; the others are
+recorded (and shown in the model card) so that users know what they get. A way that loads the
+very same tensors in the same dtypes as one already run (transformers' default dtype *is*
+``"auto"``) is not run again. Block-wise validation never loads the model whole, so there the
+library's loads are "not checked".
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precision_convert.conversion.io.source import ModelSource, PipelineSource
+from precision_convert.conversion.runtime.builders import _diffusers_dtype_keyword, model_class
+from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.dtypes import from_config_string
+from precision_convert.errors import InputError
+from precision_convert.validation.certify.certificate import LoadPath
+from precision_convert.validation.certify.components import Component
+from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs, run_probes
+from precision_convert.validation.probe.inputs import ModelInputs
+from precision_convert.validation.probe.metrics import METRICS, Measurement
+from precision_convert.validation.probe.parity import compare_outputs
+
+__all__ = [
+    "AUTO",
+    "COMPUTE",
+    "DECIDING",
+    "PC_LOAD",
+    "PLAIN",
+    "blockwise_paths",
+    "check_model",
+    "check_pipeline",
+    "failure_lines",
+    "skipped_pipeline",
+]
+
+PC_LOAD = "pc.load"
+PLAIN = "plain"
+AUTO = "auto"
+COMPUTE = "compute"
+#: The ways whose verdict is the certificate's.
+DECIDING = frozenset({PC_LOAD, PLAIN})
+#: Failed metrics kept per way (the worst first); the count of the rest is added.
+MAX_FAILURES = 5
+#: Errors a load or a run through a library may raise (missing files, refused configs too).
+LOAD_ERRORS = (*RUN_ERRORS, InputError, OSError, ImportError, NotImplementedError)
+_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way of loading: how to call it, and whether it can be checked here."""
+
+    key: str
+    call: str
+    build: Callable[[], Any] | None  # None: not checked (``why_not`` says why)
+    why_not: str | None = None
+    input_dtype: torch.dtype | None = None  # None: the loaded model's own dtype
+
+    @property
+    def decides(self) -> bool:
+        return self.key in DECIDING
+
+
+# --------------------------------------------------------------------------- the ways
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _literal(dtype: torch.dtype) -> str:
+    return f"torch.{_dtype_name(dtype)}"
+
+
+def model_ways(component: Component) -> list[Way]:
+    """The library's own ways of loading one model (or one pipeline component)."""
+    source = component.converted
+    compute = component.compute_dtype
+    repo = f'"<repo>", subfolder="{component.name}"' if component.name else '"<repo>"'
+    if source.library == "open_clip":
+        return _open_clip_ways(source.root, compute)
+    cls_name = source.class_name or "AutoModel"
+    call = f"{cls_name}.from_pretrained({repo}"
+    if source.library == "transformers":
+        keyword = "dtype"
+        auto = Way(AUTO, f'{call}, dtype="auto")', _from_pretrained(source, dtype="auto"))
+    else:
+        keyword = _diffusers_dtype_keyword()
+        auto = Way(AUTO, f'{call}, {keyword}="auto")', None, "diffusers has no 'auto' dtype")
+    return [
+        Way(PLAIN, f"{call})", _from_pretrained(source)),
+        auto,
+        Way(
+            COMPUTE,
+            f"{call}, {keyword}={_literal(compute)})",
+            _from_pretrained(source, **{keyword: compute}),
+            input_dtype=compute,
+        ),
+    ]
+
+
+def _from_pretrained(source: ModelSource, **kwargs: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        # The class a user would name (remote code is never run here: pc.load does not either).
+        return model_class(source).from_pretrained(source.root, **kwargs)
+
+    return build
+
+
+def _open_clip_ways(root: Path, compute: torch.dtype) -> list[Way]:
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(compute, "fp32")
+
+    def create(**kwargs: Any) -> Callable[[], Any]:
+        def build() -> Any:
+            import open_clip
+
+            return open_clip.create_model(f"local-dir:{root}", **kwargs)
+
+        return build
+
+    call = 'open_clip.create_model("local-dir:<dir>"'
+    return [
+        Way(PLAIN, f"{call})", create()),
+        Way(AUTO, f'{call}, precision="auto")', None, "open_clip has no 'auto' precision"),
+        Way(
+            COMPUTE,
+            f'{call}, precision="{precision}")',
+            create(precision=precision),
+            input_dtype=compute,
+        ),
+    ]
+
+
+def pipeline_ways(root: Path, compute: torch.dtype | None) -> list[Way]:
+    """diffusers' own ways of loading the whole pipeline."""
+
+    def load(**kwargs: Any) -> Callable[[], Any]:
+        def build() -> Any:
+            import diffusers
+
+            return diffusers.DiffusionPipeline.from_pretrained(root, **kwargs)
+
+        return build
+
+    keyword = _diffusers_dtype_keyword()
+    call = 'DiffusionPipeline.from_pretrained("<repo>"'
+    ways = [
+        Way(PLAIN, f"{call})", load()),
+        Way(AUTO, f'{call}, {keyword}="auto")', None, "diffusers has no 'auto' dtype"),
+    ]
+    if compute is not None:
+        ways.append(
+            Way(COMPUTE, f"{call}, {keyword}={_literal(compute)})", load(**{keyword: compute}))
+        )
+    return ways
+
+
+def pc_load_call(component: str) -> str:
+    """How a user loads ``component`` with precision-convert."""
+    if component and component != "pipeline":
+        return f'precision_convert.load("<repo>/{component}")'
+    return 'precision_convert.load("<repo>")'
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def check_model(
+    component: Component,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: dict[str, float],
+    device: torch.device,
+    pc_metrics: list[Measurement],
+    pc_errors: list[str],
+) -> list[LoadPath]:
+    """Every way of loading one model: ``pc.load`` from its comparison, the others run here."""
+    first = _pc_load(component.name, stored_dtypes([component.converted]), pc_metrics, pc_errors)
+    return [
+        first,
+        *_check(component.name, model_ways(component), inputs, baseline, thresholds, device),
+    ]
+
+
+def check_pipeline(
+    opened: PipelineSource,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: dict[str, float],
+    device: torch.device,
+    pc_metrics: list[Measurement],
+    pc_errors: list[str],
+) -> list[LoadPath]:
+    """Every way of loading the whole pipeline, judged on its end-to-end run."""
+    models = list(opened.components.values())
+    first = _pc_load("pipeline", stored_dtypes(models), pc_metrics, pc_errors)
+    ways = pipeline_ways(opened.root, pipeline_compute(models))
+    return [first, *_check("pipeline", ways, inputs, baseline, thresholds, device)]
+
+
+def blockwise_paths(
+    component: Component, pc_metrics: list[Measurement], pc_errors: list[str]
+) -> list[LoadPath]:
+    """A model compared block by block: ``pc.load``'s record (its blocks were loaded as
+    ``pc.load`` loads them); the library's loads would need the whole model in memory."""
+    first = _pc_load(component.name, stored_dtypes([component.converted]), pc_metrics, pc_errors)
+    why = "the model only fits in memory block by block; it was not loaded whole"
+    return [first, *_not_checked(component.name, model_ways(component), why)]
+
+
+def skipped_pipeline(opened: PipelineSource, why: str) -> list[LoadPath]:
+    """A pipeline whose end-to-end run was skipped (``why``): no way of loading it ran."""
+    models = list(opened.components.values())
+    first = Way(PC_LOAD, pc_load_call("pipeline"), None)
+    ways = [first, *pipeline_ways(opened.root, pipeline_compute(models))]
+    records = _not_checked("pipeline", ways, why)
+    records[0].dtypes = stored_dtypes(models)
+    return records
+
+
+def _not_checked(component: str, ways: Iterable[Way], why: str) -> list[LoadPath]:
+    return [
+        LoadPath(component, w.key, w.call, "not-checked", w.decides, detail=w.why_not or why)
+        for w in ways
+    ]
+
+
+def pipeline_compute(models: Iterable[ModelSource]) -> torch.dtype | None:
+    """The compute dtype the pipeline's components share (the most common one)."""
+    counts: dict[torch.dtype, int] = {}
+    for model in models:
+        record = model.config.get("precision_convert")
+        found = from_config_string(str(record.get("compute_dtype", ""))) if record else None
+        if found is not None and found.is_float:
+            counts[found.torch] = counts.get(found.torch, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _check(
+    component: str,
+    ways: list[Way],
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: dict[str, float],
+    device: torch.device,
+) -> list[LoadPath]:
+    records: list[LoadPath] = []
+    seen: dict[tuple[Any, ...], LoadPath] = {}
+    for way in ways:
+        if way.build is None:
+            records += _not_checked(component, [way], "")
+            continue
+        records.append(_run(component, way, inputs, baseline, thresholds, device, seen))
+    return records
+
+
+def _run(
+    component: str,
+    way: Way,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: dict[str, float],
+    device: torch.device,
+    seen: dict[tuple[Any, ...], LoadPath],
+) -> LoadPath:
+    """Load one way, run the probes, free the model; an error is the way's failure."""
+    record = LoadPath(component, way.key, way.call, "fail", way.decides)
+    outputs: Outputs | None = None
+    model: Any = None
+    stage = "load"
+    try:
+        model = way.build()  # type: ignore[misc]
+        if hasattr(model, "eval"):
+            model.eval()
+        record.dtypes = parameter_dtypes(model)
+        signature = _signature(model)
+        same = seen.get(signature)
+        if same is not None:
+            record.verdict, record.metrics, record.failures = (
+                same.verdict,
+                same.metrics,
+                same.failures,
+            )
+            record.detail = f"loads the same tensors in the same dtypes as `{same.call}`"
+            if same.detail and same.verdict == "fail":
+                record.detail += f"; {same.detail}"
+            return record
+        seen[signature] = record
+        stage = "run"
+        model = model.to(device)
+        dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
+        outputs = run_probes(model, inputs, device, dtype)
+    except LOAD_ERRORS as exc:
+        text = str(exc).strip()
+        line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        record.detail = f"fails to {stage}: {line}"
+    finally:
+        if model is not None:
+            gone = weakref.ref(model)
+            del model
+            free_model(gone, device)
+    if outputs is not None:
+        _judge(record, compare_outputs(component, inputs, baseline, outputs, thresholds))
+    return record
+
+
+def _pc_load(
+    component: str,
+    dtypes: dict[str, int],
+    metrics: list[Measurement],
+    errors: list[str],
+) -> LoadPath:
+    record = LoadPath(component, PC_LOAD, pc_load_call(component), "fail", True, dtypes)
+    if errors:
+        record.detail = errors[0].partition(": ")[2] or errors[0]
+    _judge(record, metrics, errors=bool(errors))
+    return record
+
+
+def _judge(record: LoadPath, rows: list[Measurement], *, errors: bool = False) -> None:
+    failed = sorted((m for m in rows if not m.passed), key=_badness)
+    record.verdict = "pass" if rows and not failed and not errors else "fail"
+    worst: dict[str, Measurement] = {}
+    for m in rows:
+        if m.metric not in worst or _badness(m) < _badness(worst[m.metric]):
+            worst[m.metric] = m
+    record.metrics = list(worst.values())
+    record.failures = [failure_line(m) for m in failed[:MAX_FAILURES]]
+    if len(failed) > MAX_FAILURES:
+        record.failures.append(f"… {len(failed) - MAX_FAILURES} more failed metrics")
+    if not rows and not errors and record.detail is None:
+        record.detail = "no output was compared"
+
+
+def _badness(m: Measurement) -> tuple[int, int, float]:
+    """Sort key: failures first, fatal metrics (NaN/Inf) before the others, then the value
+    furthest on the wrong side (a NaN value furthest of all)."""
+    fatal = 0 if METRICS[m.metric].fatal_threshold is not None else 1
+    if m.value is None:
+        return (int(m.passed), fatal, -math.inf)
+    return (int(m.passed), fatal, -m.value if m.bound == "max" else m.value)
+
+
+def failure_line(m: Measurement) -> str:
+    if m.metric == "nonfinite":
+        what = "output missing or reshaped" if m.value is None else f"{int(m.value)} NaN/Inf values"
+        return f"{m.where}: {what}"
+    value = "NaN" if m.value is None else f"{m.value:.4g}"
+    sign = "<=" if m.bound == "max" else ">="
+    bound = "" if m.threshold is None else f" (must be {sign} {m.threshold:g})"
+    return f"{m.where}: {m.metric} {value}{bound}"
+
+
+def failure_lines(records: Iterable[LoadPath]) -> list[str]:
+    """The certificate's failure lines for deciding ways other than ``pc.load`` (whose
+    failures the comparison itself lists) that failed."""
+    lines = []
+    for record in records:
+        if record.way == PC_LOAD or not record.decides or record.verdict != "fail":
+            continue
+        where = record.component or "model"
+        why = record.detail or (record.failures[0] if record.failures else "outputs differ")
+        lines.append(f"{where}: the plain load `{record.call}` {_as_clause(why)}")
+    return lines
+
+
+def _as_clause(why: str) -> str:
+    return why if why.startswith("fails") else f"differs from fp32: {why}"
+
+
+# --------------------------------------------------------------------------- what was loaded
+
+
+def parameter_dtypes(model: Any) -> dict[str, int]:
+    """Floating elements per dtype of what a model (every module of a pipeline) holds of its
+    checkpoint: parameters and persistent buffers, tied tensors once, as :func:`stored_dtypes`
+    counts the files."""
+    counts: dict[str, int] = {}
+    seen: set[tuple[int, torch.dtype]] = set()
+    for module in _modules(model):
+        for tensor in module.state_dict().values():
+            key = (tensor.data_ptr(), tensor.dtype)
+            if not tensor.is_floating_point() or key in seen:
+                continue
+            seen.add(key)
+            name = _dtype_name(tensor.dtype)
+            counts[name] = counts.get(name, 0) + tensor.numel()
+    return dict(sorted(counts.items()))
+
+
+def stored_dtypes(models: Iterable[ModelSource]) -> dict[str, int]:
+    """Floating elements per stored dtype: what ``pc.load`` holds (it keeps them exactly)."""
+    counts: dict[str, int] = {}
+    for model in models:
+        for t in model.tensors():
+            if t.dtype.is_float:
+                name = _dtype_name(t.dtype.torch)
+                counts[name] = counts.get(name, 0) + math.prod(t.shape)
+    return dict(sorted(counts.items()))
+
+
+def _modules(model: Any) -> list[torch.nn.Module]:
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    components = getattr(model, "components", None)
+    if isinstance(components, dict):
+        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
+    return []
+
+
+def _signature(model: Any) -> tuple[Any, ...]:
+    """What two loads must share to be the same load: classes, tensor names and dtypes."""
+    parts: list[Any] = [type(model).__name__]
+    for module in _modules(model):
+        parts.append(type(module).__name__)
+        parts.extend((n, t.dtype) for n, t in module.state_dict().items())
+    return tuple(parts)
+
+
+def _input_dtype(model: Any) -> torch.dtype | None:
+    """The dtype a user casts floating inputs to: the model's ``dtype``, else the dtype most
+    of its parameters are in; None for a pipeline (it makes its own inputs)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    declared = getattr(model, "dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
