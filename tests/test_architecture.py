@@ -60,11 +60,13 @@ def test_back_edge_from_a_mapped_folder_breaks_the_check(tmp_path: Path) -> None
 
 def test_cycle_inside_one_layer_breaks_the_check(tmp_path: Path) -> None:
     repo = _copy_repo(tmp_path)
+    # The loader imports the builders; a builder importing the loader back closes a cycle
+    # inside the runtime layer, which a layers contract alone would not see.
     _append(
-        repo / "validate/probe/inputs.py",
+        repo / "convert/runtime/builders.py",
         "def _sneaky() -> None:\n"
-        "    from precision_convert.validation.probe import execute  # noqa: F401",
+        "    from precision_convert.conversion.runtime import loader  # noqa: F401",
     )
     passed, report = _checker().check(repo)
     assert not passed
-    assert "import cycle" in report and "precision_convert.validation.probe.inputs" in report
+    assert "import cycle" in report and "precision_convert.conversion.runtime.loader" in report
