@@ -60,14 +60,15 @@ def layer_modules(repo: Path) -> list[str]:
 
 
 def structural_problems(site: Path, layered: list[str]) -> list[str]:
-    """Modules outside every layer, import cycles, and imports of the root package."""
-    sys.path.insert(0, str(site))
-    try:
-        import grimp
+    """Modules outside every layer, import cycles, and imports of the root package.
 
-        graph = grimp.build_graph(ROOT, cache_dir=None)
-    finally:
-        sys.path.remove(str(site))
+    Run in a process of its own (see :func:`check`): grimp finds the package through the
+    import system, which in a process that already imported ``precision_convert`` answers
+    with that copy, not the one under ``site``.
+    """
+    import grimp
+
+    graph = grimp.build_graph(ROOT, cache_dir=None)
     problems = []
     for module in sorted(graph.modules):
         in_layer = any(module == m or module.startswith(m + ".") for m in layered)
@@ -137,12 +138,23 @@ def check(repo: Path) -> tuple[bool, str]:
             text=True,
             check=False,
         )
-        problems = structural_problems(site, layer_modules(repo))
-    report = linted.stdout + linted.stderr + "".join(f"{p}\n" for p in problems)
-    return linted.returncode == 0 and not problems, report
+        structure = subprocess.run(
+            [sys.executable, __file__, "--structure", str(repo)],
+            cwd=site,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    report = linted.stdout + linted.stderr + structure.stdout + structure.stderr
+    return linted.returncode == 0 and structure.returncode == 0, report
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--structure"]:  # the child process of check(), on PYTHONPATH's copy
+        problems = structural_problems(Path.cwd(), layer_modules(Path(sys.argv[2])))
+        print("".join(f"{p}\n" for p in problems), end="")
+        return 1 if problems else 0
     repo = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
     passed, report = check(repo)
     print(report.rstrip())
