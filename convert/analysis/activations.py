@@ -1,9 +1,14 @@
 """Activation analysis: what overflows fp16, and the smallest set of fp32 islands that fixes it.
 
 Calibration runs the fp32 model once on the validation inputs with a hook on every module that
-keeps three running numbers per module (largest |input|, largest |output|, share of output
-values fp16 would flush to zero). Nothing else is kept, so memory stays bounded whatever the
-model, and the hooks are removed when the pass ends, even on error.
+keeps a few running numbers per module (largest |input|, largest |output|, largest |x| of its
+main output, share of output values fp16 would flush to zero). Nothing else is kept, so memory
+stays bounded whatever the model, and the hooks are removed when the pass ends, even on error.
+
+Every module is judged, not only those that own weights (:func:`near_limit`): a container's
+main output is the stream it hands on (a decoder layer's residual sum), which no weighted
+module ever outputs, and a module that owns weights is judged on what it receives too, since
+the loader casts that to the module's own dtype.
 
 The search (:func:`search_islands`) then checks a candidate plan against the fp32 outputs and,
 while it fails, bisects over modules in execution order for the next module that must stay
@@ -31,6 +36,13 @@ ACTIVATION_MARGIN = 2.0
 #: healthy layer lands within a few times that. A module whose output, recomputed from bf16
 #: weights and inputs, is off by more than 2**-4 has lost most of its mantissa.
 BF16_LOSS_LIMIT = 2.0**-4
+#: |x| at or beyond this is a masking sentinel (``finfo.min``, ``-inf`` filled into attention
+#: masks and biases), not an activation: left out of input and main-output peaks.
+MASK_SENTINEL = 1e30
+#: Kinds of module, as judged by :func:`near_limit`.
+LEAF = "leaf"  # owns weights and has no child modules: a Linear, a norm, an embedding
+CONTAINER = "container"  # has child modules: a decoder layer, an attention block, the model
+FUNCTION = "function"  # neither: an activation, a sinusoidal embedding, a rotary table
 #: Above this share of fp32 parameters, fp16-safe costs most of its memory savings: recommend
 #: bf16-safe instead.
 FP32_SHARE_LIMIT = 0.25
@@ -47,6 +59,18 @@ class ActivationStats:
     rms_out: float
     flushed_out: float  # share of non-zero output values that fp16 rounds to zero
     low_precision_error: float  # relative L2 error of the module recomputed in low precision
+    kind: str = LEAF  # LEAF, CONTAINER or FUNCTION
+    #: Largest |x| of the module's main output (its first floating tensor, masking sentinels
+    #: left out): for a container the stream it hands on, whatever else it returns beside it.
+    main_out: float = 0.0
+    #: Other modules holding the same parameters (tied weights: a head sharing the embedding's
+    #: matrix): whichever of them is the checkpoint's unit decides the dtype of all.
+    shares_weights_with: tuple[str, ...] = ()
+
+    @property
+    def output_peak(self) -> float:
+        """The output peak that is judged: a container's main output, any other module's all."""
+        return self.main_out if self.kind == CONTAINER else self.max_out
 
     @property
     def headroom(self) -> float:
@@ -61,6 +85,9 @@ class _Recorder:
         self.error: dict[str, float] = {}
         self.paused = False  # set while a module is recomputed in low precision
         self.order: dict[str, int] = {}
+        self.kind: dict[str, str] = {}
+        self.shared: dict[str, tuple[str, ...]] = {}
+        self.main_out: dict[str, torch.Tensor] = {}
         self.max_in: dict[str, torch.Tensor] = {}
         self.max_out: dict[str, torch.Tensor] = {}
         self.sum_sq: dict[str, float] = {}
@@ -72,7 +99,9 @@ class _Recorder:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.paused:
                 return
-            self.order.setdefault(name, len(self.order))
+            if name not in self.order:
+                self.order[name] = len(self.order)
+                self.kind[name] = _kind(module)
             peak = _max_abs((args, kwargs))
             if peak is not None:
                 self.max_in[name] = _running_max(self.max_in.get(name), peak)
@@ -83,6 +112,9 @@ class _Recorder:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if self.paused:
                 return
+            main = next(_floats(output), None)
+            if main is not None:
+                self.main_out[name] = _running_max(self.main_out.get(name), _peak(main))
             for tensor in _floats(output):
                 values = tensor.detach().float().abs()
                 self.max_out[name] = _running_max(self.max_out.get(name), values.amax())
@@ -117,6 +149,9 @@ class _Recorder:
                 rms_out=(self.sum_sq.get(name, 0.0) / count) ** 0.5 if count else 0.0,
                 flushed_out=self.flushed.get(name, 0) / nonzero if nonzero else 0.0,
                 low_precision_error=self.error.get(name, 0.0),
+                kind=self.kind.get(name, LEAF),
+                main_out=float(self.main_out[name]) if name in self.main_out else 0.0,
+                shares_weights_with=self.shared.get(name, ()),
             )
         return out
 
@@ -125,9 +160,37 @@ def _floats(value: Any) -> Iterator[torch.Tensor]:
     return (t for t in tensors_in(value) if t.is_floating_point() and t.numel())
 
 
+def _peak(tensor: torch.Tensor) -> torch.Tensor:
+    """Largest |x| of ``tensor`` that is an activation (masking sentinels left out)."""
+    values = tensor.detach().abs()
+    return torch.where(values < MASK_SENTINEL, values, 0).amax().float()
+
+
 def _max_abs(value: Any) -> torch.Tensor | None:
-    peaks = [t.detach().abs().amax().float() for t in _floats(value)]
+    peaks = [_peak(t) for t in _floats(value)]
     return torch.stack(peaks).amax() if peaks else None
+
+
+def _shared_weights(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Module -> the other modules holding one of its own parameters (tied weights)."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append(name)
+    out: dict[str, set[str]] = {}
+    for names in holders.values():
+        for name in names:
+            others = set(names) - {name}
+            if others:
+                out.setdefault(name, set()).update(others)
+    return {name: tuple(sorted(others)) for name, others in out.items()}
+
+
+def _kind(module: nn.Module) -> str:
+    if next(module.children(), None) is not None:
+        return CONTAINER
+    return LEAF if next(module.parameters(), None) is not None else FUNCTION
 
 
 def _is_weighted_leaf(module: nn.Module) -> bool:
@@ -168,12 +231,85 @@ def recording(model: nn.Module, simulate: torch.dtype | None = None) -> Iterator
     measure how much precision it loses on its own.
     """
     recorder = _Recorder(simulate)
+    recorder.shared = _shared_weights(model)
     handles = []
     try:
         for name, module in model.named_modules():
             handles.append(module.register_forward_pre_hook(recorder.pre(name), with_kwargs=True))
             handles.append(module.register_forward_hook(recorder.post(name), with_kwargs=True))
         yield recorder
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class Carriage:
+    """How a loaded low-precision candidate carried each module's tensors (dtypes only).
+
+    ``pre[m]``/``post[m]``: event number of module ``m``'s first call and of its first return
+    (one counter across all hooks: execution order, finer than module order). ``low[(m,
+    side)]``: the first event at which ``m`` received (``"input"``, before the loader's casts)
+    or handed on (``"output"``, its main output after the loader's casts) a floating tensor
+    narrower than fp32 holding a value beyond ``threshold`` (or inf). Only large calls count:
+    a module called several times (a shared activation) may carry small tensors in fp16.
+    """
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+        self.events = 0
+        self.pre: dict[str, int] = {}
+        self.post: dict[str, int] = {}
+        self.low: dict[tuple[str, str], int] = {}
+
+    def _before(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.events += 1
+            self.pre.setdefault(name, self.events)
+            if any(self._large_and_narrow(t) for t in _floats((args, kwargs))):
+                self.low.setdefault((name, "input"), self.events)
+
+        return hook
+
+    def _after(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.events += 1
+            self.post.setdefault(name, self.events)
+            main = next(_floats(output), None)
+            if main is not None and self._large_and_narrow(main):
+                self.low.setdefault((name, "output"), self.events)
+
+        return hook
+
+    def _large_and_narrow(self, tensor: torch.Tensor) -> bool:
+        info = torch.finfo(tensor.dtype)
+        if info.bits >= 32:
+            return False
+        values = tensor.detach().abs()
+        # NaN is not a value; finfo.max exactly is a mask filled with finfo.min, not a result
+        # (fp16 arithmetic overflows to inf, and inf counts).
+        values = torch.where(values.isnan() | (values == info.max), 0, values)
+        return bool(values.amax() > self.threshold)
+
+
+#: A candidate tensor narrower than fp32 counts as large beyond this share of the near-limit
+#: threshold: its fp16 values only approximate the fp32 ones that came near the limit.
+CARRIAGE_SLACK = 0.5
+
+
+@contextmanager
+def carriage(model: nn.Module) -> Iterator[Carriage]:
+    """Record, for the duration of the block, in which dtype ``model`` carries each module's
+    large inputs (as they arrive, before any boundary hook casts them) and main output (as it
+    is handed on, after the boundary hooks); hooks always removed."""
+    seen = Carriage(FP16_MAX / ACTIVATION_MARGIN * CARRIAGE_SLACK)
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            handles.append(
+                module.register_forward_pre_hook(seen._before(name), with_kwargs=True, prepend=True)
+            )
+            handles.append(module.register_forward_hook(seen._after(name), with_kwargs=True))
+        yield seen
     finally:
         for handle in handles:
             handle.remove()
@@ -203,6 +339,46 @@ def overflowing(stats: Mapping[str, ActivationStats], units: Sequence[str]) -> d
                 f"activations reach {seen.max_out:.4g} (fp16 limit {FP16_MAX:g}, "
                 f"margin {ACTIVATION_MARGIN:g}x)"
             )
+    return found
+
+
+@dataclass(frozen=True)
+class NearLimit:
+    """A tensor whose fp32 peak came within the margin of fp16's limit during calibration.
+
+    ``side`` is ``"output"`` (any module: for a container its main output, the stream it hands
+    on) or ``"input"`` (a module that owns weights: the loader casts what it receives to the
+    module's own dtype, so an fp16 module would overflow on it).
+    """
+
+    module: str
+    side: str
+    peak: float
+    kind: str
+    order: int
+
+    @property
+    def label(self) -> str:
+        """``model.layers.0 (container) output``: the module, its kind and the side."""
+        return f"{self.module or '<model>'} ({self.kind}) {self.side}"
+
+
+def near_limit(
+    stats: Mapping[str, ActivationStats], margin: float = ACTIVATION_MARGIN
+) -> list[NearLimit]:
+    """Every module output, containers included, and every weighted module's input whose fp32
+    peak comes within ``margin`` of fp16's limit (or over it), in execution order.
+
+    Containers are judged on their main output only: beside the stream they may return an
+    attention bias that already holds a mask.
+    """
+    limit = FP16_MAX / margin
+    found: list[NearLimit] = []
+    for seen in sorted(stats.values(), key=lambda s: s.order):
+        if seen.output_peak > limit:
+            found.append(NearLimit(seen.module, "output", seen.output_peak, seen.kind, seen.order))
+        if seen.kind == LEAF and seen.max_in > limit:
+            found.append(NearLimit(seen.module, "input", seen.max_in, seen.kind, seen.order))
     return found
 
 

@@ -1,11 +1,26 @@
 """Calibrated plans: the recipe's islands, plus what the model's own activations demand.
 
-For ``fp16-safe`` the fp32 model runs once on the validation inputs under recording hooks;
-every module whose activations come near fp16's limit becomes a ``range`` island. The
-candidate plan is then written to a scratch directory, loaded exactly as users load it and
-compared with the fp32 outputs; while it fails, :func:`~.analysis.search_islands` bisects for
-the modules that must also stay fp32 (``search`` islands). For ``bf16-safe`` the same pass
-recomputes each weighted layer in bf16 and keeps those that lose most of their mantissa.
+For ``fp16-safe`` the fp32 model runs once on the validation inputs under recording hooks, and
+every module is watched (:func:`~.activations.near_limit`): each module's output, containers
+included (a decoder layer's output is the residual stream, which no weighted module outputs),
+and what each weighted module receives. Near fp16's limit (within the activation margin):
+
+* a weighted module's output makes it a ``range`` island (its fp32 output flows on);
+* a precision island's output (a norm, a recipe's timestep embedding) upgrades it to ``range``:
+  the loader would cast that fp32 output back to fp16, recreating the overflow;
+* a compute-dtype weighted module's input makes it a ``range`` island: the loader casts what a
+  module receives to the module's own dtype;
+* any other tensor (a container's stream, what a norm receives) must be carried in fp32 by the
+  candidate as loaded. The candidate runs under dtype hooks; while one such tensor is still
+  carried in fp16, the latest weighted module that ran before it in its scope becomes a
+  ``range`` island (for a residual stream: the projection added into it, after which the
+  stream flows in fp32), and the candidate is checked again.
+
+Every near-limit tensor is named in a warning with its peak and what became of it. The candidate
+plan is then compared with the fp32 outputs; while it fails,
+:func:`~.analysis.search_islands` bisects for the modules that must also stay fp32 (``search``
+islands). For ``bf16-safe`` the same pass recomputes each weighted layer in bf16 and keeps those
+that lose most of their mantissa (bf16 has fp32's range: nothing is watched for overflow).
 
 The fp32 model is freed before any candidate loads: one model is resident at a time.
 """
@@ -22,10 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.activations import (
+    ACTIVATION_MARGIN,
+    CONTAINER,
     FP32_SHARE_LIMIT,
+    LEAF,
     ActivationStats,
+    Carriage,
+    NearLimit,
     calibrate,
+    carriage,
     losing_precision,
+    near_limit,
     overflowing,
     search_islands,
 )
@@ -35,8 +57,14 @@ from precision_convert.conversion.plan import Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.dtypes import FP16_MAX
 from precision_convert.names import module_of
-from precision_convert.validation.probe.execute import RUN_ERRORS, run_probes, select_inputs
+from precision_convert.validation.probe.execute import (
+    RUN_ERRORS,
+    run_probes,
+    run_sweep,
+    select_inputs,
+)
 from precision_convert.validation.probe.execute import resolve as resolve_inputs
 from precision_convert.validation.probe.inputs import input_candidates
 from precision_convert.validation.probe.parity import (
@@ -44,12 +72,48 @@ from precision_convert.validation.probe.parity import (
     recipe_validation,
     thresholds_for,
 )
+from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
+from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
 logger = logging.getLogger(__name__)
 
 #: Builds the plan with extra islands on top of the recipe's.
 PlanWith = Callable[[Iterable[Island]], ModelPlan]
+#: Candidate runs spent carrying near-limit tensors in fp32 (one island added per run), in all
+#: and per tensor: a tensor still carried in fp16 after that many islands is reported instead.
+WATCH_ROUNDS = 24
+WATCH_TRIES = 4
+#: Near-limit tensors named one by one in the warnings; the rest are counted.
+WATCH_WARNINGS = 12
+#: What became of a near-limit tensor (:attr:`Watched.outcome`).
+CARRIED = "carried in fp32"
+KEPT = "kept fp32 by an island"
+STILL_LOW = "still carried in fp16"
+UNCHECKED = "not checked"
+_NEAR = f"within {ACTIVATION_MARGIN:g}x of fp16's {FP16_MAX:g}"
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A tensor whose fp32 peak came near fp16's limit, and what the plan does about it."""
+
+    module: str
+    side: str  # "output" or "input"
+    kind: str  # "leaf", "container" or "function"
+    peak: float
+    outcome: str  # CARRIED, KEPT, STILL_LOW or UNCHECKED
+    islands: tuple[str, ...] = ()  # islands added for it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "side": self.side,
+            "kind": self.kind,
+            "peak": self.peak,
+            "outcome": self.outcome,
+            "islands": list(self.islands),
+        }
 
 
 @dataclass(frozen=True)
@@ -62,6 +126,9 @@ class Calibration:
     passed: bool | None  # the final candidate matched fp32 (None: not checked)
     task: str
     warnings: tuple[str, ...] = ()
+    #: Every module output (containers included) and weighted module input whose fp32 peak
+    #: came within the margin of fp16's limit, in execution order (``fp16-safe`` only).
+    near_limit: tuple[Watched, ...] = ()
 
 
 def calibrated_plan(
@@ -71,10 +138,26 @@ def calibrated_plan(
     *,
     search: bool = True,
     trust_remote_code: bool = False,
+    coverage: str = DEFAULT_LEVEL,
+    calibration_data: str | Path | CalibrationData | None = None,
+    component: str = "",
 ) -> tuple[ModelPlan, Calibration]:
-    """The plan for ``target`` with analysis islands, and the calibration behind it."""
+    """The plan for ``target`` with analysis islands, and the calibration behind it.
+
+    The fp32 model runs on the layout its builders choose plus the ``coverage`` level's sweep
+    (``quick``/``standard``/``thorough``, see :mod:`~precision_convert.validation.probe.sweep`)
+    plus the probes of ``calibration_data`` (text lines or JSONL model inputs; ``component``
+    names a pipeline's component, whose ``<component>/<argument>`` keys it takes and which
+    skips data meant for another).
+    """
     import torch
 
+    budget_for(coverage)  # an unknown level or unreadable data fails before the model loads
+    data = (
+        read_calibration_data(calibration_data)
+        if calibration_data is not None and not isinstance(calibration_data, CalibrationData)
+        else calibration_data
+    )
     base = plan_with(())
     fp32 = load_fp32(model.root, trust_remote_code=trust_remote_code).eval()
     simulate = torch.bfloat16 if target == "bf16-safe" else None
@@ -91,19 +174,26 @@ def calibrated_plan(
 
     tokenizer = tokenizer_for(model.root)
     chosen, baseline = select_inputs(fp32, input_candidates(fp32, seed=0, tokenizer=tokenizer), run)
+    # The chosen layout, then the coverage sweep and user data: one run records them all.
+    swept = SweepSettings(coverage, data).apply(
+        fp32, chosen, tokenizer=tokenizer, component=component, directory=model.root
+    )
+    chosen, baseline = run_sweep(fp32, chosen, swept, run, baseline)
     stats = recorded["stats"]
     frozen = resolve_inputs(chosen, baseline)
     gone = weakref.ref(fp32)
     del fp32
     free_model(gone)
 
-    existing = {i.name for i in base.islands}
+    existing = {i.name: i for i in base.islands}
     float_units = _float_units(base)
     ordered = _execution_order(float_units, stats)
     free = [u for u in ordered if u not in existing]
+    near = near_limit(stats) if target == "fp16-safe" else []
     if target == "fp16-safe":
         found = overflowing(stats, free)
         added = [Island(u, "range", f"calibration: {why}") for u, why in found.items()]
+        added += _range_from_watch(near, stats, existing, set(float_units), set(found))
     else:
         found = losing_precision(stats, free)
         added = [Island(u, "precision", f"calibration: {why}") for u, why in found.items()]
@@ -112,8 +202,14 @@ def calibrated_plan(
     task = str(validation.get("task", chosen.task))
     thresholds = thresholds_for(task, validation)
     evaluations, passed = 0, None
+    carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
     if search and target == "fp16-safe":
         with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
+            if near:
+                fixes, carried = _carry_in_fp32(
+                    model, plan_with, added, near, stats, Path(scratch), trust_remote_code, frozen
+                )
+                added += fixes
 
             def passes(extra: frozenset[str]) -> bool:
                 return _candidate_passes(
@@ -126,11 +222,13 @@ def calibrated_plan(
                     thresholds,
                 )
 
-            result = search_islands([u for u in free if u not in found], passes)
+            analysed = {i.name for i in added}
+            result = search_islands([u for u in free if u not in analysed], passes)
         evaluations, passed = result.evaluations, result.passed
         added += _searched(result.added)
         plan = plan_with(added)
-    warnings = list(plan.warnings)
+    watched = _watched(near, plan, carried)
+    warnings = list(plan.warnings) + _watch_warnings(watched)
     if passed is False:
         warnings.append(
             "even with every module in fp32 the fp16 candidate does not match fp32 "
@@ -141,8 +239,227 @@ def calibrated_plan(
             f"{plan.fp32_share:.0%} of the parameters stay fp32 (over {FP32_SHARE_LIMIT:.0%}): "
             "fp16-safe saves little here; bf16-safe is recommended"
         )
-    calibration = Calibration(stats, tuple(added), evaluations, passed, task, tuple(warnings))
+    calibration = Calibration(
+        stats, tuple(added), evaluations, passed, task, tuple(warnings), tuple(watched)
+    )
     return replace(plan, warnings=tuple(warnings)), calibration
+
+
+def _range_from_watch(
+    near: Sequence[NearLimit],
+    stats: dict[str, ActivationStats],
+    existing: dict[str, Island],
+    float_units: set[str],
+    overflowing_units: set[str],
+) -> list[Island]:
+    """Range islands that near-limit tensors of single modules call for, beyond the weighted
+    outputs :func:`overflowing` already found.
+
+    A precision island whose output comes near the limit is upgraded (the same name with
+    reason ``range`` outranks the recipe's ``precision`` in the plan), so the loader lets its
+    fp32 output flow instead of casting it back. A compute-dtype weighted module whose output
+    (a head tied to the embedding: its unit is the embedding) or input comes near the limit is
+    kept fp32 with reason ``range``: the loader casts a module's inputs to its own dtype, so in
+    fp16 it would overflow on what it receives.
+    """
+    out: dict[str, Island] = {}
+    for item in near:
+        unit = _unit_of(item.module, stats, float_units)
+        if item.kind != LEAF or unit is None or unit in overflowing_units:
+            continue
+        via = "" if unit == item.module else f" of {item.module}, which shares its weights,"
+        island = existing.get(unit)
+        if item.side == "output" and island is not None and island.reason == "precision":
+            rule = (
+                f"calibration: output{via} peaks at {item.peak:.4g} ({_NEAR}); "
+                f"was a precision island ({island.rule}): its fp32 output now flows on"
+            )
+        elif island is None:
+            rule = f"calibration: {item.side}{via} peaks at {item.peak:.4g} ({_NEAR})"
+            if item.side == "input":
+                rule += ": kept fp32 so that what it receives is not cast to fp16"
+        else:
+            continue
+        out.setdefault(unit, Island(unit, "range", rule))
+    return list(out.values())
+
+
+def _unit_of(module: str, stats: dict[str, ActivationStats], units: set[str]) -> str | None:
+    """The plan unit deciding ``module``'s dtype: itself, or the unit it shares weights with."""
+    if module in units:
+        return module
+    seen = stats.get(module)
+    return next((m for m in seen.shares_weights_with if m in units), None) if seen else None
+
+
+def _carry_in_fp32(
+    model: ModelSource,
+    plan_with: PlanWith,
+    islands: Sequence[Island],
+    near: Sequence[NearLimit],
+    stats: dict[str, ActivationStats],
+    scratch: Path,
+    trust_remote_code: bool,
+    inputs: Any,
+) -> tuple[list[Island], dict[tuple[str, str], tuple[str, tuple[str, ...]]]]:
+    """Range islands until the candidate carries every near-limit tensor in fp32.
+
+    Each round loads the candidate as users do and runs it under dtype hooks; the earliest
+    near-limit tensor still carried in fp16 gets one island (:func:`_fix_for`) and the
+    candidate is checked again. Returns the islands added and, per ``(module, side)``, its
+    outcome and the islands added for it.
+    """
+    fixes: list[Island] = []
+    outcome: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+    pending = {(n.module, n.side): n for n in near}
+    fixed_for: dict[tuple[str, str], list[str]] = {}
+    seen = _candidate_carriage(model, plan_with(islands), scratch, trust_remote_code, inputs)
+    rounds = 0
+    while seen is not None:
+        low = sorted((seen.low[key], key) for key in pending if key in seen.low)
+        if not low:
+            break
+        _, key = low[0]
+        plan = plan_with([*islands, *fixes])
+        tries = len(fixed_for.get(key, ()))
+        fix = rounds < WATCH_ROUNDS and tries < WATCH_TRIES
+        unit = _fix_for(pending[key], seen, plan, stats) if fix else None
+        if unit is None:
+            outcome[key] = (STILL_LOW, tuple(fixed_for.get(key, ())))
+            del pending[key]
+            continue
+        item = pending[key]
+        fixes.append(
+            Island(
+                unit,
+                "range",
+                f"calibration: {item.label} peaks at {item.peak:.4g} ({_NEAR}); "
+                "this island makes the candidate carry it in fp32",
+            )
+        )
+        fixed_for.setdefault(key, []).append(unit)
+        rounds += 1
+        seen = _candidate_carriage(
+            model, plan_with([*islands, *fixes]), scratch, trust_remote_code, inputs
+        )
+    for key in pending:
+        state = UNCHECKED if seen is None else CARRIED
+        outcome[key] = (state, tuple(fixed_for.get(key, ())))
+    return fixes, outcome
+
+
+def _fix_for(
+    item: NearLimit, seen: Carriage, plan: ModelPlan, stats: dict[str, ActivationStats]
+) -> str | None:
+    """The unit whose fp32 island should make the candidate carry ``item`` in fp32.
+
+    A weighted module's own output: its unit (the module, or the one it shares weights
+    with). A container's output (the stream it hands on):
+    the last weighted module in it that ran before the output was handed on and does not yet
+    let fp32 flow (for a residual block, the projection added into the stream last). What a
+    module receives, or a weightless module's output: the same, searched in the module's
+    parent, then further up.
+    """
+    flowing = {i.name for i in plan.islands if i.reason != "precision"}
+    units = {t.unit for t in plan.tensors if t.source.is_float} - flowing
+    event = seen.low[(item.module, item.side)]
+
+    def latest(scope: str) -> str | None:
+        ran = [
+            (seen.post[u], u)
+            for u in units
+            if u in seen.post and seen.post[u] < event and _within(u, scope)
+        ]
+        return max(ran)[1] if ran else None
+
+    own = _unit_of(item.module, stats, units) if item.kind == LEAF else None
+    if item.side == "output" and own is not None:
+        return own
+    if item.side == "output" and item.kind == CONTAINER:
+        found = latest(item.module)
+        if found is not None:
+            return found
+    scope = item.module
+    while scope:
+        scope = module_of(scope)
+        found = latest(scope)
+        if found is not None:
+            return found
+    return None
+
+
+def _within(name: str, scope: str) -> bool:
+    return not scope or name == scope or name.startswith(scope + ".")
+
+
+def _candidate_carriage(
+    model: ModelSource,
+    plan: ModelPlan,
+    scratch: Path,
+    trust_remote_code: bool,
+    inputs: Any,
+) -> Carriage | None:
+    """Write ``plan``, load it as a user would and record the dtypes it carries (None: the
+    candidate does not run)."""
+    import torch
+
+    directory = scratch / "candidate"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    write_model(model, plan, directory)
+    candidate = load(directory, trust_remote_code=trust_remote_code)
+    try:
+        with carriage(candidate) as seen, torch.no_grad():
+            run_probes(candidate, inputs, "cpu", plan.compute.torch)
+        return seen
+    except RUN_ERRORS as exc:
+        logger.info("candidate failed to run: %s", exc)
+        return None
+    finally:
+        gone = weakref.ref(candidate)
+        del candidate
+        free_model(gone)
+
+
+def _watched(
+    near: Sequence[NearLimit],
+    plan: ModelPlan,
+    carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]],
+) -> list[Watched]:
+    flowing = {i.name for i in plan.islands if i.reason != "precision"}
+    out: list[Watched] = []
+    for item in near:
+        state, fixes = carried.get((item.module, item.side), (UNCHECKED, ()))
+        if item.module in flowing and not fixes and state in (UNCHECKED, CARRIED):
+            state = KEPT  # the module is a flowing island itself
+        out.append(Watched(item.module, item.side, item.kind, item.peak, state, fixes))
+    return out
+
+
+def _watch_warnings(watched: Sequence[Watched]) -> list[str]:
+    """One warning per near-limit tensor (the first :data:`WATCH_WARNINGS`), naming the module,
+    its peak and what the plan does about it; the rest counted in one more."""
+    out: list[str] = []
+    for item in watched[:WATCH_WARNINGS]:
+        what = {
+            CARRIED: "the fp16-safe candidate carries it in fp32",
+            KEPT: "kept in fp32 (range island)",
+            STILL_LOW: "the fp16-safe candidate still carries it in fp16; use bf16-safe",
+            UNCHECKED: "not checked against a candidate",
+        }[item.outcome]
+        if item.islands:
+            what += f" (islands added: {', '.join(item.islands)})"
+        name = item.module or "<model>"
+        out.append(f"{name} ({item.kind}) {item.side} peaks at {item.peak:.4g}, {_NEAR}: {what}")
+    rest = watched[WATCH_WARNINGS:]
+    if rest:
+        low = sum(1 for w in rest if w.outcome == STILL_LOW)
+        out.append(
+            f"{len(rest)} more module inputs/outputs come {_NEAR} "
+            f"(highest {max(w.peak for w in rest):.4g}; {low} still carried in fp16); "
+            "see the calibration record"
+        )
+    return out
 
 
 def _searched(units: Iterable[str]) -> list[Island]:

@@ -69,6 +69,7 @@ class ComponentResult:
                 "islands_added": len(calibration.islands),
                 "search_evaluations": calibration.evaluations,
                 "candidate_matched_fp32": calibration.passed,
+                "near_limit": [w.to_json() for w in calibration.near_limit],
             },
         }
 

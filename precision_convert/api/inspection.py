@@ -86,6 +86,8 @@ class ComponentReport:
                 "task": self.calibration.task,
                 "fp16_limit": FP16_MAX,
                 "modules": self.nearest_to_limit(),
+                # Every output (containers, functional products) that came near the limit.
+                "near_limit": [w.to_json() for w in self.calibration.near_limit],
                 "chart": str(self.chart) if self.chart else None,
                 "warnings": list(self.calibration.warnings),
             }
