@@ -60,9 +60,22 @@ def _save(model: Any, path: Path) -> Path:
 
 
 def _overflowing(name: str) -> Any:
-    """A zoo model whose first weight layer is scaled x1e6: fine in fp32 and bf16, not fp16."""
+    """A zoo model whose first weight layer is scaled x1e6: fine in fp32 and bf16, not fp16.
+
+    In an encoder-decoder whose embedding is tied to the output head (BART), the embedding is
+    skipped: scaling it scales the logits to ~3e5, where bf16's rounding alone flips
+    near-tied tokens on the padded probe (an artifact of the test model, not a bf16 fault).
+    """
     model = make(name)
-    first = next(m for m in model.modules() if isinstance(m, _WEIGHT_LAYERS))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = (
+        head.weight
+        if head is not None and getattr(model.config, "is_encoder_decoder", False)
+        else None
+    )
+    first = next(
+        m for m in model.modules() if isinstance(m, _WEIGHT_LAYERS) and m.weight is not tied
+    )
     with torch.no_grad():
         first.weight.mul_(OVERFLOW)
     return model
@@ -274,7 +287,7 @@ def test_blockwise_peak_rss_stays_under_max_memory(tmp_path: Path) -> None:
         vocab_size=1024,
         hidden_size=256,
         intermediate_size=688,
-        num_hidden_layers=8,
+        num_hidden_layers=12,
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=64,
@@ -282,7 +295,9 @@ def test_blockwise_peak_rss_stays_under_max_memory(tmp_path: Path) -> None:
     )
     big = LlamaForCausalLM(config).eval()
     fp32_bytes = sum(p.numel() for p in big.parameters()) * 4
-    budget = 16_000_000  # a fixed ~7 MB (skeletons, allocator) plus one block fit in it
+    # A fixed ~7 MB (skeletons, allocator), one block, the kept activations and the sweep's
+    # probes (sized to a share of the budget) fit in it; the model is ~1.9x larger.
+    budget = 20_000_000
     assert fp32_bytes > 1.5 * budget
     _save(big, tmp_path / "src")
     _save(make("llama"), tmp_path / "warm-src")

@@ -55,6 +55,7 @@ from precision_convert.validation.probe.execute import (
     Outputs,
     flatten,
     run_probes,
+    run_sweep,
     select_inputs,
 )
 from precision_convert.validation.probe.execute import resolve as resolve_inputs
@@ -69,6 +70,8 @@ from precision_convert.validation.probe.parity import (
     recipe_validation,
     thresholds_for,
 )
+from precision_convert.validation.probe.sweep import SweepSettings
+from precision_convert.validation.probe.tokenizers import tokenizer_for
 
 #: Share of the budget one block's fp32 weights may take: the rest holds the read buffer, the
 #: block's activations, the kept baseline activations and allocator slack.
@@ -270,6 +273,7 @@ def validate_blockwise(
     device: torch.device,
     budget: int,
     supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings | None = None,
 ) -> ComponentResult:
     """Compare ``component`` with its baseline holding one block's weights at a time."""
     base_source = open_source(component.baseline_dir)
@@ -291,22 +295,33 @@ def validate_blockwise(
             with coverage.track(model):
                 return run_probes(model, inputs, device, torch.float32)
 
+        tokenizer = tokenizer_for(component.converted.root)
         if supplied is not None:
             candidates = iter([inputs_from_tensors(baseline, supplied, seed=SEED)])
         else:
-            candidates = input_candidates(baseline, seed=SEED)
+            candidates = input_candidates(baseline, seed=SEED, tokenizer=tokenizer)
         with base_pass.installed():
             chosen, base_out = select_inputs(baseline, candidates, run)
+            # The sweep runs in the same pass: every probe's block activations are kept.
+            swept = (sweep_for or SweepSettings()).apply(
+                baseline,
+                chosen,
+                tokenizer=tokenizer,
+                component=component.name,
+                directory=component.converted.root,
+                memory=budget,  # probes sized so one forward fits next to one block
+            )
+            swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
         check_baseline(
             base_out,
             component,
             " (block-wise: the model reads a weight outside the "
             "module that owns it; validate where it fits in memory)",
         )
-        frozen = resolve_inputs(chosen, base_out)
+        frozen = resolve_inputs(swept, base_out)
 
         record, thresholds = component_record(
-            component, chosen.task, frozen, "blockwise", blocks=len(blocks)
+            component, chosen.task, swept, "blockwise", blocks=len(blocks)
         )
         block_thresholds = thresholds_for("block", recipe_validation(record.recipe))
         metrics = measure(

@@ -7,9 +7,15 @@ loader users get, with its boundary hooks. A model whose fp32 copy does not fit 
 budget is compared block by block instead (:mod:`.blockwise`). A diffusers pipeline is
 validated component by component, then end to end with a short seeded run.
 
+After ``pc.load``, the candidate is loaded every other way a user would (the library's plain
+``from_pretrained``, ``dtype="auto"``, the explicit compute dtype; :mod:`.load_paths`), one
+model at a time, on the same probes; the verdict is ``pass`` only when ``pc.load`` and the
+plain default load both pass.
+
 The certificate and the model card are written into the converted directory whatever the
-verdict, so a user can see why a conversion failed; only a model that cannot be fed at all
-(:class:`~precision_convert.errors.CannotValidateError`) leaves no certificate.
+verdict, so a user can see why a conversion failed; a model that cannot be fed at all
+(:class:`~precision_convert.errors.CannotValidateError`) still gets a failing certificate that
+says what is missing, and the error is raised as before.
 """
 
 from __future__ import annotations
@@ -48,11 +54,19 @@ from precision_convert.validation.certify.components import (
     check_baseline,
     component_record,
 )
+from precision_convert.validation.certify.load_paths import (
+    blockwise_paths,
+    check_model,
+    check_pipeline,
+    failure_lines,
+    skipped_pipeline,
+)
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,
     Outputs,
     run_probes,
+    run_sweep,
     select_inputs,
 )
 from precision_convert.validation.probe.execute import resolve as resolve_inputs
@@ -64,7 +78,9 @@ from precision_convert.validation.probe.inputs import (
 )
 from precision_convert.validation.probe.metrics import METRICS, Measurement, measure
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
+from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
+from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
 __all__ = ["parse_memory", "thresholds_for", "validate"]
 
@@ -93,6 +109,8 @@ def validate(
     *,
     inputs: str | Path | Mapping[str, torch.Tensor] | None = None,
     max_memory: str | int | None = None,
+    coverage: str = DEFAULT_LEVEL,
+    calibration_data: str | Path | CalibrationData | None = None,
 ) -> Certificate:
     """Certify ``converted`` against its fp32 baseline and write the certificate and card.
 
@@ -106,29 +124,55 @@ def validate(
             inputs; for a pipeline, names are ``<component>/<argument>``.
         max_memory: memory budget ("8GB", "512MiB" or bytes). A model whose fp32 copy does not
             fit is compared block by block, one block resident at a time.
+        coverage: how much of the input space the probes sweep: ``"quick"``, ``"standard"``
+            (default: every vocabulary id, lengths to 2048, timestep quartiles with the first
+            step) or ``"thorough"`` (full position range, every timestep decile); see
+            :data:`~precision_convert.validation.probe.sweep.BUDGETS`.
+        calibration_data: a file of text lines or JSONL model inputs whose probes are added
+            to the sweep (see :mod:`~precision_convert.validation.probe.userdata`).
 
     Returns:
         The :class:`Certificate` (also written to ``precision_certificate.json``).
 
     Raises:
-        InputError: ``converted`` or ``baseline`` is not a usable directory.
-        CannotValidateError: no inputs could be built for a model; pass ``inputs``.
+        InputError: ``converted`` or ``baseline`` is not a usable directory; an unknown
+            coverage level; unreadable or malformed calibration data.
+        CannotValidateError: no inputs could be built for a model; pass ``inputs``. A failing
+            certificate and card saying so are written first.
     """
     root = Path(converted)
     if not root.is_dir():
         raise InputError("no such directory: validate takes a converted model directory", root)
+    budget_for(coverage)  # an unknown level fails before anything runs
+    data = (
+        read_calibration_data(calibration_data)
+        if calibration_data is not None and not isinstance(calibration_data, CalibrationData)
+        else calibration_data
+    )
     opened = open_source(root)
     source = source_info(baseline, root)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = _read_inputs(inputs)
     components = _components(opened, source)
-    results = [
-        _validate_component(c, target_device, budget, _inputs_for(supplied, c.name, opened))
-        for c in components
-    ]
-    if isinstance(opened, PipelineSource):
-        results.append(_validate_pipeline(opened, source, results, target_device))
+    sweep_for = SweepSettings(coverage, data)
+    results: list[ComponentResult] = []
+    try:
+        for c in components:
+            supplied_here = _inputs_for(supplied, c.name, opened)
+            results.append(_validate_component(c, target_device, budget, supplied_here, sweep_for))
+        if isinstance(opened, PipelineSource):
+            results.append(_validate_pipeline(opened, source, results, target_device))
+    except CannotValidateError as exc:
+        # Nothing is left half-explained: the output still gets a failing certificate and card
+        # that say what is missing and how to supply it; the error still reaches the caller.
+        results += _not_run(opened, components, results)
+        certificate = _certificate(
+            root, source, components, results, target_device, max_memory, cannot=exc
+        )
+        write(certificate, root)
+        write_card(certificate, root)
+        raise
     certificate = _certificate(root, source, components, results, target_device, max_memory)
     write(certificate, root)
     write_card(certificate, root)
@@ -243,24 +287,29 @@ def _validate_component(
     device: torch.device,
     budget: int,
     supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings,
 ) -> ComponentResult:
     if component.fp32_bytes * WHOLE_MODEL_HEADROOM > budget:
-        return validate_blockwise(component, device, budget, supplied)
-    return _validate_whole(component, device, supplied)
+        result = validate_blockwise(component, device, budget, supplied, sweep_for)
+        result.load_paths = blockwise_paths(component, result.metrics, result.errors)
+        return result
+    return _validate_whole(component, device, supplied, sweep_for)
 
 
 def _validate_whole(
-    component: Component, device: torch.device, supplied: Mapping[str, torch.Tensor] | None
+    component: Component,
+    device: torch.device,
+    supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings,
 ) -> ComponentResult:
     baseline = load_fp32(component.baseline_dir).to(device).eval()
+    tokenizer = tokenizer_for(component.converted.root)
     if supplied is not None:
         candidates: Iterable[ModelInputs] = iter(
             [inputs_from_tensors(baseline, supplied, seed=SEED)]
         )
     else:
-        candidates = input_candidates(
-            baseline, seed=SEED, tokenizer=tokenizer_for(component.converted.root)
-        )
+        candidates = input_candidates(baseline, seed=SEED, tokenizer=tokenizer)
     coverage = Coverage()
 
     def run(model: Any, inputs: ModelInputs) -> Outputs:
@@ -268,29 +317,40 @@ def _validate_whole(
             return run_probes(model, inputs, device, torch.float32)
 
     chosen, base_out = select_inputs(baseline, iter(candidates), run)
+    # The layout's probe first (outputs reused), then what the coverage level sweeps.
+    swept = sweep_for.apply(
+        baseline,
+        chosen,
+        tokenizer=tokenizer,
+        component=component.name,
+        directory=component.converted.root,
+    )
+    swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
     check_baseline(base_out, component)
-    frozen = resolve_inputs(chosen, base_out)
+    frozen = resolve_inputs(swept, base_out)
     # The candidate generator holds the model too: both must go before the candidate loads.
     gone = weakref.ref(baseline)
     del baseline, candidates
     free_model(gone, device)
 
-    record, thresholds = component_record(component, chosen.task, frozen, "whole")
+    record, thresholds = component_record(component, chosen.task, swept, "whole")
     metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
+    errors: list[str] = []
+    candidate: Any = None
     try:
         candidate = load(component.converted.root, device=device)
         cand_out = run_probes(candidate, frozen, device, component.compute_dtype)
+        metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
     except RUN_ERRORS as exc:
-        return ComponentResult(
-            record,
-            metrics,
-            [f"{component.name or 'model'}: the converted model failed to run: {_first_line(exc)}"],
-        )
-    gone = weakref.ref(candidate)
-    del candidate
-    free_model(gone, device)
-    metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
-    return ComponentResult(record, metrics, [])
+        name = component.name or "model"
+        errors.append(f"{name}: the converted model failed to run: {_first_line(exc)}")
+    finally:  # gone before the library's own loads come in, one at a time
+        gone = weakref.ref(candidate) if candidate is not None else None
+        candidate = None
+        if gone is not None:
+            free_model(gone, device)
+    paths = check_model(component, frozen, base_out, thresholds, device, metrics, errors)
+    return ComponentResult(record, metrics, errors, paths)
 
 
 def _validate_pipeline(
@@ -309,7 +369,7 @@ def _validate_pipeline(
     if any(p.record.mode == "blockwise" for p in parts):
         note = "end-to-end run skipped: a component only fits in memory block by block"
         record.inputs = {"skipped": note}
-        return ComponentResult(record, [], [])
+        return ComponentResult(record, [], [], skipped_pipeline(opened, note))
     baseline = load_fp32(source.path).to(device)
     inputs = pipeline_inputs(baseline, seed=SEED)
     record.inputs = inputs.describe()
@@ -323,19 +383,22 @@ def _validate_pipeline(
     gone = weakref.ref(baseline)
     del baseline
     free_model(gone, device)
+    metrics: list[Measurement] = []
+    errors: list[str] = []
+    candidate: Any = None
     try:
         candidate = load(opened.root, device=device)
         cand_out = run_probes(candidate, inputs, device)
+        metrics = compare_outputs("pipeline", inputs, base_out, cand_out, thresholds)
     except RUN_ERRORS as exc:
-        return ComponentResult(
-            record, [], [f"pipeline: the converted pipeline failed to run: {_first_line(exc)}"]
-        )
-    gone = weakref.ref(candidate)
-    del candidate
-    free_model(gone, device)
-    return ComponentResult(
-        record, compare_outputs("pipeline", inputs, base_out, cand_out, thresholds), []
-    )
+        errors.append(f"pipeline: the converted pipeline failed to run: {_first_line(exc)}")
+    finally:  # gone before diffusers' own loads come in, one at a time
+        gone = weakref.ref(candidate) if candidate is not None else None
+        candidate = None
+        if gone is not None:
+            free_model(gone, device)
+    paths = check_pipeline(opened, inputs, base_out, thresholds, device, metrics, errors)
+    return ComponentResult(record, metrics, errors, paths)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -411,9 +474,15 @@ def _certificate(
     results: list[ComponentResult],
     device: torch.device,
     max_memory: str | int | None,
+    *,
+    cannot: CannotValidateError | None = None,
 ) -> Certificate:
     metrics = [m for r in results for m in r.metrics]
+    paths = [p for r in results for p in r.load_paths]
     failures = [e for r in results for e in r.errors] + _failure_lines(metrics)
+    failures += failure_lines(paths)  # the plain default load decides too
+    if cannot is not None:
+        failures = [*_cannot_validate_lines(cannot), *failures]
     records = {c.record.get("target") for c in components} - {None}
     compute = {c.record.get("compute_dtype") for c in components} - {None}
     source_files = _source_files(source)
@@ -434,6 +503,7 @@ def _certificate(
             "revision": source.revision,
             "path": str(source.path.absolute()),
             "files": source_files,
+            "card": source_card_data(source.path),
         },
         baseline={"dtype": "float32", "kind": source.kind},
         device=_device_record(device, max_memory, {r.record.mode for r in results}),
@@ -444,7 +514,73 @@ def _certificate(
         files=hash_files(root),
         notes=notes,
         tool={"name": "precision-convert", "version": __version__},
+        load_paths=paths,
     )
+
+
+def _not_run(
+    opened: ModelSource | PipelineSource,
+    components: list[Component],
+    results: list[ComponentResult],
+) -> list[ComponentResult]:
+    """Records of what validation never reached, for the certificate of a run that stopped."""
+    done = {r.record.name for r in results}
+    missing = [
+        ComponentRecord(
+            name=c.name,
+            class_name=c.converted.class_name,
+            library=c.converted.library,
+            task="unknown",
+            mode="not-run",
+            recipe=c.record.get("recipe"),
+            plan_sha256=c.record.get("plan_sha256"),
+        )
+        for c in components
+        if c.name not in done
+    ]
+    if isinstance(opened, PipelineSource) and "pipeline" not in done:
+        missing.append(
+            ComponentRecord(
+                name="pipeline",
+                class_name=opened.model_index.get("_class_name"),
+                library="diffusers",
+                task="pipeline",
+                mode="not-run",
+            )
+        )
+    return [ComponentResult(record, [], []) for record in missing]
+
+
+def _cannot_validate_lines(exc: CannotValidateError) -> list[str]:
+    """Why validation could not run, and how to give it what it needs."""
+    how = (
+        "validation could not run, so nothing was compared; to certify, give it what is "
+        "missing: `precision-convert validate DIR --baseline SOURCE --inputs FILE`, FILE a "
+        "safetensors file of named tensors, one per argument the model's forward needs "
+        "(for a pipeline: `<component>/<argument>`)"
+    )
+    if "trust-remote-code" in str(exc):
+        how += ", or trust the model's own code (--trust-remote-code) so it can be built"
+    return [str(exc), how]
+
+
+#: Fields of the source's own model card that a converted copy inherits (Hub metadata).
+INHERITED_CARD_FIELDS = ("license", "pipeline_tag", "library_name")
+
+
+def source_card_data(path: Path) -> dict[str, Any]:
+    """The source card's license, pipeline tag and library, kept in the certificate so the
+    converted card stays a pure function of it. Empty when the source has no readable card."""
+    card = path / "README.md"
+    if not card.is_file():
+        return {}
+    from huggingface_hub import ModelCard
+
+    try:
+        data = ModelCard.load(card).data.to_dict()
+    except (OSError, ValueError, TypeError):
+        return {}
+    return {k: data[k] for k in INHERITED_CARD_FIELDS if isinstance(data.get(k), str)}
 
 
 def _source_files(source: SourceInfo) -> dict[str, str]:

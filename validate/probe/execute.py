@@ -8,6 +8,7 @@ that produced them can be freed before the next one is loaded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -18,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
-from precision_convert.errors import CannotValidateError
+from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.validation.probe.inputs import (
     FromOutput,
     ModelInputs,
@@ -26,6 +27,7 @@ from precision_convert.validation.probe.inputs import (
     Seeded,
     input_candidates,
 )
+from precision_convert.validation.probe.sweep import sweep
 
 #: Output fields that are caches or bookkeeping, not results: never compared.
 _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_detected"})
@@ -38,21 +40,22 @@ Outputs = dict[str, dict[str, torch.Tensor]]
 RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
 
 
-def flatten(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every floating tensor in ``value``, keyed by its dotted path, detached onto the CPU."""
+def flatten(value: Any, prefix: str = "", *, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Every floating tensor in ``value``, keyed by its dotted path, detached (onto the CPU
+    unless ``cpu`` is false)."""
     out: dict[str, torch.Tensor] = {}
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            out[prefix or "output"] = value.detach().to("cpu")
+            out[prefix or "output"] = value.detach().to("cpu") if cpu else value.detach()
     elif type(value).__module__ == "numpy" and hasattr(value, "dtype"):  # pipelines' "np" output
-        out.update(flatten(torch.as_tensor(value), prefix))
+        out.update(flatten(torch.as_tensor(value), prefix, cpu=cpu))
     elif isinstance(value, Mapping):
         for key, item in value.items():
             if key not in _SKIP_OUTPUTS:
-                out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+                out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key), cpu=cpu))
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            out.update(flatten(item, f"{prefix}.{i}" if prefix else str(i)))
+            out.update(flatten(item, f"{prefix}.{i}" if prefix else str(i), cpu=cpu))
     elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module):
         # Plain result objects such as diffusers' DiagonalGaussianDistribution. A distribution
         # also caches views and transforms of its parameters (std, var): compare only what
@@ -62,7 +65,7 @@ def flatten(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         for key in keys:
             item = fields[key]
             if not key.startswith("_") and isinstance(item, torch.Tensor):
-                out.update(flatten(item, f"{prefix}.{key}" if prefix else key))
+                out.update(flatten(item, f"{prefix}.{key}" if prefix else key, cpu=cpu))
     return out
 
 
@@ -114,7 +117,55 @@ def call_probe(
     method = model if probe.method == "forward" else getattr(model, probe.method)
     with torch.no_grad():
         result = method(**kwargs)
-    return flatten(result)
+    if probe.max_output is None and probe.positions is None:
+        return flatten(result)
+    kept = flatten(result, cpu=False)
+    if probe.positions is not None:
+        kept = padding_excluded(kept, probe.positions)
+    if probe.max_output is not None:
+        # Summarized where the outputs are (a GPU's logits never travel whole to the CPU).
+        kept = summarize(kept, probe.max_output)
+    return {name: tensor.to("cpu") for name, tensor in kept.items()}
+
+
+def padding_excluded(
+    outputs: Mapping[str, torch.Tensor], positions: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Outputs shaped (batch, length, ...) like ``positions`` zeroed where it is False.
+
+    Padded positions compute garbage that no caller reads (and that can differ wildly between
+    precisions); a NaN there that leaks into real positions still shows at those.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in outputs.items():
+        if tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(positions.shape):
+            keep = positions.to(tensor.device).reshape(*positions.shape, *[1] * (tensor.dim() - 2))
+            tensor = tensor.masked_fill(~keep, 0)
+        out[name] = tensor
+    return out
+
+
+def summarize(outputs: Mapping[str, torch.Tensor], limit: int) -> dict[str, torch.Tensor]:
+    """Outputs over ``limit`` elements as a strided sample of their rows plus each row's RMS.
+
+    A sweep over a whole vocabulary would otherwise keep logits of every token (tens of GB
+    for a 128k vocabulary). The sample keeps the full per-row metrics (top-1, KL) on evenly
+    spread rows; ``<name>.rms`` (per row, over the last dimension, accumulated in float32 so an
+    fp16 candidate's squares cannot overflow) keeps NaN/Inf and magnitude errors of every row
+    visible. Baseline and candidate run the same probe, so both are summarized alike.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in outputs.items():
+        if tensor.numel() <= limit or tensor.dim() < 2:
+            out[name] = tensor
+            continue
+        width = tensor.shape[-1]
+        rows = tensor.reshape(-1, width)
+        stride = max(1, -(-tensor.numel() // limit))
+        out[name] = rows[::stride].clone()
+        norm = torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
+        out[f"{name}.rms"] = (norm / math.sqrt(width)).reshape(tensor.shape[:-1])
+    return out
 
 
 def run_probes(
@@ -136,11 +187,18 @@ def resolve_partial(inputs: ModelInputs, outputs: Outputs) -> Any:
         yield resolve(replace(inputs, probes=(probe,)), outputs).probes[0]
 
 
-def build_inputs(model: Any, *, seed: int = 0, tokenizer: Any | None = None) -> ModelInputs:
+def build_inputs(
+    model: Any,
+    *,
+    seed: int = 0,
+    tokenizer: Any | None = None,
+    coverage: str | None = None,
+) -> ModelInputs:
     """The seeded inputs ``model`` accepts (tries the candidates on it when there are several).
 
     Reusable outside validation (activation analysis): give it any transformers, diffusers or
-    OpenCLIP model, get inputs that exercise it.
+    OpenCLIP model, get inputs that exercise it. With ``coverage`` (``quick``, ``standard``,
+    ``thorough``) the chosen layout is followed by that level's sweep (:mod:`.sweep`).
 
     Raises:
         CannotValidateError: no candidate runs; the message carries the model's last error.
@@ -148,7 +206,93 @@ def build_inputs(model: Any, *, seed: int = 0, tokenizer: Any | None = None) -> 
     inputs, _ = select_inputs(
         model, input_candidates(model, seed=seed, tokenizer=tokenizer), run_probes
     )
-    return inputs
+    if coverage is None:
+        return inputs
+    return sweep(model, inputs, coverage, tokenizer)
+
+
+def run_sweep(
+    model: Any,
+    chosen: ModelInputs,
+    full: ModelInputs,
+    run: Callable[[Any, ModelInputs], Outputs],
+    outputs: Outputs | None = None,
+) -> tuple[ModelInputs, Outputs]:
+    """Run ``full`` (``chosen``'s probes first, then a sweep) with ``run`` in one call.
+
+    One call, so whatever ``run`` records (parameter coverage, block activations, calibration
+    statistics) spans every probe. A sweep probe the model rejects, or on which the fp32 model
+    itself is not finite (nothing to compare against), is dropped with a note, and the kept
+    probes run again; the chosen probes are never dropped (a non-finite baseline there is the
+    caller's to report). ``outputs``: the chosen probes' outputs from the last ``run``, reused
+    when the sweep adds nothing.
+    """
+    chosen_names = {p.name for p in chosen.probes}
+    if all(p.name in chosen_names for p in full.probes):
+        return full, outputs if outputs is not None else run(model, full)
+    try:
+        found: Outputs | None = run(model, full)
+    except RUN_ERRORS:
+        found = None
+    if found is not None and not _nonfinite(found, chosen_names):
+        return full, found
+    kept: list[Probe] = []
+    notes: list[str] = []
+    for group in _groups(full, chosen_names):
+        trial = replace(full, probes=(*chosen.probes, *group))
+        try:
+            tried = run(model, trial)
+        except RUN_ERRORS as exc:
+            text = str(exc).strip()
+            why = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            _refuse_user_data(group[0], why)
+            notes.append(f"probe {group[0].name} skipped: the fp32 model rejects it ({why})")
+            continue
+        if _nonfinite(tried, chosen_names):
+            notes.append(
+                f"probe {group[0].name} skipped: the fp32 model's own output is not finite there"
+            )
+            continue
+        kept.extend(group)
+    inputs = replace(full, probes=(*chosen.probes, *kept), notes=(*full.notes, *notes))
+    return inputs, run(model, inputs)
+
+
+def _refuse_user_data(probe: Probe, why: str) -> None:
+    """User data the model cannot take is the user's to fix: say which line, do not skip it."""
+    kind = str(probe.sweep.get("kind", ""))
+    if kind.startswith("user"):
+        where = probe.sweep.get("line") or probe.sweep.get("lines")
+        raise InputError(
+            f"--calibration-data: the model rejects the sample(s) at line {where} ({why})",
+            probe.sweep.get("file"),
+        )
+
+
+def _nonfinite(outputs: Outputs, skip: set[str]) -> list[str]:
+    return [
+        probe
+        for probe, tensors in outputs.items()
+        if probe not in skip and any(not torch.isfinite(t).all() for t in tensors.values())
+    ]
+
+
+def _groups(inputs: ModelInputs, chosen: set[str]) -> list[list[Probe]]:
+    """Sweep probes in order, each with the sweep probes it reads outputs from."""
+    groups: list[list[Probe]] = []
+    home: dict[str, int] = {}
+    for probe in inputs.probes:
+        if probe.name in chosen:
+            continue
+        refs = {v.probe for v in probe.kwargs.values() if isinstance(v, FromOutput)}
+        owner = next((home[r] for r in refs if r in home), None)
+        if owner is None:
+            groups.append([probe])
+            owner = len(groups) - 1
+        else:
+            groups[owner].append(probe)
+        home[probe.name] = owner
+    return groups
 
 
 def select_inputs(

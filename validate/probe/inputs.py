@@ -20,12 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -90,6 +91,15 @@ class Probe:
     kwargs: Mapping[str, Any]
     #: Outputs are decoded images or frames: PSNR and constant-frame checks apply.
     images: bool = False
+    #: How a sweep made this probe (kind, seed, ids, lengths, timesteps): the certificate's
+    #: recipe for replaying it. Empty for the layout probe every model starts from.
+    sweep: Mapping[str, Any] = field(default_factory=dict)
+    #: Outputs with more elements than this are kept as a strided sample of their rows plus
+    #: every row's RMS (:func:`~.execute.summarize`); None keeps them whole.
+    max_output: int | None = None
+    #: (batch, length) bool of the real token positions of a padded batch: outputs shaped
+    #: (batch, length, ...) are compared there only — no caller reads a padded position.
+    positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -101,23 +111,66 @@ class ModelInputs:
     seed: int
     origin: str = "builder"  # "builder", "tokenizer" (real sentences) or "file" (--inputs)
     notes: tuple[str, ...] = field(default=())
+    #: Index of this layout among :func:`input_candidates` (what a replay rebuilds first).
+    layout: int = 0
+    #: The coverage level whose sweep added probes (None: no sweep ran).
+    coverage: str | None = None
+    #: Bytes the sweep's probes were fitted to (block-wise validation), None when unbounded.
+    memory: int | None = None
 
     def describe(self) -> dict[str, Any]:
-        """Shapes, dtypes and seed of every input, as the certificate records them."""
+        """Every probe precisely enough to replay it, as the certificate records it.
+
+        Per probe: its method, how the sweep made it (seeds, ids, lengths, timesteps), and per
+        argument its shape, dtype and sha256 (small tensors — timesteps, short id rows — also
+        inline). :func:`~.sweep.replay` rebuilds the probes from this and checks the digests.
+        """
         return {
             "task": self.task,
             "seed": self.seed,
             "origin": self.origin,
-            "probes": {
-                p.name: {"method": p.method, "args": _describe(p.kwargs)} for p in self.probes
-            },
+            "layout": self.layout,
+            **({"coverage": self.coverage} if self.coverage else {}),
+            **({"memory_budget": self.memory} if self.memory else {}),
+            "probes": {p.name: _describe_probe(p) for p in self.probes},
             **({"notes": list(self.notes)} if self.notes else {}),
         }
 
 
+def _describe_probe(probe: Probe) -> dict[str, Any]:
+    record: dict[str, Any] = {"method": probe.method}
+    if probe.sweep:
+        record["sweep"] = _describe(dict(probe.sweep))
+    if probe.max_output is not None:
+        record["max_output_elements"] = probe.max_output
+    if probe.positions is not None:
+        record["compared_positions"] = "real tokens only (padding excluded)"
+    record["args"] = _describe(probe.kwargs)
+    return record
+
+
+#: Tensors up to this many elements are recorded inline too: timesteps, labels, short id rows.
+INLINE_FLOATS = 16
+INLINE_INTEGERS = 256
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (C order, its own dtype): replays are checked against it."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        record: dict[str, Any] = {
+            "shape": list(value.shape),
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "sha256": tensor_digest(value),
+        }
+        inline = INLINE_FLOATS if value.is_floating_point() else INLINE_INTEGERS
+        if value.numel() <= inline:
+            record["values"] = value.tolist()
+        return record
     if isinstance(value, FromOutput):
         return {"from_probe": value.probe, "output": value.output}
     if isinstance(value, Seeded):
@@ -636,7 +689,8 @@ def input_candidates(
             f"cannot validate {type(model).__name__}: no input builder for this model; "
             "pass --inputs"
         )
-    yield from itertools.islice(found, MAX_CANDIDATES)
+    for index, inputs in enumerate(itertools.islice(found, MAX_CANDIDATES)):
+        yield replace(inputs, layout=index)
 
 
 def inputs_from_tensors(
