@@ -474,3 +474,22 @@ def test_calibration_data_errors_against_the_model(tmp_path: Path) -> None:
     full = sweep(model, chosen, "quick", data=read_calibration_data(rejected))
     with pytest.raises(InputError, match=r"rejected\.jsonl.*line 1"):
         run_sweep(model, chosen, full, run_probes)
+
+
+def test_cli_checks_coverage_and_calibration_data_before_any_work(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from precision_convert.cli.main import app
+
+    source = str(tiny_model("t5-encoder"))
+    out = tmp_path / "out"
+    bad_level = CliRunner().invoke(app, ["model", source, "--to", "bf16", "-o", str(out),
+                                         "--coverage", "bogus"])  # fmt: skip
+    assert bad_level.exit_code == 2 and "unknown coverage level 'bogus'" in bad_level.stderr
+    data = str(tmp_path / "none.txt")
+    missing = CliRunner().invoke(app, ["model", source, "--to", "bf16", "-o", str(out),
+                                       "--calibration-data", data])  # fmt: skip
+    assert missing.exit_code == 2 and "none.txt" in missing.stderr
+    assert not out.exists()  # refused before anything was written

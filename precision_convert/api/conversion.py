@@ -38,6 +38,7 @@ from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
     from precision_convert.conversion.analysis.calibration import Calibration
+    from precision_convert.validation.probe.userdata import CalibrationData
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ def plan_model(
     normalization: Iterable[str] | None = None,
     ranges: Mapping[str, RangeStats] | None = None,
     pool: BufferPool | None = None,
+    coverage: str | None = None,
+    calibration_data: str | Path | CalibrationData | None = None,
+    component: str = "",
 ) -> tuple[ModelPlan, Calibration | None]:
     """The dtype plan for one model, reading weight data only where fp16 ranges matter.
 
@@ -163,10 +167,18 @@ def plan_model(
     if not (calibrate and safe):
         return plan_with(()), None
     from precision_convert.conversion.analysis.calibration import calibrated_plan
+    from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
     try:
         return calibrated_plan(
-            model, target, plan_with, search=search, trust_remote_code=trust_remote_code
+            model,
+            target,
+            plan_with,
+            search=search,
+            trust_remote_code=trust_remote_code,
+            coverage=coverage or DEFAULT_LEVEL,
+            calibration_data=calibration_data,
+            component=component,
         )
     except CannotValidateError as exc:
         plan = plan_with(())
@@ -188,6 +200,9 @@ def convert(
     trust_remote_code: bool = False,
     on_progress: ProgressHook | None = None,
     hub_timeout: float | None = None,
+    coverage: str | None = None,
+    calibration_data: str | Path | None = None,
+    inputs: str | Path | None = None,
 ) -> ConversionResult:
     """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
 
@@ -201,6 +216,11 @@ def convert(
         calibrate: run the model in fp32 to find islands the recipe does not name (and, for
             fp16-safe, check and search); default on for ``fp16-safe`` only, where range
             matters; on for ``bf16-safe`` it looks for layers that lose their mantissa.
+        coverage: the probe budget of calibration and validation: ``quick``, ``standard``
+            (default) or ``thorough``.
+        calibration_data: text lines or JSONL of model inputs, added to the probes of
+            calibration and validation.
+        inputs: a safetensors file of named inputs that replaces validation's probes.
         hub_timeout: seconds a Hub download may wait for metadata (see
             :func:`~precision_convert.conversion.io.source.resolve`); default: the
             huggingface_hub settings.
@@ -213,6 +233,7 @@ def convert(
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
     check_target(to)
+    data = read_user_data(calibration_data, coverage)
     root = resolve(source, revision, timeout=hub_timeout)
     target_dir = Path(output) if output is not None else default_output(source, to)
     staged = StagedOutput(target_dir, overwrite=overwrite)
@@ -237,6 +258,9 @@ def convert(
                 trust_remote_code=trust_remote_code,
                 calibrate=calibrate,
                 pool=io.reads,
+                coverage=coverage,
+                calibration_data=data,
+                component=name,
             )
             for name, model in models.items()
         }
@@ -260,8 +284,29 @@ def convert(
     if validate:
         from precision_convert.validation.certify.runner import validate as run_validation
 
-        result.certificate = run_validation(target_dir, baseline=root, device=device)
+        result.certificate = run_validation(
+            target_dir,
+            baseline=root,
+            device=device,
+            inputs=inputs,
+            coverage=coverage or "standard",
+            calibration_data=data,
+        )
     return result
+
+
+def read_user_data(path: str | Path | None, coverage: str | None) -> CalibrationData | None:
+    """Check ``--coverage`` and read ``--calibration-data`` before any work: bad input exits
+    2 with nothing written."""
+    if coverage is not None:
+        from precision_convert.validation.probe.sweep import budget_for
+
+        budget_for(coverage)
+    if path is None:
+        return None
+    from precision_convert.validation.probe.userdata import read_calibration_data
+
+    return read_calibration_data(path)
 
 
 def _models(opened: Source) -> dict[str, ModelSource]:

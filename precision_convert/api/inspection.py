@@ -124,6 +124,8 @@ def inspect_source(
     trust_remote_code: bool = False,
     calibrate: bool = False,
     chart: str | Path | None = None,
+    coverage: str | None = None,
+    calibration_data: str | Path | None = None,
 ) -> InspectReport:
     """Read headers and weights of ``source`` and report dtypes, hazards and planned islands.
 
@@ -132,6 +134,9 @@ def inspect_source(
     drawn to ``chart`` (default ``./<source-name>-activations.png``; one per pipeline
     component, suffixed with its name).
     """
+    from precision_convert.api.conversion import read_user_data
+
+    probes = _Probes(coverage, read_user_data(calibration_data, coverage))
     opened = open_source(resolve(source, revision))
     models = dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
     base = Path(chart) if chart else Path.cwd() / f"{Path(str(source)).name}-activations.png"
@@ -145,6 +150,7 @@ def inspect_source(
                 chart=(base.with_stem(f"{base.stem}-{name}") if name else base)
                 if calibrate
                 else None,
+                probes=probes,
             )
             for name, model in models.items()
         ],
@@ -158,6 +164,7 @@ def _calibrate(
     trust_remote_code: bool,
     norms: set[str],
     ranges: dict[str, RangeStats],
+    probes: _Probes,
 ) -> None:
     """Run the fp16-safe calibration (no search) and draw its chart; reuses the norms and
     weight ranges the report already found."""
@@ -172,6 +179,9 @@ def _calibrate(
         trust_remote_code=trust_remote_code,
         normalization=norms,
         ranges=ranges,
+        coverage=probes.coverage,
+        calibration_data=probes.data,
+        component=report.component,
     )
     report.islands["fp16-safe"] = {i.name: i.reason for i in plan.islands}
     report.calibration = calibration
@@ -183,8 +193,16 @@ def _calibrate(
         )
 
 
+@dataclass(frozen=True)
+class _Probes:
+    """What calibration feeds the model: the coverage level and the user's extra inputs."""
+
+    coverage: str | None
+    data: Any | None  # CalibrationData
+
+
 def _inspect_model(
-    name: str, model: ModelSource, trust_remote_code: bool, chart: Path | None
+    name: str, model: ModelSource, trust_remote_code: bool, chart: Path | None, probes: _Probes
 ) -> ComponentReport:
     """The report for one model; with ``chart``, calibrated and charted there too."""
     tensors = list(model.tensors())
@@ -225,7 +243,7 @@ def _inspect_model(
         islands,
     )
     if chart is not None:
-        _calibrate(report, model, chart, trust_remote_code, norms, ranges)
+        _calibrate(report, model, chart, trust_remote_code, norms, ranges, probes)
     return report
 
 

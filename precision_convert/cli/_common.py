@@ -7,7 +7,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -69,3 +70,24 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
             progress.update(task, advance=n, description=f"{description} {label}")
 
         yield advance
+
+
+#: Options shared by the commands that run probes (model, validate, inspect --calibrate).
+CoverageOption = Annotated[
+    str | None,
+    typer.Option(
+        "--coverage",
+        metavar="LEVEL",
+        help="Probe budget of calibration and validation: quick, standard (default) or "
+        "thorough.",
+        show_default=False,
+    ),
+]
+CalibrationDataOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration-data",
+        metavar="FILE",
+        help="Text lines or JSONL of model inputs, added to the probes.",
+    ),
+]

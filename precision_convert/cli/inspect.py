@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from precision_convert.cli._common import console, emit_json, reported_errors
+from precision_convert.cli._common import (
+    CalibrationDataOption,
+    CoverageOption,
+    console,
+    emit_json,
+    reported_errors,
+)
 
 if TYPE_CHECKING:
     from precision_convert.api.inspection import ComponentReport
@@ -39,6 +45,8 @@ def inspect(
             help="Where --calibrate writes its chart (default: ./<source>-activations.png)."
         ),
     ] = None,
+    coverage: CoverageOption = None,
+    calibration_data: CalibrationDataOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON report.")] = False,
 ) -> None:
     """Show real tensor dtypes per module, the matching recipe, planned islands and hazards."""
@@ -51,6 +59,8 @@ def inspect(
             trust_remote_code=trust_remote_code,
             calibrate=calibrate,
             chart=chart,
+            coverage=coverage,
+            calibration_data=calibration_data,
         )
     if json_output:
         emit_json(report.to_json())

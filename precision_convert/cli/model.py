@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from precision_convert.cli._common import byte_progress, console, emit_json, reported_errors
+from precision_convert.cli._common import (
+    CalibrationDataOption,
+    CoverageOption,
+    byte_progress,
+    console,
+    emit_json,
+    reported_errors,
+)
 from precision_convert.cli.validate import note_unvalidated, print_certificate, require_pass
 
 
@@ -46,6 +53,17 @@ def model(
             show_default=False,
         ),
     ] = None,
+    calibration_data: CalibrationDataOption = None,
+    inputs: Annotated[
+        Path | None,
+        typer.Option(
+            "--inputs",
+            metavar="FILE",
+            help="safetensors file of named inputs that replaces validation's built probes "
+            "(pipelines: '<component>/<argument>').",
+        ),
+    ] = None,
+    coverage: CoverageOption = None,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Certify parity against fp32.")
     ] = True,
@@ -98,6 +116,9 @@ def model(
                 overwrite=overwrite,
                 trust_remote_code=trust_remote_code,
                 on_progress=progress,
+                coverage=coverage,
+                calibration_data=calibration_data,
+                inputs=inputs,
             )
         except CannotValidateError:  # the output is written, with a failing certificate
             note_unvalidated(output if output is not None else default_output(source, to))

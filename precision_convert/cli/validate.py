@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from precision_convert.cli._common import console, emit_json, reported_errors
+from precision_convert.cli._common import (
+    CalibrationDataOption,
+    CoverageOption,
+    console,
+    emit_json,
+    reported_errors,
+)
 
 if TYPE_CHECKING:
     from precision_convert.validation.certify.certificate import Certificate
@@ -39,6 +45,8 @@ def validate_command(
             "block by block."
         ),
     ] = None,
+    coverage: CoverageOption = None,
+    calibration_data: CalibrationDataOption = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the certificate as one JSON object.")
     ] = False,
@@ -51,7 +59,13 @@ def validate_command(
         try:
             with console.status("validating against fp32…", spinner="dots"):
                 certificate = validate(
-                    converted, baseline, device, inputs=inputs, max_memory=max_memory
+                    converted,
+                    baseline,
+                    device,
+                    inputs=inputs,
+                    max_memory=max_memory,
+                    coverage=coverage or "standard",
+                    calibration_data=calibration_data,
                 )
         except CannotValidateError:
             note_unvalidated(converted)
