@@ -868,24 +868,30 @@ def _image_sizes(chosen: ModelInputs, budget: Budget) -> list[Probe]:
     )
     if image is None or decode is None:
         return []
-    z_name = next(k for k, v in decode.kwargs.items() if isinstance(v, FromOutput))
-    probes = []
+    probes: list[Probe] = []
     *lead, h, w = image.shape
     for scale in budget.image_scales:
         side = f"{h * scale}x{w * scale}"
         g = generator(chosen.seed, f"image-{side}")
         bigger = _image(g, *lead, h * scale, w * scale)
         how = {"kind": "image-size", "height": h * scale, "width": w * scale, "seed": chosen.seed}
+        probes += _encode_decode(f"@{side}", {name: bigger}, decode, how, budget)
+    return probes
+
+
+def _encode_decode(
+    label: str, kwargs: dict[str, Any], decode: Probe | None, how: dict[str, Any], budget: Budget
+) -> list[Probe]:
+    """An autoencoder probe pair: ``encode`` on ``kwargs``, then ``decode`` of its latents (the
+    chosen layout's decode probe, re-pointed at this encode)."""
+    probes = [Probe(f"encode{label}", "encode", kwargs, sweep=how, max_output=budget.max_output)]
+    if decode is not None:
+        z_name = next(k for k, v in decode.kwargs.items() if isinstance(v, FromOutput))
         probes.append(
             Probe(
-                f"encode@{side}", "encode", {name: bigger}, sweep=how, max_output=budget.max_output
-            )
-        )
-        probes.append(
-            Probe(
-                f"decode@{side}",
+                f"decode{label}",
                 "decode",
-                {**decode.kwargs, z_name: FromOutput(f"encode@{side}")},
+                {**decode.kwargs, z_name: FromOutput(f"encode{label}")},
                 images=True,
                 sweep=how,
                 max_output=budget.max_output,
@@ -1073,21 +1079,7 @@ def _record_probes(
         label = f"user-{line}"
         if autoencoder:
             decode = next((p for p in chosen.probes if p.method == "decode"), None)
-            probes.append(
-                Probe(f"encode:{label}", "encode", kwargs, sweep=how, max_output=budget.max_output)
-            )
-            if decode is not None:
-                z = next(k for k, v in decode.kwargs.items() if isinstance(v, FromOutput))
-                probes.append(
-                    Probe(
-                        f"decode:{label}",
-                        "decode",
-                        {**decode.kwargs, z: FromOutput(f"encode:{label}")},
-                        images=True,
-                        sweep=how,
-                        max_output=budget.max_output,
-                    )
-                )
+            probes += _encode_decode(f":{label}", kwargs, decode, how, budget)
         else:
             probes.append(
                 Probe(
