@@ -39,7 +39,7 @@ tensors.CHUNK_BYTES = 256 * 1024
 _chunks = tensors.FileTensor.chunks
 def _slow_chunks(self, *args, **kwargs):
     for chunk in _chunks(self, *args, **kwargs):
-        time.sleep(0.1)  # ~3 s per 8 MiB: a signal sent mid-write lands mid-write, even on a busy host
+        time.sleep(0.1)  # ~3 s per 8 MiB: a signal sent mid-write lands mid-write
         yield chunk
 tensors.FileTensor.chunks = _slow_chunks
 from precision_convert.cli.main import app
