@@ -33,7 +33,11 @@ runner = CliRunner()
 
 #: Runs the CLI with throttled source reads (sys.argv[1:] are its arguments).
 _SLOW_CLI = """
-import sys, time
+import signal, sys, time
+# A terminal's Ctrl-C reaches a process whose SIGINT is at its default; a child inherits an
+# ignored SIGINT from its parent (Python then installs no KeyboardInterrupt handler), and
+# something in a long test session may have left it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from precision_convert.conversion.io import tensors
 tensors.CHUNK_BYTES = 256 * 1024
 _chunks = tensors.FileTensor.chunks
