@@ -1,0 +1,62 @@
+"""Progress of long work, reported without threading callbacks through every signature.
+
+The library calls :func:`report` at its loop points (each probe run, each island-search
+candidate, each block compared) and labels stretches of work with :func:`stage`. Both only
+read and set a :class:`~contextvars.ContextVar`: with no reporter installed (the default, and
+every library call made outside the CLI) a report costs one lookup and does nothing, so library
+calls keep no process-wide state. The CLI installs a reporter with :func:`reporting` for the
+duration of one command and draws it on stderr.
+
+Example:
+    >>> seen = []
+    >>> with reporting(lambda label, done, total, at_most: seen.append((label, done, total))):
+    ...     with stage("calibration"):
+    ...         report("probe", 1, 3)
+    >>> seen
+    [('calibration › probe', 1, 3)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+#: ``reporter(label, done, total, at_most)``: ``done`` of ``total`` steps of ``label`` are
+#: finished (``total`` None when unknown; with ``at_most`` an upper bound the work may stop
+#: short of, as the island search does).
+Reporter = Callable[[str, int, int | None, bool], None]
+
+_REPORTER: ContextVar[Reporter | None] = ContextVar("precision_convert_reporter", default=None)
+_STAGE: ContextVar[tuple[str, ...]] = ContextVar("precision_convert_stage", default=())
+#: Joins nested stage names in a label.
+SEPARATOR = " › "
+
+
+def report(what: str, done: int, total: int | None = None, *, at_most: bool = False) -> None:
+    """Tell the installed reporter (if any) that ``done`` of ``total`` steps of ``what`` are
+    finished, labelled with the enclosing stages. Work that ends before an ``at_most`` total
+    reports ``done == total`` last, so the reporter knows it is over."""
+    reporter = _REPORTER.get()
+    if reporter is not None:
+        reporter(SEPARATOR.join((*_STAGE.get(), what)), done, total, at_most)
+
+
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Label the reports made inside (nestable; also usable as a function decorator)."""
+    token = _STAGE.set((*_STAGE.get(), name))
+    try:
+        yield
+    finally:
+        _STAGE.reset(token)
+
+
+@contextmanager
+def reporting(reporter: Reporter) -> Iterator[None]:
+    """Send the reports made inside to ``reporter``; the previous one comes back on exit."""
+    token = _REPORTER.set(reporter)
+    try:
+        yield
+    finally:
+        _REPORTER.reset(token)
