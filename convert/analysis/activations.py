@@ -18,6 +18,7 @@ fp32, as onnxconverter-common's ``auto_convert_mixed_precision`` and Polygraphy'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from torch import nn
 
 from precision_convert.dtypes import FP16_FLUSH_BELOW, FP16_MAX
 from precision_convert.nested import map_tensors, tensors_in
+from precision_convert.progress import report, stage
 
 #: A module whose fp32 activations come within this factor of fp16's limit is kept fp32: other
 #: inputs than the calibration ones may well push it over.
@@ -394,6 +396,10 @@ def losing_precision(stats: Mapping[str, ActivationStats], units: Sequence[str])
     }
 
 
+#: How the island search labels its progress.
+SEARCH_STAGE = "island search"
+
+
 @dataclass(frozen=True)
 class SearchResult:
     """Islands the search added, in execution order, and what it cost."""
@@ -414,21 +420,51 @@ def search_islands(
     one the model cannot do without (every shorter prefix fails), so it is kept and the next
     round searches the modules before it. With *k* modules needed out of *n* this costs about
     ``k * log2(n)`` evaluations instead of the ``n`` of trying each module.
+
+    Progress is reported as "candidate k of at most m", ``m`` shrinking as rounds end.
     """
     evaluations = 0
+    bound = 2 + _worst_case(len(candidates))
 
     def check(extra: frozenset[str]) -> bool:
         nonlocal evaluations
+        report(SEARCH_STAGE, evaluations, bound, at_most=True)
         evaluations += 1
-        return passes(extra)
+        with stage(f"{SEARCH_STAGE} candidate {evaluations}"):
+            return passes(extra)
 
+    def round_starts(left: int) -> None:
+        nonlocal bound
+        bound = evaluations + _worst_case(left)
+
+    try:
+        kept, passed = _bisect(list(candidates), check, round_starts)
+    finally:
+        report(SEARCH_STAGE, evaluations, evaluations)  # over, whatever the bound said
+    order = {name: i for i, name in enumerate(candidates)}
+    return SearchResult(tuple(sorted(kept, key=order.__getitem__)), evaluations, passed)
+
+
+def _worst_case(left: int) -> int:
+    """The most evaluations rounds over ``left`` candidates can take: each bisects its rest
+    (ceil(log2 r) checks) and checks what it kept (one), and removes at least one candidate."""
+    return sum(math.ceil(math.log2(r)) + 1 for r in range(1, left + 1))
+
+
+def _bisect(
+    remaining: list[str],
+    check: Callable[[frozenset[str]], bool],
+    round_starts: Callable[[int], None],
+) -> tuple[frozenset[str], bool]:
+    """:func:`search_islands`' rounds: the modules kept and whether the model can pass.
+    ``round_starts(n)`` hears how many candidates each round begins with."""
     kept: frozenset[str] = frozenset()
     if check(kept):
-        return SearchResult((), evaluations, True)
-    remaining = list(candidates)
+        return kept, True
     if not remaining or not check(frozenset(remaining)):
-        return SearchResult((), evaluations, False)
+        return kept, False
     while True:
+        round_starts(len(remaining))
         low, high = 0, len(remaining)  # prefix of length `high` passes, of length `low` fails
         while high - low > 1:
             middle = (low + high) // 2
@@ -439,6 +475,4 @@ def search_islands(
         kept |= {remaining[high - 1]}
         remaining = remaining[: high - 1]
         if not remaining or check(kept):
-            break
-    order = {name: i for i, name in enumerate(candidates)}
-    return SearchResult(tuple(sorted(kept, key=order.__getitem__)), evaluations, True)
+            return kept, True

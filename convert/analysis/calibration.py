@@ -59,6 +59,7 @@ from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import FP16_MAX
 from precision_convert.names import module_of
+from precision_convert.progress import stage
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     run_probes,
@@ -131,6 +132,7 @@ class Calibration:
     near_limit: tuple[Watched, ...] = ()
 
 
+@stage("calibration")
 def calibrated_plan(
     model: ModelSource,
     target: str,

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
 from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.progress import report
 from precision_convert.validation.probe.inputs import (
     FromOutput,
     ModelInputs,
@@ -176,8 +177,12 @@ def run_probes(
 ) -> Outputs:
     """Run every probe in order, feeding later probes from earlier outputs where asked."""
     outputs: Outputs = {}
-    for probe in resolve_partial(inputs, outputs):
+    precision = str(dtype).removeprefix("torch.") if dtype is not None else "as stored"
+    what = f"{type(model).__name__} ({precision}) probe"
+    for k, probe in enumerate(resolve_partial(inputs, outputs)):
+        report(what, k, len(inputs.probes))
         outputs[probe.name] = call_probe(model, probe, device, dtype)
+    report(what, len(inputs.probes), len(inputs.probes))
     return outputs
 
 
