@@ -1,0 +1,282 @@
+"""The human-readable reports of ``inspect``, ``model`` and ``validate``, on stdout.
+
+A model with 80 layers has 80 copies of every module; the reports fold them into one row per
+role (``model.layers.{0..79}.mlp.down_proj``, see :mod:`precision_convert.folding`) and say
+which instances differ, so a report of a real model fits on a screen and still names every
+fp32 island. Tables are sized to the terminal: a name too long for its column loses its
+middle, where a folded name repeats least (its head says where, its tail what).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from precision_convert.cli._common import console, out
+from precision_convert.folding import Role, fold
+
+if TYPE_CHECKING:
+    from precision_convert.api.conversion import ConversionResult
+    from precision_convert.api.inspection import ComponentReport, InspectReport
+    from precision_convert.validation.certify.certificate import Certificate
+
+#: A name column never gets narrower than this, however wide the other columns are.
+MIN_NAME_WIDTH = 24
+#: Most hazards listed per kind before the rest are counted.
+MAX_HAZARD_ROLES = 10
+
+
+def elide(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters by dropping its middle (``model.lay…q_proj``)."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return text[:width]
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+
+
+def print_table(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Iterable[int] = ()
+) -> None:
+    """Print ``title`` and a table whose first column (a module name, plain text) is elided in
+    the middle so the table fits the report console's width; other cells may hold rich markup.
+    The title is a line of its own: a rich table title is padded with trailing blanks."""
+    aligned = set(right)
+    widths = [
+        max([len(h), *(Text.from_markup(r[i]).cell_len for r in rows)])
+        for i, h in enumerate(headers)
+    ]
+    # Each column costs its padding (2) and a border (1), plus the table's closing border.
+    name_width = max(MIN_NAME_WIDTH, out.width - sum(widths[1:]) - 3 * len(headers) - 1)
+    table = Table()
+    for i, header in enumerate(headers):
+        table.add_column(
+            header,
+            justify="right" if i in aligned else "left",
+            # Names are elided above and numbers never break; only free text may wrap.
+            no_wrap=i == 0 or i in aligned,
+            min_width=widths[i] if i in aligned else None,
+            overflow="ellipsis" if i == 0 else "fold",
+        )
+    for row in rows:
+        table.add_row(escape(elide(row[0], name_width)), *row[1:])
+    out.print(escape(title), soft_wrap=True)
+    out.print(table)
+
+
+def islands_cell(role: Role, islands: Mapping[str, str]) -> str:
+    """Which of ``role``'s instances are fp32 islands, by reason: ``all: precision``,
+    ``0,79: range``; "" when none is."""
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for member in role.members:
+        if member in islands:
+            by_reason[islands[member]].append(member)
+    parts = []
+    for reason, members in by_reason.items():
+        which = role.describe(members)
+        parts.append(reason if which == "all" and not role.repeated else f"{which}: {reason}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def print_inspect(report: InspectReport, *, full: bool) -> None:
+    """``inspect``'s report: one row per role (every module with ``full``), then totals,
+    island counts, hazards and the calibration."""
+    for component in report.components:
+        _module_table(component, full=full)
+        counts = ", ".join(f"{k}: {v:,}" for k, v in sorted(component.parameters_by_dtype.items()))
+        out.print(f"parameters by dtype — {counts}")
+        for target, islands in component.islands.items():
+            out.print(f"{target}: {len(islands)} fp32 islands")
+        _print_hazards(component)
+        if component.calibration is not None:
+            _print_calibration(component)
+
+
+def _module_table(component: ComponentReport, *, full: bool) -> None:
+    """One row per role (or per module with ``full``): instances, parameters, fp32 islands.
+
+    The dtype column only appears when the dtypes differ (the totals line says which one it
+    is otherwise); the island column merges the targets when they agree, as they do but for
+    fp16's range islands.
+    """
+    title = component.component or component.class_name or "model"
+    heading = f"{title}: {component.class_name} — recipe {component.recipe}"
+    names = [m.name for m in component.modules]
+    known = set(names)
+    # An island that owns no weight row still gets one, so every island is named.
+    names += [n for islands in component.islands.values() for n in islands if n not in known]
+    rows_by_name = {m.name: m for m in component.modules}
+    mixed = len({m.dtypes for m in component.modules}) > 1
+    roles = [Role.of(n) for n in dict.fromkeys(names)] if full else fold(names)
+    rows = []
+    for role in roles:
+        modules = [rows_by_name[m] for m in role.members if m in rows_by_name]
+        row = [role.label, str(len(role.members))]
+        if mixed:
+            dtypes: dict[str, list[str]] = defaultdict(list)
+            for m in modules:
+                dtypes[", ".join(m.dtypes)].append(m.name)
+            row.append(
+                next(iter(dtypes), "")
+                if len(dtypes) <= 1
+                else "; ".join(f"{d}: {role.describe(ms)}" for d, ms in dtypes.items())
+            )
+        row.append(f"{sum(m.parameters for m in modules):,}")
+        cells = {t: islands_cell(role, islands) for t, islands in component.islands.items()}
+        if len(set(cells.values())) <= 1:
+            row.append(next(iter(cells.values()), ""))
+        else:
+            row.append("; ".join(f"{t} {cell}" for t, cell in cells.items() if cell))
+        rows.append(row)
+    headers = ["module", "count", *(["dtypes"] if mixed else []), "parameters", "fp32 islands"]
+    print_table(heading, headers, rows, right=(1, len(headers) - 2))
+
+
+def _print_hazards(component: ComponentReport) -> None:
+    """Hazards folded like the modules: one line per kind and role, with its first detail."""
+    if not component.hazards:
+        out.print("[green]no hazards found[/]")
+        return
+    by_kind: dict[str, dict[str, str]] = defaultdict(dict)
+    for hazard in component.hazards:
+        by_kind[hazard.kind].setdefault(hazard.name, hazard.detail)
+    for kind, details in by_kind.items():
+        roles = fold(details)
+        for role in roles[:MAX_HAZARD_ROLES]:
+            first = details[role.members[0]]
+            also = f" (and {len(role.members) - 1} more like it)" if role.repeated else ""
+            out.print(f"[red]{kind}[/] {escape(role.label)}: {escape(first)}{also}", soft_wrap=True)
+        if len(roles) > MAX_HAZARD_ROLES:
+            rest = sum(len(r.members) for r in roles[MAX_HAZARD_ROLES:])
+            out.print(f"[red]{kind}[/] … {rest} more modules (see --json)")
+
+
+def _print_calibration(component: ComponentReport) -> None:
+    rows = []
+    for row in component.nearest_to_limit():
+        headroom = row["fp16_headroom"]
+        style = "red" if headroom < 1 else "yellow" if headroom < 2 else ""
+        rows.append(
+            [
+                row["module"],
+                f"{row['max_in']:.4g}",
+                f"{row['max_out']:.4g}",
+                f"[{style}]{headroom:.3g}x[/]" if style else f"{headroom:.3g}x",
+                row["island"] or "",
+            ]
+        )
+    if rows:
+        headers = ["module", "peak |in|", "peak |out|", "headroom", "fp16-safe island"]
+        title = "modules nearest to the fp16 limit (65504), fp32 calibration run"
+        print_table(title, headers, rows, right=(1, 2, 3))
+    else:
+        out.print("[green]no module comes within 8x of fp16's limit[/]")
+    assert component.calibration is not None
+    for warning in component.calibration.warnings:
+        console.print(f"[yellow]warning[/]: {escape(warning)}")
+    if component.chart is not None:
+        out.print(f"chart: {component.chart}")
+
+
+# --------------------------------------------------------------------------- model
+
+
+def print_conversion(result: ConversionResult) -> None:
+    """``model``'s summary: one row per component, then each component's islands folded by
+    role; the plan's warnings go to stderr."""
+    out.print(escape(f"{result.source} → {result.output} ({result.target})"), soft_wrap=True)
+    table = Table()
+    for column in ("component", "recipe", "fp32 modules", "fp32 share", "warnings"):
+        table.add_column(column)
+    for component in result.components:
+        summary = component.summary()
+        table.add_row(
+            component.name or component.class_name or "model",
+            summary["recipe"],
+            str(summary["fp32_modules"]),
+            f"{summary['fp32_share']:.1%}",
+            str(len(summary["warnings"])),
+        )
+    out.print(table)
+    for component in result.components:
+        islands = {i.name: i.reason for i in component.plan.islands}
+        if islands:
+            units = dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float)
+            name = component.name or component.class_name or "model"
+            print_islands(f"{name}: fp32 islands", units, islands)
+    for component in result.components:
+        for warning in component.plan.warnings:
+            console.print(f"[yellow]warning[/]: {escape(warning)}")
+
+
+def print_islands(title: str, units: Iterable[str], islands: Mapping[str, str]) -> None:
+    """The roles holding fp32 islands, with which of their instances are islands and why."""
+    names = list(units)
+    known = set(names)
+    names += [n for n in islands if n not in known]
+    rows = [
+        [role.label, str(len(role.members)), islands_cell(role, islands)]
+        for role in fold(dict.fromkeys(names))
+        if any(m in islands for m in role.members)
+    ]
+    print_table(title, ["role", "count", "fp32 (which: why)"], rows, right=(1,))
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+def note_unvalidated(converted: Path) -> None:
+    """Say (on stderr) where the failing certificate of a validation that could not run went."""
+    from precision_convert.validation.certify.certificate import CARD_NAME, CERTIFICATE_NAME
+
+    if (converted / CERTIFICATE_NAME).is_file():
+        console.print(
+            f"[red]✗[/] not validated: {converted / CERTIFICATE_NAME} (verdict fail) and "
+            f"{CARD_NAME} say what is missing",
+            soft_wrap=True,
+        )
+
+
+def print_certificate(certificate: Certificate) -> None:
+    """The judged metrics on stdout, folded: one row per output and metric with its worst
+    value over every probe (block-wise comparisons folded by layer role), the parity metric
+    per probe when several were swept, the failures and the verdict."""
+    from precision_convert.validation.certify.card import folded_metrics, probe_series
+
+    rows = []
+    for row in folded_metrics(certificate.metrics):
+        value = "NaN/Inf" if row.value is None else f"{row.value:.4g}"
+        rows.append(
+            [
+                row.where,
+                row.metric,
+                value,
+                row.bound_text,
+                "[green]ok[/]" if row.passed else "[red]FAIL[/]",
+                row.worst_probe,
+            ]
+        )
+    headers = ["where", "metric", "worst", "bound", "", "worst probe (of n)"]
+    title = f"parity with fp32 ({certificate.target or 'unknown target'})"
+    print_table(title, headers, rows, right=(2,))
+    for series in probe_series(certificate.metrics):
+        table = Table(title=f"{series.metric} per probe: {series.where}", title_justify="left")
+        for column in ("probe", series.metric, ""):
+            table.add_column(column, justify="right" if column == series.metric else "left")
+        for probe, value, bar in series.rows():
+            table.add_row(escape(probe), value, bar)
+        out.print(table)
+    for line in certificate.failures:
+        out.print(f"[red]✗[/] {escape(line)}", soft_wrap=True)
+    colour = "green" if certificate.passed else "red"
+    out.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")
