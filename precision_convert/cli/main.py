@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from precision_convert.cli import batch as batch_cmd
 from precision_convert.cli import inspect as inspect_cmd
 from precision_convert.cli import model as model_cmd
 from precision_convert.cli import push as push_cmd
@@ -28,6 +29,7 @@ app.command("model")(model_cmd.model)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("validate")(validate_cmd.validate_command)
 app.command("push")(push_cmd.push_command)
+app.command("batch")(batch_cmd.batch)
 app.command("recipes")(recipes_cmd.recipes)
 
 

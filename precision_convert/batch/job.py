@@ -1,0 +1,291 @@
+"""One job's stages — download → convert → validate → push — as plain functions.
+
+Both executors run these: the local one calls them in sequence in a warm worker process
+(holding a validation slot around :func:`validate_stage`), the Ray one makes each a task. Each
+stage takes and returns the job's :class:`Outcome`, records its time, and never raises: an
+error becomes the outcome's ``failed`` status and one-line reason (prefixed by the stage), and
+the later stages pass a failed outcome through untouched. So a broken checkpoint, a Hub id
+that does not exist or a push the Hub refuses costs that job only.
+
+After each stage that changes the output the job's state file is updated (see
+:mod:`precision_convert.batch.state`), which is what ``--resume`` reads.
+
+Nothing here changes process-wide state; a worker that owns its process sets its thread
+count itself (see :func:`own_process`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from precision_convert.batch.etiquette import Etiquette, publish_politely
+from precision_convert.batch.manifest import Job
+from precision_convert.batch.state import STATE_DIR, JobState, StateStore
+from precision_convert.errors import PrecisionConvertError
+
+if TYPE_CHECKING:
+    from precision_convert.api.conversion import ComponentResult
+    from precision_convert.validation.certify.certificate import Certificate
+
+#: Outcome statuses: certified (and pushed, when configured); kept by --resume; failed.
+DONE, SKIPPED, FAILED, RUNNING = "done", "skipped", "failed", "running"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every job of one run shares (picklable: it travels to worker processes)."""
+
+    output_dir: Path
+    threads: int  # torch intra-op threads per job: fixed, so metrics repeat bit for bit
+    etiquette: Etiquette
+    hub_timeout: float | None = None
+
+    @classmethod
+    def for_run(cls, output_dir: Path, threads: int, **etiquette: Any) -> Settings:
+        lock_dir = output_dir / STATE_DIR / "hub"
+        return cls(output_dir, threads, Etiquette(lock_dir, **etiquette))
+
+    @property
+    def store(self) -> StateStore:
+        return StateStore(self.output_dir)
+
+
+@dataclass
+class Outcome:
+    """What happened to one job, as the table and the JSON report show it."""
+
+    key: str
+    name: str
+    target: str
+    source: str
+    output: str
+    status: str = RUNNING
+    reason: str | None = None  # why it failed: "<stage>: <one line>"
+    verdict: str | None = None
+    fp32_share: float | None = None
+    key_metric: dict[str, Any] | None = None
+    push: dict[str, Any] | None = None  # repo_id, url, pull_request, shape, changed
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    baseline: str | None = None  # the resolved source directory (not reported)
+
+    @classmethod
+    def start(cls, job: Job) -> Outcome:
+        return cls(job.key, job.name, job.target, job.source, str(job.output))
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAILED
+
+    @property
+    def seconds(self) -> float:
+        return round(sum(self.timings.values()), 3)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("baseline")
+        data["seconds"] = self.seconds
+        return data
+
+
+@contextmanager
+def _stage(outcome: Outcome, stage: str) -> Iterator[None]:
+    """Time ``stage``; turn any error into the outcome's failure (one line, stage first)."""
+    began = time.perf_counter()
+    try:
+        yield
+    except Exception as exc:  # a job's failure, whatever it is, must not reach the others
+        outcome.status, outcome.reason = FAILED, f"{stage}: {one_line(exc)}"
+    finally:
+        outcome.timings[stage] = round(time.perf_counter() - began, 3)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: our own messages as they are, others with their class name."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if isinstance(exc, PrecisionConvertError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _ignore(stage: str) -> None:
+    """The default stage listener."""
+
+
+def convert_stage(
+    job: Job, settings: Settings, on_stage: Callable[[str], None] = _ignore
+) -> Outcome:
+    """Download (or find) the source and write the converted output, unvalidated."""
+    from precision_convert.api.conversion import convert
+    from precision_convert.conversion.io.source import resolve
+
+    outcome = Outcome.start(job)
+    options = job.options
+    on_stage("downloading")
+    with _stage(outcome, "download"):
+        outcome.baseline = str(resolve(job.source, options.revision, timeout=settings.hub_timeout))
+    if outcome.failed:
+        return outcome
+    on_stage("converting")
+    with _stage(outcome, "convert"):
+        result = convert(
+            outcome.baseline,
+            job.target,
+            job.output,
+            validate=False,
+            overwrite=True,
+            recipe=options.recipe,
+            keep_fp32=options.keep_fp32,
+            calibrate=options.calibrate,
+            trust_remote_code=options.trust_remote_code,
+            coverage=options.coverage,
+            calibration_data=options.calibration_data,
+            inputs=options.inputs,
+            variant=options.variant,
+        )
+        outcome.fp32_share = fp32_share(result.components)
+        previous = settings.store.read(job.key)
+        settings.store.write(
+            JobState(
+                job.key,
+                job.digest,
+                fp32_share=outcome.fp32_share,
+                push=previous.push if previous else None,  # its PR is updated, not duplicated
+            )
+        )
+    return outcome
+
+
+def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str | None) -> Outcome:
+    """Certify the output against the source in fp32 (on ``device``; None: CUDA if present)."""
+    if outcome.failed:
+        return outcome
+    from precision_convert.hub import check
+    from precision_convert.validation.certify.runner import validate
+    from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
+
+    options = job.options
+    with _stage(outcome, "validate"):
+        certificate = validate(
+            job.output,
+            baseline=outcome.baseline,
+            device=options.device or device,
+            inputs=options.inputs,
+            coverage=options.coverage or DEFAULT_LEVEL,
+            calibration_data=options.calibration_data,
+        )
+        describe(outcome, certificate)
+        if not certificate.passed:
+            first = certificate.failures[0] if certificate.failures else "no metric was judged"
+            raise RuntimeError(f"not certified ({len(certificate.failures)} problems): {first}")
+        checked = check(job.output)  # what --resume and push will check: it must pass now
+        state = settings.store.read(job.key) or JobState(job.key, job.digest)
+        state.certificate = checked.files[checked.certificate_name].sha256
+        settings.store.write(state)
+    if outcome.failed and outcome.reason is not None:
+        outcome.reason = outcome.reason.replace("RuntimeError: ", "", 1)
+    return outcome
+
+
+def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:
+    """Publish a certified output where the manifest says (nothing to do without ``push``)."""
+    if outcome.failed:
+        return outcome
+    if job.push is not None:
+        spec = job.push
+        with _stage(outcome, "push"):
+            result = publish_politely(
+                job.output,
+                spec.repo_id,
+                create_pr=spec.create_pr,
+                private=spec.private,
+                etiquette=settings.etiquette,
+            )
+            outcome.push = {
+                "repo_id": result.repo_id,
+                "url": result.url,
+                "pull_request": result.pull_request,
+                "shape": result.shape,
+                "changed": result.changed,
+            }
+            state = settings.store.read(job.key) or JobState(job.key, job.digest)
+            state.push = {**outcome.push, "certificate": state.certificate}
+            settings.store.write(state)
+        if outcome.failed:
+            return outcome
+    outcome.status = DONE
+    return outcome
+
+
+def recorded(job: Job, settings: Settings, status: str) -> Outcome:
+    """The outcome of a job whose certified output is kept, from its certificate and state."""
+    from precision_convert.hub import check
+
+    outcome = Outcome.start(job)
+    outcome.status = status
+    checked = check(job.output)
+    describe(outcome, checked.certificate)
+    state = settings.store.read(job.key)
+    if state is not None:
+        outcome.fp32_share = state.fp32_share
+        if status == SKIPPED and state.push is not None:
+            outcome.push = {k: v for k, v in state.push.items() if k != "certificate"}
+            outcome.push["changed"] = False
+    outcome.baseline = checked.certificate.source.get("path")
+    return outcome
+
+
+def describe(outcome: Outcome, certificate: Certificate) -> None:
+    """Copy the verdict and the key metric from a certificate into the outcome."""
+    outcome.verdict = certificate.verdict
+    outcome.key_metric = key_metric(certificate)
+
+
+def key_metric(certificate: Certificate) -> dict[str, Any] | None:
+    """The one metric a table row shows: the first that failed, else the worst relative L2."""
+    judged = [m for m in certificate.metrics if m.threshold is not None]
+    failed = [m for m in judged if not m.passed]
+    rel_l2 = [m for m in judged if m.metric == "rel_l2" and m.value is not None]
+    chosen = failed[0] if failed else max(rel_l2, key=lambda m: m.value or 0.0, default=None)
+    if chosen is None:
+        return None
+    return {
+        "where": chosen.where,
+        "metric": chosen.metric,
+        "value": chosen.value,
+        "threshold": chosen.threshold,
+        "bound": chosen.bound,
+    }
+
+
+def fp32_share(components: list[ComponentResult]) -> float:
+    """Share of floating-point parameters kept in fp32, over every component."""
+    total = kept = 0.0
+    for component in components:
+        elements = sum(math.prod(t.shape) for t in component.plan.tensors if t.source.is_float)
+        total += elements
+        kept += component.plan.fp32_share * elements
+    return round(kept / total, 6) if total else 0.0
+
+
+def own_process(threads: int) -> None:
+    """For a worker that owns its process: a fixed torch thread count (the same on every
+    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars."""
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore")
+    import torch
+
+    torch.set_num_threads(threads)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()

@@ -1,0 +1,156 @@
+"""The local executor: ``--jobs N`` warm worker processes on this machine.
+
+Each worker is a spawned process that imports torch, transformers, diffusers and this
+package's pipeline once (:func:`_warm`) and then takes job after job, so a family of small
+models pays the start-up once per worker, not once per model. Conversions (mostly I/O) run in
+every worker at once; validations (compute bound, and the memory-hungry part: an fp32 model
+plus the candidate's outputs) each need a *validation slot*: one per GPU, or a single one on a
+CPU-only machine, handed out through a queue shared by the workers.
+
+Workers report their stages on an event queue; a thread in the driver forwards them to the
+caller's listener (the CLI's progress display).
+
+A worker that dies (killed for memory, a crash in native code) breaks the whole process pool.
+The jobs that had not started are run again in a fresh pool; a job that was running is run
+again once, and fails with "worker process died" if its worker dies again, so one bad
+checkpoint cannot stop the batch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from precision_convert.batch.job import (
+    FAILED,
+    Outcome,
+    Settings,
+    convert_stage,
+    own_process,
+    push_stage,
+    validate_stage,
+)
+from precision_convert.batch.manifest import Job
+
+#: A listener of job stages: ``(job key, stage)``.
+EventSink = Callable[[str, str], None]
+#: Runs of a job whose worker died before it is given up.
+_ATTEMPTS = 2
+
+_events: Any = None  # the worker's end of the event queue (set by _warm)
+_slots: Any = None  # the worker's end of the validation-slot queue
+
+
+@dataclass(frozen=True)
+class Task:
+    """A job to run; ``outcome`` is set when only its push is left (``--resume``)."""
+
+    job: Job
+    outcome: Outcome | None = None
+    attempt: int = 1
+
+
+def validation_devices() -> list[str]:
+    """One validation slot per GPU, else one on the CPU."""
+    import torch
+
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
+
+
+def run_local(
+    tasks: Sequence[Task], settings: Settings, jobs: int, on_event: EventSink
+) -> Iterator[Outcome]:
+    """Run ``tasks`` in ``jobs`` warm workers; yield each outcome as it completes."""
+    context = multiprocessing.get_context("spawn")  # fork would copy the driver's threads
+    devices = validation_devices()
+    pending = list(tasks)
+    while pending:
+        events, slots = context.Queue(), context.Queue()
+        for device in devices:
+            slots.put(device)
+        started: set[str] = set()
+        listener = threading.Thread(target=_forward, args=(events, on_event, started), daemon=True)
+        listener.start()
+        broken: list[Task] = []
+        try:
+            with ProcessPoolExecutor(
+                max_workers=min(jobs, len(pending)),
+                mp_context=context,
+                initializer=_warm,
+                initargs=(settings.threads, events, slots),
+            ) as pool:
+                futures = {pool.submit(_run, task, settings): task for task in pending}
+                for future in as_completed(futures):
+                    try:
+                        yield future.result()
+                    except BrokenProcessPool:
+                        broken.append(futures[future])
+        finally:
+            events.put(None)
+            listener.join()
+        pending = []
+        for task in broken:
+            if task.job.key not in started:
+                pending.append(task)
+            elif task.attempt < _ATTEMPTS:
+                pending.append(replace(task, attempt=task.attempt + 1))
+            else:
+                yield _died(task.job)
+
+
+def _forward(events: Any, on_event: EventSink, started: set[str]) -> None:
+    while (event := events.get()) is not None:
+        started.add(event[0])
+        on_event(*event)
+
+
+def _died(job: Job) -> Outcome:
+    outcome = Outcome.start(job)
+    outcome.status = FAILED
+    outcome.reason = (
+        "worker process died twice while running this job (out of memory?); the other jobs went on"
+    )
+    return outcome
+
+
+# --------------------------------------------------------------------------- in the worker
+
+
+def _warm(threads: int, events: Any, slots: Any) -> None:
+    """Worker start-up: own the process, import the heavy libraries once."""
+    global _events, _slots
+    _events, _slots = events, slots
+    own_process(threads)
+    import precision_convert.api.conversion
+    import precision_convert.hub
+    import precision_convert.validation.certify.runner  # noqa: F401
+
+
+def _run(task: Task, settings: Settings) -> Outcome:
+    job = task.job
+    emit = partial(_emit, job.key)
+    if task.outcome is not None:
+        outcome = task.outcome
+    else:
+        outcome = convert_stage(job, settings, emit)
+        if not outcome.failed:
+            emit("waiting to validate")
+            device = _slots.get()
+            try:
+                emit("validating")
+                outcome = validate_stage(job, settings, outcome, device)
+            finally:
+                _slots.put(device)
+    if job.push is not None and not outcome.failed:
+        emit("pushing")
+    return push_stage(job, settings, outcome)
+
+
+def _emit(key: str, stage: str) -> None:
+    _events.put((key, stage))

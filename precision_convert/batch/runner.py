@@ -1,0 +1,181 @@
+"""``run_batch``: a checked manifest through an executor, under the output folder's lock.
+
+The driver decides, per job, where it starts (``--resume``: not at all, at its push, or from
+the beginning), hands the rest to the local or the Ray executor, collects the outcomes in
+manifest order and writes ``batch_report.json`` into ``output_dir``. Every text in the report
+passes :func:`_scrub` first: whatever a library put into an error message, the Hub token is
+not written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from precision_convert._version import __version__
+from precision_convert.batch.job import DONE, FAILED, RUNNING, SKIPPED, Outcome, Settings, recorded
+from precision_convert.batch.local import EventSink, Task, run_local
+from precision_convert.batch.manifest import Manifest
+from precision_convert.batch.state import Resume, exclusive, resume_point
+from precision_convert.errors import InputError
+
+REPORT_NAME = "batch_report.json"
+REPORT_SCHEMA = "precision-convert/batch-report/1"
+EXECUTORS = ("local", "ray")
+
+
+@dataclass
+class BatchReport:
+    """What a run did, job by job (in manifest order)."""
+
+    manifest: Path
+    output_dir: Path
+    executor: str
+    jobs: int
+    threads_per_job: int
+    resume: bool
+    started: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    finished: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == FAILED]
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(o.status == s for o in self.outcomes) for s in (DONE, SKIPPED, FAILED)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "tool": {"name": "precision-convert", "version": __version__},
+            "manifest": str(self.manifest),
+            "output_dir": str(self.output_dir),
+            "executor": self.executor,
+            "jobs": self.jobs,
+            "threads_per_job": self.threads_per_job,
+            "resume": self.resume,
+            "started": self.started,
+            "finished": self.finished,
+            "seconds": self.seconds,
+            "summary": self.counts(),
+            "results": [o.to_json() for o in self.outcomes],
+        }
+
+
+def run_batch(
+    manifest: Manifest,
+    *,
+    jobs: int = 1,
+    executor: str = "local",
+    ray_address: str | None = None,
+    resume: bool = False,
+    on_event: EventSink | None = None,
+    etiquette: dict[str, float] | None = None,
+) -> BatchReport:
+    """Run every job of ``manifest``; the report is also written to ``output_dir``.
+
+    Args:
+        jobs: concurrent jobs (local: warm worker processes). Each job's torch threads are the
+            machine's CPUs divided by ``jobs``, the same on either executor.
+        executor: ``local`` or ``ray``.
+        ray_address: the Ray cluster to use (default: the one this process is connected to,
+            else a new local one).
+        resume: keep finished jobs (see :mod:`precision_convert.batch.state`).
+        on_event: called with ``(job key, stage)`` as jobs move on, and with the outcome's
+            status when one ends.
+        etiquette: overrides of :class:`~precision_convert.batch.etiquette.Etiquette`
+            (``interval``, ``retries``, ``backoff``).
+
+    Raises:
+        InputError: a bad executor or job count, ray missing, or another run holding
+            ``output_dir``. Job failures are never raised: they are in the report.
+    """
+    if executor not in EXECUTORS:
+        raise InputError(f"--executor {executor!r}: choose local or ray")
+    if jobs < 1:
+        raise InputError(f"--jobs {jobs}: at least 1")
+    if executor == "ray":
+        from precision_convert.batch.ray_cluster import require_ray
+
+        require_ray()
+    listener = on_event or _ignore
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    settings = Settings.for_run(manifest.output_dir, threads, **(etiquette or {}))
+    began = time.perf_counter()
+    report = BatchReport(
+        manifest.path,
+        manifest.output_dir,
+        executor,
+        jobs,
+        threads,
+        resume,
+        datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    with exclusive(manifest.output_dir):
+        tasks = []
+        for job in manifest.jobs:
+            start = resume_point(job, settings.store) if resume else Resume.CONVERT
+            if start is Resume.DONE:
+                _finish(report, recorded(job, settings, SKIPPED), listener)
+            elif start is Resume.PUSH:
+                tasks.append(Task(job, recorded(job, settings, RUNNING)))
+            else:
+                tasks.append(Task(job))
+        if executor == "ray":
+            from precision_convert.batch.ray_cluster import run_ray
+
+            outcomes = run_ray(tasks, settings, ray_address, listener)
+        else:
+            outcomes = run_local(tasks, settings, jobs, listener)
+        for outcome in outcomes:
+            _finish(report, outcome, listener)
+        order = {job.key: job.index for job in manifest.jobs}
+        report.outcomes.sort(key=lambda o: order[o.key])
+        report.finished = datetime.now(UTC).isoformat(timespec="seconds")
+        report.seconds = round(time.perf_counter() - began, 3)
+        write_report(report)
+    return report
+
+
+def _finish(report: BatchReport, outcome: Outcome, listener: EventSink) -> None:
+    if outcome.reason is not None:
+        outcome.reason = _scrub(outcome.reason)
+    report.outcomes.append(outcome)
+    listener(outcome.key, outcome.status)
+
+
+def write_report(report: BatchReport) -> Path:
+    """``<output_dir>/batch_report.json``, written atomically, token-free."""
+    path = report.output_dir / REPORT_NAME
+    tmp = path.with_name(f".{REPORT_NAME}.{os.getpid()}.tmp")
+    tmp.write_text(_scrub(json.dumps(report.to_json(), indent=2)) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _scrub(text: str) -> str:
+    for secret in _secrets():
+        text = text.replace(secret, "***")
+    return text
+
+
+def _secrets() -> list[str]:
+    found = [os.environ.get(v, "") for v in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")]
+    try:
+        from huggingface_hub import get_token
+
+        found.append(get_token() or "")
+    except ImportError:
+        pass
+    return [s for s in found if len(s) >= 8]
+
+
+def _ignore(key: str, stage: str) -> None:
+    """The default listener."""

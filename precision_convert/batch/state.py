@@ -1,0 +1,128 @@
+"""What a batch keeps in ``<output_dir>/.precision-convert-batch/``: per-job state and the lock.
+
+Each job's state file records what its output is known to be: the digest of the job that
+wrote it, the sha256 of its passing certificate, and what was pushed (repo, URL, the pull
+request's number) for which certificate. ``--resume`` trusts none of it on its own: an output
+is finished only when the certificate gate (:func:`precision_convert.hub.check`) passes on the
+files as they are now *and* the state says the same certificate was produced (and pushed) by
+the same job. Anything less is redone: a push alone when only the push is missing.
+
+The folder is hidden, so neither the certificate's hashing nor ``push`` ever sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from precision_convert.batch.manifest import Job
+from precision_convert.errors import InputError
+
+STATE_DIR = ".precision-convert-batch"
+_LOCK_NAME = "lock"
+
+
+@dataclass
+class JobState:
+    """The last known state of one job's output."""
+
+    key: str
+    digest: str  # Job.digest of the run that wrote the output
+    certificate: str | None = None  # sha256 of the passing certificate file
+    fp32_share: float | None = None
+    push: dict[str, Any] | None = None  # repo_id, url, pull_request, shape, certificate
+    updated: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+
+class StateStore:
+    """Per-job state files, written atomically (a killed run leaves the old one or the new)."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.root = output_dir / STATE_DIR / "jobs"
+
+    def read(self, key: str) -> JobState | None:
+        try:
+            data = json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
+            return JobState(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def write(self, state: JobState) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        state.updated = datetime.now(UTC).isoformat(timespec="seconds")
+        path = self.root / f"{state.key}.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+
+class Resume(Enum):
+    """Where a job starts: from the beginning, at its push, or not at all."""
+
+    CONVERT = "convert"
+    PUSH = "push"
+    DONE = "done"
+
+
+def resume_point(job: Job, store: StateStore) -> Resume:
+    """How much of ``job`` a ``--resume`` run can keep (see the module docstring)."""
+    from precision_convert.errors import PrecisionConvertError
+    from precision_convert.hub import check
+
+    state = store.read(job.key)
+    if state is None or state.digest != job.digest or state.certificate is None:
+        return Resume.CONVERT
+    try:
+        checked = check(job.output)
+    except PrecisionConvertError:
+        return Resume.CONVERT
+    if checked.files[checked.certificate_name].sha256 != state.certificate:
+        return Resume.CONVERT
+    if job.push is None:
+        return Resume.DONE
+    pushed = state.push or {}
+    same_repo = pushed.get("repo_id") == job.push.repo_id
+    return (
+        Resume.DONE if same_repo and pushed.get("certificate") == state.certificate else Resume.PUSH
+    )
+
+
+@contextlib.contextmanager
+def exclusive(output_dir: Path) -> Iterator[None]:
+    """Hold ``output_dir`` for one batch run; a second run on it stops with :class:`InputError`.
+
+    An advisory ``flock``: the kernel drops it when the holder exits, however it exits, so a
+    killed run never leaves a stale lock behind.
+    """
+    folder = output_dir / STATE_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        message = f"cannot create the output folder ({exc.strerror or exc})"
+        raise InputError(message, output_dir) from None
+    with (folder / _LOCK_NAME).open("a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise InputError(
+                f"another batch run ({holder}) is writing here; wait for it to finish, or use "
+                "another output_dir",
+                output_dir,
+            ) from None
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}, since {datetime.now(UTC).isoformat(timespec='seconds')}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.truncate(0)

@@ -1,0 +1,184 @@
+"""``precision-convert batch MANIFEST``: every (model, target) of a manifest, one job each."""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from precision_convert.cli._common import console, out, reported_errors
+
+if TYPE_CHECKING:
+    from precision_convert.batch.job import Outcome
+    from precision_convert.batch.runner import BatchReport
+
+
+class Executor(StrEnum):
+    local = "local"
+    ray = "ray"
+
+
+def batch(
+    manifest: Annotated[
+        Path,
+        typer.Argument(help="TOML manifest of models and targets (README: Batch conversion)."),
+    ],
+    jobs: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            "-j",
+            min=1,
+            help="Jobs at once: warm worker processes (local), or the share of each node's "
+            "CPUs a job asks for (ray).",
+        ),
+    ] = 1,
+    executor: Annotated[
+        Executor, typer.Option(help="Run jobs in local worker processes or as Ray tasks.")
+    ] = Executor.local,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            metavar="ADDR",
+            help="Ray cluster to run on (default: RAY_ADDRESS, else a new local one).",
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Keep jobs whose output has a passing certificate matching its files and "
+            "whose push is done; redo the rest.",
+        ),
+    ] = False,
+) -> None:
+    """Convert, certify and (optionally) push every model × target of MANIFEST.
+
+    A failing job never stops the others. The run ends with a table and writes
+    batch_report.json into the output folder.
+
+    Exit 1: some job failed. Exit 2: a bad manifest (nothing run), or another batch run is
+    writing to the same output folder.
+    """
+    from precision_convert.batch.manifest import read_manifest
+    from precision_convert.batch.runner import REPORT_NAME, run_batch
+
+    try:
+        with reported_errors():
+            plan = read_manifest(manifest)
+            with _Progress(len(plan.jobs)) as progress:
+                report = run_batch(
+                    plan,
+                    jobs=jobs,
+                    executor=executor.value,
+                    ray_address=ray_address,
+                    resume=resume,
+                    on_event=progress.event,
+                )
+    except KeyboardInterrupt:
+        print(
+            "precision-convert: interrupted; finished jobs are kept (run again with --resume)",
+            file=sys.stderr,
+        )
+        raise typer.Exit(130) from None
+    print_report(report)
+    console.print(f"report: {report.output_dir / REPORT_NAME}", highlight=False, soft_wrap=True)
+    if report.failed:
+        raise typer.Exit(1)
+
+
+_LABELS = {"done": "[green]certified[/]", "skipped": "[cyan]kept[/]", "failed": "[red]failed[/]"}
+
+
+def print_report(report: BatchReport) -> None:
+    """The table of every job on stdout; each failure's reason on stderr."""
+    from rich.table import Table
+
+    counts = report.counts()
+    table = Table(
+        title=f"batch: {counts['done']} certified, {counts['skipped']} kept, "
+        f"{counts['failed']} failed in {report.seconds:.1f} s"
+    )
+    for column in ("job", "status", "time", "fp32 share", "key metric", "pushed"):
+        table.add_column(column, overflow="fold")
+    for o in report.outcomes:
+        share = "" if o.fp32_share is None else f"{o.fp32_share:.1%}"
+        pushed = o.push["url"] if o.push else ""
+        time = f"{o.seconds:.1f} s" if o.timings else ""
+        table.add_row(o.key, _LABELS[o.status], time, share, _metric(o), pushed)
+    out.print(table)
+    for o in report.failed:
+        console.print(f"[red]✗[/] {o.key}: {o.reason}", highlight=False, soft_wrap=True)
+
+
+def _metric(outcome: Outcome) -> str:
+    m = outcome.key_metric
+    if not m:
+        return ""
+    value = "NaN/Inf" if m["value"] is None else f"{m['value']:.3g}"
+    return f"{m['metric']} {value} ({'≤' if m['bound'] == 'max' else '≥'} {m['threshold']:g})"
+
+
+class _Progress:
+    """Overall and per-job progress on stderr: live bars on a terminal, one line per finished
+    job otherwise (logs get no redraw noise)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.finished = 0
+        self.live: Any = None
+        self.rows: dict[str, Any] = {}
+
+    def __enter__(self) -> _Progress:
+        if console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.live = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+            self.live.__enter__()
+            self.overall = self.live.add_task("jobs", total=self.total)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.live is not None:
+            self.live.__exit__(kind, exc, tb)
+
+    def event(self, key: str, stage: str) -> None:
+        if stage not in _LABELS:
+            if self.live is not None:
+                row = self.rows.get(key)
+                if row is None:
+                    row = self.rows[key] = self.live.add_task("", total=None)
+                self.live.update(row, description=f"  {key}: {stage}")
+            return
+        self.finished += 1
+        line = f"[{self.finished}/{self.total}] {key}: {_LABELS[stage]}"
+        if self.live is None:
+            console.print(line, highlight=False, soft_wrap=True)
+            return
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.live.remove_task(row)
+        self.live.advance(self.overall)
+        self.live.console.print(line, highlight=False, soft_wrap=True)
