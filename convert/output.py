@@ -15,7 +15,7 @@ from typing import Any
 
 from precision_convert._version import __version__
 from precision_convert.conversion.io.context import IOContext
-from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.io.source import ModelSource, variant_name
 from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import ModelPlan
 from precision_convert.dtypes import FP16, FP32, DType
@@ -44,27 +44,33 @@ def write_model(
     on_progress: ProgressHook | None = None,
     *,
     io: IOContext | None = None,
+    variant: str | None = None,
 ) -> list[str]:
     """Write ``model`` under ``plan`` into the existing directory ``out_dir``; returns the
     files written, relative to it.
 
     ``io`` is the run's I/O context (its buffers are reused from shard to shard); without one,
     the call opens its own and closes it before returning.
+
+    ``variant`` names the weight files as the Hub's variant of the source (``model.fp16.
+    safetensors``…) and keeps the source's config unchanged, so the files can be added to the
+    source repo beside its own: the dtype map travels in every shard's metadata only.
     """
     if io is None:
         with IOContext() as own:
-            return write_model(model, plan, out_dir, on_progress, io=own)
+            return write_model(model, plan, out_dir, on_progress, io=own, variant=variant)
     block = plan.block(__version__)
     stored = {t.name: t.stored for t in plan.tensors}
     written: list[str] = []
     for entry in sorted(model.root.iterdir()):
         if entry.name in NEVER_COPY or model.is_weight_file(entry.name):
             continue
-        if entry.name == model.config_name:
+        if entry.name == model.config_name and variant is None:
             continue
         written += copy_entry(entry, out_dir / entry.name)
-    _write_config(model, plan, block, out_dir / model.config_name)
-    written.append(model.config_name)
+    if variant is None:
+        _write_config(model, plan, block, out_dir / model.config_name)
+        written.append(model.config_name)
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -76,20 +82,23 @@ def write_model(
             "precision_convert": json.dumps(block, separators=(",", ":")),
         }
 
-        def progress(n: int, label: str = weight_file.output_name) -> None:
+        name = variant_name(weight_file.output_name, variant)
+
+        def progress(n: int, label: str = name) -> None:
             if on_progress is not None:
                 on_progress(label, n)
 
-        total += write_file(out_dir / weight_file.output_name, items, metadata, progress, io=io)
-        weight_map.update({t.name: weight_file.output_name for t, _ in items})
-        written.append(weight_file.output_name)
+        total += write_file(out_dir / name, items, metadata, progress, io=io)
+        weight_map.update({t.name: name for t, _ in items})
+        written.append(name)
     if model.index_name is not None:
         index = {
             "metadata": {**model.index_metadata, "total_size": total},
             "weight_map": weight_map,
         }
-        (out_dir / model.index_name).write_text(json.dumps(index, indent=2) + "\n")
-        written.append(model.index_name)
+        index_name = variant_name(model.index_name, variant)
+        (out_dir / index_name).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(index_name)
     return written
 
 

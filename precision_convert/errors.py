@@ -50,15 +50,24 @@ class CannotValidateError(CheckFailed):
     """No input builder can feed this architecture; the user must supply inputs."""
 
 
-class PushRefused(CheckFailed):
-    """``push``'s certificate gate refused: no ``pass`` certificate, or the files (card
-    included) differ from what it certified. Nothing was uploaded. ``problems`` has one line
-    per file at fault."""
+class NotAsCertified(CheckFailed):
+    """A converted directory is not what its certificate certified: no ``pass`` certificate,
+    or files (card included) changed, missing or added since. ``problems`` has one line per
+    file at fault."""
+
+    prefix = "not as certified"
 
     def __init__(self, directory: str | Path, problems: list[str]) -> None:
         self.path = str(directory)
         self.problems = list(problems)
-        super().__init__(f"{self.path}: push refused, nothing uploaded: " + "; ".join(problems))
+        super().__init__(f"{self.path}: {self.prefix}: " + "; ".join(problems))
+
+
+class PushRefused(NotAsCertified):
+    """``push``'s certificate gate refused (see :class:`NotAsCertified`); nothing was
+    uploaded."""
+
+    prefix = "push refused, nothing uploaded"
 
 
 class HubAuthError(InputError):

@@ -50,6 +50,7 @@ from precision_convert.errors import (
     HubAuthError,
     HubPermissionError,
     InputError,
+    NotAsCertified,
     PrecisionConvertError,
     PushFailed,
     PushRefused,
@@ -57,6 +58,7 @@ from precision_convert.errors import (
 from precision_convert.validation.certify.card import CHART_NAME, base_model_id, render
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
+    CERTIFICATE_FILE,
     CERTIFICATE_NAME,
     Certificate,
 )
@@ -64,8 +66,6 @@ from precision_convert.validation.certify.certificate import (
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-#: ``precision_certificate.json`` or ``precision_certificate.<variant>.json``.
-CERTIFICATE_FILE = re.compile(r"^precision_certificate(?:\.(?P<variant>[A-Za-z0-9_-]+))?\.json$")
 #: Files up to this size are read whole: the bytes hashed are then the very bytes sent.
 _IN_MEMORY_BYTES = 8 * 1024 * 1024
 _HASH_THREADS = min(8, os.cpu_count() or 1)
@@ -143,30 +143,30 @@ def check(converted: str | Path) -> Checked:
 
     Raises:
         InputError: ``converted`` is not a directory.
-        PushRefused: no certificate, a verdict other than ``pass``, a changed, missing or
+        NotAsCertified: no certificate, a verdict other than ``pass``, a changed, missing or
             extra file, or a card that is not the one the certificate renders.
     """
     directory = Path(converted)
     if not directory.is_dir():
         raise InputError("no such directory: push takes a converted model directory", directory)
     paths = _listing(directory)
-    names = [p for p in paths if "/" not in p and CERTIFICATE_FILE.match(p)]
+    names = [p for p in paths if "/" not in p and CERTIFICATE_FILE.fullmatch(p)]
     if not names:
-        raise PushRefused(
+        raise NotAsCertified(
             directory,
             [f"{CERTIFICATE_NAME}: missing (certify the output first: precision-convert validate)"],
         )
     if len(names) > 1:
-        raise PushRefused(directory, [f"more than one certificate ({', '.join(sorted(names))})"])
+        raise NotAsCertified(directory, [f"more than one certificate ({', '.join(sorted(names))})"])
     certificate_name = names[0]
-    variant = CERTIFICATE_FILE.match(certificate_name)["variant"]  # type: ignore[index]
+    variant = CERTIFICATE_FILE.fullmatch(certificate_name)["variant"]  # type: ignore[index]
     try:
         certificate = Certificate.from_dict(
             json.loads((directory / certificate_name).read_text(encoding="utf-8"))
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PushRefused(directory, [f"{certificate_name}: unreadable ({detail})"]) from None
+        raise NotAsCertified(directory, [f"{certificate_name}: unreadable ({detail})"]) from None
 
     problems: list[str] = []
     recorded = certificate.source.get("variant")
@@ -205,7 +205,7 @@ def check(converted: str | Path) -> Checked:
         if card != expected_card:
             problems.append(f"{CARD_NAME}: differs from the card the certificate renders")
     if problems:
-        raise PushRefused(directory, problems)
+        raise NotAsCertified(directory, problems)
     return Checked(directory, certificate, certificate_name, variant, files, card)
 
 
@@ -305,7 +305,10 @@ def publish(
     if not _REPO_ID.match(repo_id):
         raise InputError(f"{repo_id!r} is not a Hub repo id (namespace/name)")
     branch = _branch(revision)
-    checked = check(converted)
+    try:
+        checked = check(converted)
+    except NotAsCertified as exc:
+        raise PushRefused(exc.path, exc.problems) from None
     source_id = base_model_id(checked.certificate)
     variant_pr = checked.variant is not None and repo_id == checked.certificate.source.get("id")
     if not variant_pr and repo_id == source_id and not create_pr:

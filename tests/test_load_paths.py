@@ -385,3 +385,41 @@ def test_cli_model_exits_1_with_a_failing_certificate(tmp_path: Path) -> None:
     assert CERTIFICATE_NAME in result.stderr  # says where the explanation went
     assert Certificate.read(out).verdict == "fail"
     assert (out / CARD_NAME).is_file()
+
+
+def test_remote_code_model_is_validated_only_when_trusted(tmp_path: Path) -> None:
+    """A model that ships its own code: without --trust-remote-code validation cannot build it
+    and says how to allow it (exit 1, failing certificate); with it the baseline, pc.load and
+    the user's own ``AutoModel.from_pretrained(..., trust_remote_code=True)`` are all run."""
+    from _loader_helpers import cogvlm_style
+    from safetensors.torch import save_file
+
+    from precision_convert.cli.main import app
+
+    source = cogvlm_style(tmp_path / "source")
+    generator = torch.Generator().manual_seed(0)
+    inputs = tmp_path / "inputs.safetensors"
+    save_file(
+        {
+            "input_ids": torch.randint(0, 64, (2, 5), generator=generator),
+            "pixel_values": torch.randn(2, 3, 8, 8, generator=generator),
+        },
+        inputs,
+    )
+    out = tmp_path / "out"
+    convert(source, to="bf16-safe", output=out, validate=False, trust_remote_code=True)
+    command = ["validate", str(out), "--baseline", str(source), "--inputs", str(inputs)]
+
+    refused = CliRunner().invoke(app, command)
+    assert refused.exit_code == 1, refused.output
+    certificate = Certificate.read(out)
+    assert certificate.verdict == "fail"
+    assert any("--trust-remote-code" in line for line in certificate.failures)
+
+    trusted = CliRunner().invoke(app, [*command, "--trust-remote-code"])
+    assert trusted.exit_code == 0, trusted.output
+    certificate = Certificate.read(out)
+    assert certificate.verdict == "pass", certificate.failures
+    found = ways(certificate)
+    assert found["plain"].call == 'AutoModel.from_pretrained("<repo>", trust_remote_code=True)'
+    assert found["plain"].verdict == "pass" and found["pc.load"].verdict == "pass"

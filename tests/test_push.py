@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -34,10 +35,10 @@ from precision_convert.validation.certify.card import write_card
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
-    hash_files,
 )
 
 SOURCE_REPO = "ns/tiny"
+VARIANT = "bf16"
 USER = "ns"
 #: Recognisable, so a leak anywhere is found by a plain search.
 TOKEN = "hf_FAKEtokenDoNotLeak123"
@@ -53,14 +54,19 @@ class Served:
     hub: FakeHub
     source: Path  # the fp32 model uploaded as SOURCE_REPO (three shards)
     output: Path  # `precision-convert model ns/tiny --to bf16-safe`, certified
+    variant_output: Path  # the same with `--variant bf16`: certified, for a PR into ns/tiny
     home: Path  # the huggingface_hub cache/token location used by the tests
 
 
 def _online(mp: pytest.MonkeyPatch, hub: FakeHub, home: Path, token: str | None = TOKEN) -> None:
     """Point this process's huggingface_hub at ``hub``; monkeypatch undoes it afterwards."""
     import huggingface_hub.constants as constants
+    from huggingface_hub import hf_api
 
     mp.setattr(constants, "ENDPOINT", hub.endpoint)
+    # The module-level client (huggingface_hub.model_info, which diffusers' pipeline loader
+    # calls) read the endpoint at import, as HF_ENDPOINT would have set it.
+    mp.setattr(hf_api.api, "endpoint", hub.endpoint)
     mp.setattr(
         constants,
         "HUGGINGFACE_CO_URL_TEMPLATE",
@@ -85,17 +91,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert len(list(source.glob("*.safetensors"))) == 3
     home = root / "hf-home"
     output = root / "tiny-bf16-safe"
+    variant_output = root / "tiny-bf16-variant"
     with FakeHub() as hub:
         hub.add_token(TOKEN, USER)
         hub.add_token(READ_TOKEN, USER, write=False)
         hub.add_commit(SOURCE_REPO, source)
         with pytest.MonkeyPatch.context() as mp:
             _online(mp, hub, home)
-            done = CliRunner().invoke(
-                app, ["model", SOURCE_REPO, "--to", "bf16-safe", "-o", str(output)]
-            )
-        assert done.exit_code == 0, done.output
-        yield Served(hub, source, output, home)
+            for out, extra in ((output, []), (variant_output, ["--variant", VARIANT])):
+                done = CliRunner().invoke(
+                    app, ["model", SOURCE_REPO, "--to", "bf16-safe", "-o", str(out), *extra]
+                )
+                assert done.exit_code == 0, done.output
+        yield Served(hub, source, output, variant_output, home)
 
 
 @pytest.fixture
@@ -321,6 +329,11 @@ def _add_file(out: Path) -> str:
     return "notes.txt"
 
 
+def _delete_shard(out: Path) -> str:
+    (out / "model-00003-of-00003.safetensors").unlink()
+    return "model-00003-of-00003.safetensors"
+
+
 def _delete_certificate(out: Path) -> str:
     (out / CERTIFICATE_NAME).unlink()
     return CERTIFICATE_NAME
@@ -344,13 +357,33 @@ def _edit_card(out: Path) -> str:
 
 @pytest.mark.parametrize(
     "tamper",
-    [_flip_a_byte, _change_config, _add_file, _delete_certificate, _fail_verdict, _edit_card],
-    ids=["shard-byte", "config-key", "added-file", "no-certificate", "fail-verdict", "card"],
+    [
+        _flip_a_byte,
+        _change_config,
+        _add_file,
+        _delete_shard,
+        _delete_certificate,
+        _fail_verdict,
+        _edit_card,
+    ],
+    ids=[
+        "shard-byte",
+        "config-key",
+        "added-file",
+        "removed-file",
+        "no-certificate",
+        "fail-verdict",
+        "card",
+    ],
 )
 def test_gate_refuses_and_uploads_nothing(
     served: Served, hub: FakeHub, tmp_path: Path, tamper: Callable[[Path], str]
 ) -> None:
+    """Each change after certification is caught by ``push`` (nothing sent) and by
+    ``validate --verify``, both naming the file."""
     out = _copy(served, tmp_path)
+    verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])
+    assert verified.exit_code == 0 and "verified:" in verified.stdout, verified.output
     culprit = tamper(out)
     done = _push(str(out), "ns/refused")
     line = _one_line_error(done, 1, culprit, "push refused")
@@ -358,6 +391,8 @@ def test_gate_refuses_and_uploads_nothing(
         assert "'fail'" in line
     assert hub.requests == []  # the gate runs before anything talks to the Hub
     assert "ns/refused" not in hub.repos
+    verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])
+    _one_line_error(verified, 1, culprit, "not as certified")
 
 
 def test_gate_hashes_bytes_not_names(served: Served, hub: FakeHub, tmp_path: Path) -> None:
@@ -537,42 +572,48 @@ def _spawn(args: list[str], hub: FakeHub, cwd: Path) -> subprocess.Popen[str]:
 # --------------------------------------------------------------------------- variant PR
 
 
-def _as_variant(served: Served, tmp_path: Path, variant: str) -> Path:
-    """The push shape of a ``--variant`` output, built from the normal output.
+def _variant_copy(served: Served, tmp_path: Path) -> Path:
+    copy = tmp_path / "variant"
+    shutil.copytree(served.variant_output, copy)
+    return copy
 
-    The variant writer comes later; until then this renames the certified shards to the Hub's
-    variant names, keeps the source's own ``config.json`` (as ``--variant`` outputs do), records
-    the variant in the certificate's source and re-hashes the files. The tensors are the ones
-    validation certified, byte for byte; only their file names changed.
-    """
-    out = _copy(served, tmp_path)
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    renamed = {}
-    for shard in sorted(out.glob("model-*.safetensors")):
-        new = shard.name.replace("model-", f"model.{variant}-", 1)
-        shard.rename(out / new)
-        renamed[shard.name] = new
-    index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
-    (out / f"model.safetensors.index.{variant}.json").write_text(json.dumps(index, indent=2))
-    (out / "model.safetensors.index.json").unlink()
-    shutil.copy(served.source / "config.json", out / "config.json")
+
+def test_variant_output_keeps_the_source_config_and_names(served: Served) -> None:
+    """``--variant``: the Hub's variant names, the source's own config, the variant's
+    certificate; and plain ``from_pretrained(dir, variant=)`` reads it."""
+    out = served.variant_output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        "README.md",
+        "config.json",
+        f"model.{VARIANT}-00001-of-00003.safetensors",
+        f"model.{VARIANT}-00002-of-00003.safetensors",
+        f"model.{VARIANT}-00003-of-00003.safetensors",
+        f"model.safetensors.index.{VARIANT}.json",
+        f"precision_certificate.{VARIANT}.json",
+    ]
+    assert (out / "config.json").read_bytes() == (served.source / "config.json").read_bytes()
+    index = json.loads((out / f"model.safetensors.index.{VARIANT}.json").read_text())
+    assert set(index["weight_map"].values()) == {
+        f"model.{VARIANT}-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
+    }
     certificate = Certificate.read(out)
-    (out / CERTIFICATE_NAME).unlink()
-    certificate.source["variant"] = variant
-    certificate.files = hash_files(out)
-    certificate.files.pop("README.md", None)
-    (out / f"precision_certificate.{variant}.json").write_text(
-        json.dumps(certificate.to_dict(), indent=2) + "\n"
-    )
-    write_card(certificate, out)
-    return out
+    assert certificate.passed and certificate.source["variant"] == VARIANT
+    assert certificate.source["id"] == SOURCE_REPO
+    calls = {p.way: p.call for p in certificate.load_paths}
+    assert calls["plain"] == f'T5EncoderModel.from_pretrained("<repo>", variant="{VARIANT}")'
+    assert calls["pc.load"] == f'precision_convert.load("<repo>", variant="{VARIANT}")'
+    assert f"precision_certificate.{VARIANT}.json" in (out / "README.md").read_text()
+    # The source's config says float32, so the plain load of a variant upcasts: finite, and
+    # the certificate measured exactly that load.
+    assert certificate.load_path("plain").verdict == "pass"
 
 
 def test_variant_output_opens_a_pr_into_its_source(
     served: Served, hub: FakeHub, tmp_path: Path
 ) -> None:
-    variant = "bf16"
-    out = _as_variant(served, tmp_path, variant)
+    variant = VARIANT
+    out = _variant_copy(served, tmp_path)
     repo = hub.repos[SOURCE_REPO]
     main, source_files = repo.refs["main"], hub.files(SOURCE_REPO)
     done = _push(str(out), SOURCE_REPO)
@@ -595,17 +636,23 @@ def test_variant_output_opens_a_pr_into_its_source(
     pr = repo.pull_request(num)
     assert "verdict **pass**" in pr.description and "## Parity" in pr.description
 
-    # transformers loads the variant from the PR revision.
+    # transformers loads the variant from the PR revision, as does pc.load (with the dtype
+    # map the shards carry, since the source's config has none).
     from transformers import T5EncoderModel
 
-    snapshot = _download(SOURCE_REPO, tmp_path / "cache", revision=f"refs/pr/{num}")
-    model = T5EncoderModel.from_pretrained(snapshot, variant=variant)
+    import precision_convert as pc
+
+    revision = f"refs/pr/{num}"
+    model = T5EncoderModel.from_pretrained(SOURCE_REPO, revision=revision, variant=variant)
+    loaded = pc.load(SOURCE_REPO, variant=variant, revision=revision)
     stored: dict[str, torch.Tensor] = {}
     for shard in sorted(out.glob(f"model.{variant}-*.safetensors")):
         stored.update(load_file(shard))
-    state = model.state_dict()
+    state, kept = model.state_dict(), loaded.state_dict()
     for name, tensor in stored.items():
         assert torch.equal(state[name].float(), tensor.float()), name
+        assert kept[name].dtype == tensor.dtype and torch.equal(kept[name], tensor), name
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16, torch.float32}
 
     again = _push(str(out), SOURCE_REPO)
     assert again.exit_code == 0, again.output
@@ -617,7 +664,7 @@ def test_variant_output_opens_a_pr_into_its_source(
 def test_variant_kept_files_must_match_the_source(
     served: Served, hub: FakeHub, tmp_path: Path
 ) -> None:
-    out = _as_variant(served, tmp_path, "bf16")
+    out = _variant_copy(served, tmp_path)
     # Certified, but with a config the source repo does not serve.
     config = json.loads((out / "config.json").read_text())
     config["dropout_rate"] = 0.5
@@ -680,3 +727,82 @@ def test_model_push_converts_validates_and_publishes(
         app, ["model", SOURCE_REPO, "--to", "bf16", "--no-validate", "--push", repo_id]
     )
     _one_line_error(refused, 2, "--push needs a certificate")
+
+
+def _generate(pipe: Any) -> torch.Tensor:
+    return pipe(
+        prompt="a cat near the river",
+        num_inference_steps=2,
+        height=32,
+        width=32,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+@pytest.mark.parametrize("kind", ["unet", "pipeline"])
+def test_diffusers_variant_pr_loads_with_from_pretrained(
+    hub: FakeHub, tmp_path: Path, kind: str
+) -> None:
+    """A diffusers model and a whole pipeline: ``model REPO --variant fp16 --push REPO`` opens a
+    PR into REPO that diffusers' own ``from_pretrained(REPO, revision=PR, variant=)`` loads, and
+    ``pc.load`` too, each giving what the fp32 source gives."""
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+
+    import precision_convert as pc
+
+    repo_id, source, out = f"ns/tiny-{kind}", tmp_path / "source", tmp_path / "out"
+    if kind == "unet":
+        _models.save("unet", source)
+    else:
+        _models.sd_pipeline(source)
+    hub.add_commit(repo_id, source)
+    source_files = hub.files(repo_id)
+    command = ["model", repo_id, "--to", "fp16-safe", "--variant", "fp16", "-o", str(out)]
+    done = CliRunner().invoke(app, [*command, "--coverage", "quick", "--push", repo_id])
+    assert done.exit_code == 0, done.output
+    (pr,) = [d for d in hub.repos[repo_id].discussions if d.is_pull_request]
+    revision = f"refs/pr/{pr.num}"
+    added = hub.files(repo_id, revision)
+    assert {p: d for p, d in added.items() if p in source_files} == source_files
+    new = sorted(set(added) - set(source_files))
+    weights = "diffusion_pytorch_model.fp16.safetensors"
+    if kind == "unet":
+        assert new == [weights, "precision_certificate.fp16.json"]
+    else:
+        assert new == [
+            "precision_certificate.fp16.json",
+            "text_encoder/model.fp16.safetensors",
+            f"unet/{weights}",
+            f"vae/{weights}",
+        ]
+    for path in new:
+        assert added[path] == (out / path).read_bytes()
+
+    with torch.no_grad():
+        if kind == "unet":
+            sample = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+            context = torch.randn(1, 4, 24, generator=torch.Generator().manual_seed(1))
+
+            def run(model: Any) -> torch.Tensor:
+                dtype = next(model.parameters()).dtype
+                return model(sample.to(dtype), 999, context.to(dtype)).sample.float()
+
+            expected = run(UNet2DConditionModel.from_pretrained(source))
+            plain = UNet2DConditionModel.from_pretrained(repo_id, revision=revision, variant="fp16")
+            loaded = pc.load(repo_id, variant="fp16", revision=revision)
+            for result in (run(plain), run(loaded)):
+                assert torch.isfinite(result).all()
+                similarity = torch.nn.functional.cosine_similarity(
+                    result.flatten(), expected.flatten(), dim=0
+                )
+                assert similarity >= 0.999
+        else:
+            expected = _generate(DiffusionPipeline.from_pretrained(source))
+            plain = DiffusionPipeline.from_pretrained(repo_id, revision=revision, variant="fp16")
+            loaded = pc.load(repo_id, variant="fp16", revision=revision)
+            for pipe in (plain, loaded):
+                images = _generate(pipe).float()
+                mse = (images - expected).pow(2).mean().item()
+                assert mse == 0 or 10 * math.log10(1 / mse) >= 30
+            assert loaded.unet.dtype == torch.float16  # pc.load keeps the memory saving

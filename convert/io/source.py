@@ -35,6 +35,14 @@ _WEIGHT_FILE = re.compile(
     r"|(pytorch_model|diffusion_pytorch_model|open_clip_pytorch_model)([-.].*)?\.bin$"
 )
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+#: A Hub variant name (``fp16``, ``bf16``, ``non_ema``): it goes inside file names.
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")
+#: A variant-named weight file or index: ``model.fp16.safetensors``,
+#: ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json``.
+_VARIANT_FILE = re.compile(
+    r"(?P<stem>[^.]+)\.(?P<variant>[A-Za-z0-9_]+)(?P<shard>-\d+-of-\d+)?\.(?P<ext>safetensors|bin)"
+    r"|(?P<istem>[^.]+)\.(?P<iext>safetensors|bin)\.index\.(?P<ivariant>[A-Za-z0-9_]+)\.json"
+)
 
 
 @dataclass(frozen=True)
@@ -56,9 +64,10 @@ class ModelSource:
     library: str  # "transformers", "diffusers" or "open_clip"
     config_name: str
     config: dict[str, Any]
-    files: tuple[WeightFile, ...]
+    files: tuple[WeightFile, ...]  # output names are the plain (variant-less) names
     index_name: str | None  # output index file name when the source is sharded
     index_metadata: dict[str, Any]
+    variant: str | None = None  # the Hub variant the weights were read under
 
     @property
     def class_name(self) -> str | None:
@@ -158,11 +167,44 @@ def _hub_failure(exc: Exception, revision: str | None) -> str:
     return f"not a local directory, and the Hub could not provide it: {detail}"
 
 
-def open_source(path: Path) -> Source:
-    """Inspect ``path`` and return what it holds, every file checked."""
+def open_source(path: Path, variant: str | None = None) -> Source:
+    """Inspect ``path`` and return what it holds, every file checked.
+
+    ``variant`` reads the Hub variant's weight files (``model.<variant>.safetensors``…), as
+    ``from_pretrained(..., variant=)`` does. Without one, a model that holds only one variant's
+    weights (an output written with ``--variant``) is read under that variant.
+    """
+    if variant is not None and not VARIANT_NAME.fullmatch(variant):
+        raise InputError(f"not a variant name: {variant!r} (letters, digits and _)", path)
     if (path / "model_index.json").is_file():
-        return _pipeline(path)
-    return _model(path)
+        return _pipeline(path, variant)
+    return _model(path, variant)
+
+
+def variant_name(name: str, variant: str | None) -> str:
+    """``name`` as the Hub names it for ``variant`` (transformers' and diffusers' rule):
+    ``model.safetensors`` -> ``model.fp16.safetensors``, shard ``model-00001-of-00002.safetensors``
+    -> ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.json`` ->
+    ``model.safetensors.index.fp16.json``."""
+    if variant is None:
+        return name
+    if name.endswith(".index.json"):
+        return f"{name.removesuffix('.json')}.{variant}.json"
+    stem, _, extension = name.rpartition(".")
+    shard = re.search(r"-\d+-of-\d+$", stem)
+    if shard:
+        return f"{stem[: shard.start()]}.{variant}{shard.group()}.{extension}"
+    return f"{stem}.{variant}.{extension}"
+
+
+def variants(root: Path) -> list[str]:
+    """The variants whose weights ``root`` holds (a model directory, not a pipeline)."""
+    found = set()
+    for entry in root.iterdir():
+        match = _VARIANT_FILE.fullmatch(entry.name)
+        if match and (match["stem"] or match["istem"]) in (*_WEIGHT_STEMS, *_PICKLE_TO_SAFETENSORS):
+            found.add(match["variant"] or match["ivariant"])
+    return sorted(found)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -175,7 +217,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _pipeline(root: Path) -> PipelineSource:
+def _pipeline(root: Path, variant: str | None) -> PipelineSource:
     index = _read_json(root / "model_index.json")
     components: dict[str, ModelSource] = {}
     for name, spec in index.items():
@@ -188,13 +230,13 @@ def _pipeline(root: Path) -> PipelineSource:
             and name not in ("..", ".")
             and any(_WEIGHT_FILE.fullmatch(p.name) for p in directory.iterdir())
         ):
-            components[name] = _model(directory)
+            components[name] = _model(directory, variant)
     if not components:
         raise InputError("pipeline has no component with weights", root / "model_index.json")
     return PipelineSource(root, index, components)
 
 
-def _model(root: Path) -> ModelSource:
+def _model(root: Path, variant: str | None) -> ModelSource:
     if (root / "open_clip_config.json").is_file():
         library, config_name = "open_clip", "open_clip_config.json"
     elif (root / "config.json").is_file():
@@ -207,8 +249,20 @@ def _model(root: Path) -> ModelSource:
         )
     config = _read_json(root / config_name)
     _check_config(config, library, root / config_name)
-    files, index_name, index_metadata = _weight_files(root)
-    return ModelSource(root, library, config_name, config, files, index_name, index_metadata)
+    if variant is not None and library == "open_clip":
+        raise InputError("OpenCLIP has no variant weight files: drop the variant", root)
+    if variant is None and not _plain_weights(root):
+        found = variants(root)
+        if len(found) > 1:
+            raise InputError(
+                f"no default weights, only variants {', '.join(found)}: choose one (variant=...)",
+                root,
+            )
+        variant = found[0] if found else None
+    files, index_name, index_metadata = _weight_files(root, variant)
+    return ModelSource(
+        root, library, config_name, config, files, index_name, index_metadata, variant
+    )
 
 
 def _check_config(config: dict[str, Any], library: str, path: Path) -> None:
@@ -230,28 +284,62 @@ def _check_config(config: dict[str, Any], library: str, path: Path) -> None:
         raise InputError("'architectures' must be a list of strings", path)
 
 
-def _weight_files(root: Path) -> tuple[tuple[WeightFile, ...], str | None, dict[str, Any]]:
+def _plain_weights(root: Path) -> bool:
+    """Whether ``root`` holds weights under the library's default (variant-less) names."""
+    stems = (*_WEIGHT_STEMS, *_PICKLE_TO_SAFETENSORS)
+    return any(
+        (root / f"{stem}.{ext}{index}").is_file()
+        for stem in stems
+        for ext in ("safetensors", "bin")
+        for index in ("", ".index.json")
+    )
+
+
+def _weight_files(
+    root: Path, variant: str | None
+) -> tuple[tuple[WeightFile, ...], str | None, dict[str, Any]]:
+    """The weights to convert, under ``variant``'s names; output names are always the plain
+    ones (the writer adds the output's own variant)."""
+
+    def named(name: str) -> str:
+        return variant_name(name, variant)
+
     for stem in _WEIGHT_STEMS:
-        if (root / f"{stem}.safetensors.index.json").is_file():
+        if (root / named(f"{stem}.safetensors.index.json")).is_file():
             return _sharded(
-                root, f"{stem}.safetensors.index.json", f"{stem}.safetensors.index.json"
+                root,
+                named(f"{stem}.safetensors.index.json"),
+                f"{stem}.safetensors.index.json",
+                variant,
             )
-        if (root / f"{stem}.safetensors").is_file():
+        if (root / named(f"{stem}.safetensors")).is_file():
             return (
-                (_safetensors_file(root / f"{stem}.safetensors", f"{stem}.safetensors"),),
+                (_safetensors_file(root / named(f"{stem}.safetensors"), f"{stem}.safetensors"),),
                 None,
                 {},
             )
     for stem, out_stem in _PICKLE_TO_SAFETENSORS.items():
-        if (root / f"{stem}.bin.index.json").is_file():
-            return _sharded(root, f"{stem}.bin.index.json", f"{out_stem}.safetensors.index.json")
-        if (root / f"{stem}.bin").is_file():
-            return (_pickle_file(root / f"{stem}.bin", f"{out_stem}.safetensors"),), None, {}
+        if (root / named(f"{stem}.bin.index.json")).is_file():
+            return _sharded(
+                root, named(f"{stem}.bin.index.json"), f"{out_stem}.safetensors.index.json", variant
+            )
+        if (root / named(f"{stem}.bin")).is_file():
+            return (
+                (_pickle_file(root / named(f"{stem}.bin"), f"{out_stem}.safetensors"),),
+                None,
+                {},
+            )
+    if variant is not None:
+        raise InputError(
+            f"no {variant!r} variant weights (model.{variant}.safetensors, "
+            f"model.safetensors.index.{variant}.json, …)",
+            root,
+        )
     raise InputError("no weights found (model.safetensors, pytorch_model.bin, …)", root)
 
 
 def _sharded(
-    root: Path, index_name: str, output_index: str
+    root: Path, index_name: str, output_index: str, variant: str | None
 ) -> tuple[tuple[WeightFile, ...], str, dict[str, Any]]:
     index_path = root / index_name
     index = _read_json(index_path)
@@ -271,10 +359,11 @@ def _sharded(
             shard_names.append(shard)
     files: list[WeightFile] = []
     for shard in shard_names:
+        plain = _without_variant(shard, variant)
         if shard.endswith(".safetensors"):
-            weight_file = _safetensors_file(root / shard, shard)
+            weight_file = _safetensors_file(root / shard, plain)
         else:
-            weight_file = _pickle_file(root / shard, _safetensors_name(shard))
+            weight_file = _pickle_file(root / shard, _safetensors_name(plain))
         listed = {t for t, s in weight_map.items() if s == shard}
         present = {t.name for t in weight_file.tensors} | set(weight_file.aliases)
         if listed - present:
@@ -290,6 +379,15 @@ def _sharded(
         files.append(weight_file)
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     return tuple(files), output_index, dict(metadata)
+
+
+def _without_variant(name: str, variant: str | None) -> str:
+    """A variant shard's plain name: ``model.fp16-00001-of-00002.safetensors`` ->
+    ``model-00001-of-00002.safetensors`` (other names unchanged)."""
+    if variant is None:
+        return name
+    marker = rf"\.{re.escape(variant)}(?=-\d+-of-\d+\.|\.(safetensors|bin)$)"
+    return re.sub(marker, "", name, count=1)
 
 
 def _safetensors_name(pickle_name: str) -> str:

@@ -117,6 +117,11 @@ def build_filled(
     return model
 
 
+def variant_keyword(source: ModelSource) -> dict[str, str]:
+    """``variant=`` for the library's ``from_pretrained`` when the weights are a variant's."""
+    return {"variant": source.variant} if source.variant else {}
+
+
 def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config without our record: libraries would otherwise warn that they ignore it."""
     return {k: v for k, v in config.items() if k != RECORD_KEY}
@@ -165,7 +170,9 @@ def _transformers_skeleton(source: ModelSource, cls: type, trust_remote_code: bo
 def _transformers_pretrained(
     source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
-    return cls.from_pretrained(source.root, dtype=dtype, trust_remote_code=trust_remote_code)
+    return cls.from_pretrained(
+        source.root, dtype=dtype, trust_remote_code=trust_remote_code, **variant_keyword(source)
+    )
 
 
 def _transformers_key_map(model: nn.Module) -> KeyMap:
@@ -232,7 +239,9 @@ def _diffusers_dtype_keyword() -> str:
 def _diffusers_pretrained(
     source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
-    return cls.from_pretrained(source.root, **{_diffusers_dtype_keyword(): dtype})
+    return cls.from_pretrained(
+        source.root, **{_diffusers_dtype_keyword(): dtype}, **variant_keyword(source)
+    )
 
 
 # --- open_clip ---------------------------------------------------------------------------------

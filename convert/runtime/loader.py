@@ -21,7 +21,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source
+from precision_convert.conversion.io.source import (
+    ModelSource,
+    PipelineSource,
+    open_source,
+    resolve,
+)
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
 from precision_convert.conversion.runtime.builders import (
     RECORD_KEY,
@@ -38,12 +43,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["load"]
+__all__ = ["load", "read_record"]
 
 
 def load(
     path: str | Path,
     device: str | torch.device | None = None,
+    variant: str | None = None,
+    revision: str | None = None,
     *,
     trust_remote_code: bool = False,
 ) -> Any:
@@ -51,10 +58,15 @@ def load(
 
     Args:
         path: a directory written by ``precision-convert model`` (a transformers or diffusers
-            model, a whole diffusers pipeline, or an OpenCLIP model). Unconverted directories
-            load too, each tensor in the dtype it is stored in.
+            model, a whole diffusers pipeline, or an OpenCLIP model), or a Hub repo id, which
+            is downloaded first. Unconverted directories load too, each tensor in the dtype it
+            is stored in.
         device: where to put the result: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"`` (CUDA
             when present), a ``torch.device``; ``None`` leaves it on the CPU.
+        variant: load the Hub variant's weights (``model.<variant>.safetensors``…), as
+            written by ``--variant`` and added to a source repo; a directory holding only one
+            variant's weights loads that variant without being told.
+        revision: a Hub branch, tag, commit or PR ref (``refs/pr/1``) of a repo id.
         trust_remote_code: run model code shipped with the checkpoint (``auto_map``). Off by
             default: a checkpoint is data until the user says otherwise.
 
@@ -72,11 +84,9 @@ def load(
         >>> model = load("t5-small-fp16-safe")
         >>> model(input_ids=ids).last_hidden_state  # runs; fp32 islands intact
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise InputError("no such directory: load() takes a converted model directory", root)
+    root = resolve(path, revision)
     target = resolve_device(device) if device is not None else None
-    opened = open_source(root)
+    opened = open_source(root, variant)
     loaded: Any = (
         _load_pipeline(opened, trust_remote_code)
         if isinstance(opened, PipelineSource)
@@ -118,7 +128,7 @@ def _component_class(name: str, spec: list[Any], source: PipelineSource) -> type
 def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None = None) -> nn.Module:
     from precision_convert.conversion.runtime.boundaries import find_boundaries, install
 
-    record = _record(source)
+    record = read_record(source)
     tensors = list(source.tensors())
     compute = _compute_dtype(record, tensors, source)
     if record is not None:
@@ -134,8 +144,9 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
 # --- the record ----------------------------------------------------------------------------
 
 
-def _record(source: ModelSource) -> dict[str, Any] | None:
-    """The ``precision_convert`` block: from the config, else from the first shard's metadata."""
+def read_record(source: ModelSource) -> dict[str, Any] | None:
+    """The ``precision_convert`` block: from the config, else from the first shard's metadata
+    (a ``--variant`` output keeps the source's config, so only its shards carry it)."""
     block = source.config.get(RECORD_KEY)
     where: Path = source.root / source.config_name
     if block is None:

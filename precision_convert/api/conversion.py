@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.conversion.analysis.norms import normalization_modules
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import (
+    VARIANT_NAME,
     ModelSource,
     PipelineSource,
     Source,
@@ -203,6 +204,7 @@ def convert(
     coverage: str | None = None,
     calibration_data: str | Path | None = None,
     inputs: str | Path | None = None,
+    variant: str | None = None,
 ) -> ConversionResult:
     """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
 
@@ -221,6 +223,10 @@ def convert(
         calibration_data: text lines or JSONL of model inputs, added to the probes of
             calibration and validation.
         inputs: a safetensors file of named inputs that replaces validation's probes.
+        variant: write the weights under the Hub's variant names (``model.<variant>.
+            safetensors``…) and keep the source's config files unchanged, so the output can
+            be added to the source repo and loaded with ``from_pretrained(..., variant=)``;
+            the certificate is ``precision_certificate.<variant>.json``.
         hub_timeout: seconds a Hub download may wait for metadata (see
             :func:`~precision_convert.conversion.io.source.resolve`); default: the
             huggingface_hub settings.
@@ -233,6 +239,7 @@ def convert(
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
     check_target(to)
+    check_variant(variant)
     data = read_user_data(calibration_data, coverage)
     root = resolve(source, revision, timeout=hub_timeout)
     target_dir = Path(output) if output is not None else default_output(source, to)
@@ -242,6 +249,8 @@ def convert(
         raise InputError("output must not be the source directory or inside it", target_dir)
     opened = open_source(root)
     models = _models(opened)
+    if variant is not None and any(m.library == "open_clip" for m in models.values()):
+        raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
     if calibrate is None:
         calibrate = to == "fp16-safe"
     # The run's buffers and prefetch thread: all released, the thread joined, on the way out
@@ -270,7 +279,9 @@ def convert(
         ]
         try:
             with staged:
-                written = _write(opened, models, components, staged.path, on_progress, io)
+                written = _write(
+                    opened, models, components, staged.path, on_progress, io, variant
+                )
                 staged.commit()
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
@@ -291,8 +302,17 @@ def convert(
             inputs=inputs,
             coverage=coverage or "standard",
             calibration_data=data,
+            trust_remote_code=trust_remote_code,
         )
     return result
+
+
+def check_variant(variant: str | None) -> None:
+    """A variant name goes into file names: letters, digits and ``_`` only."""
+    if variant is not None and not VARIANT_NAME.fullmatch(variant):
+        raise InputError(
+            f"--variant {variant!r}: a variant name is letters, digits and _ (e.g. fp16)"
+        )
 
 
 def read_user_data(path: str | Path | None, coverage: str | None) -> CalibrationData | None:
@@ -322,6 +342,7 @@ def _write(
     staging: Path,
     on_progress: ProgressHook | None,
     io: IOContext,
+    variant: str | None,
 ) -> list[str]:
     written: list[str] = []
     if isinstance(opened, PipelineSource):
@@ -333,7 +354,9 @@ def _write(
         name = component.name
         out_dir = staging / name if name else staging
         out_dir.mkdir(exist_ok=True)
-        files = write_model(models[name], component.plan, out_dir, on_progress, io=io)
+        files = write_model(
+            models[name], component.plan, out_dir, on_progress, io=io, variant=variant
+        )
         if component.calibration is not None:
             files.append(_write_chart(component, out_dir))
         written += [f"{name}/{f}" if name else f for f in files]

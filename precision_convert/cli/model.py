@@ -75,6 +75,17 @@ def model(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
+    variant: Annotated[
+        str | None,
+        typer.Option(
+            "--variant",
+            metavar="NAME",
+            help="Write the weights under the Hub's variant names (model.NAME.safetensors…) "
+            "and keep the source's configs unchanged, so the output can be added to the "
+            "source repo (push it there: a variant pull request) and loaded with "
+            "from_pretrained(..., variant=NAME).",
+        ),
+    ] = None,
     push: Annotated[
         str | None,
         typer.Option(
@@ -119,6 +130,7 @@ def model(
                 coverage=coverage,
                 calibration_data=calibration_data,
                 inputs=inputs,
+                variant=variant,
             )
         except CannotValidateError:  # the output is written, with a failing certificate
             note_unvalidated(output if output is not None else default_output(source, to))

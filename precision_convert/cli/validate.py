@@ -47,6 +47,18 @@ def validate_command(
     ] = None,
     coverage: CoverageOption = None,
     calibration_data: CalibrationDataOption = None,
+    trust_remote_code: Annotated[
+        bool,
+        typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
+    ] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Only check, by sha256, that the files are the ones the certificate "
+            "certified (the card regenerated and compared too); runs no model.",
+        ),
+    ] = False,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the certificate as one JSON object.")
     ] = False,
@@ -55,6 +67,9 @@ def validate_command(
     from precision_convert.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
 
+    if verify:
+        verify_files(converted, json_output)
+        return
     with reported_errors():
         try:
             with console.status("validating against fp32…", spinner="dots"):
@@ -66,6 +81,7 @@ def validate_command(
                     max_memory=max_memory,
                     coverage=coverage or "standard",
                     calibration_data=calibration_data,
+                    trust_remote_code=trust_remote_code,
                 )
         except CannotValidateError:
             note_unvalidated(converted)
@@ -85,6 +101,29 @@ def note_unvalidated(converted: Path) -> None:
             f"[red]✗[/] not validated: {converted / CERTIFICATE_NAME} (verdict fail) and "
             f"{CARD_NAME} say what is missing",
             soft_wrap=True,
+        )
+
+
+def verify_files(converted: Path, json_output: bool) -> None:
+    """``--verify``: the hash check ``push`` gates on, offline; exit 1 naming each file at
+    fault (or a verdict other than pass)."""
+    from precision_convert.hub import check
+
+    with reported_errors():
+        checked = check(converted)
+    if json_output:
+        emit_json(
+            {
+                "verified": True,
+                "certificate": checked.certificate_name,
+                "verdict": checked.certificate.verdict,
+                "files": len(checked.files),
+            }
+        )
+    else:
+        typer.echo(
+            f"verified: {len(checked.files)} files match {checked.certificate_name} "
+            f"(verdict {checked.certificate.verdict})"
         )
 
 

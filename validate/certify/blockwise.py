@@ -255,10 +255,12 @@ def _streamed(
     device: torch.device,
     dtype_of: Callable[[Any], torch.dtype],
     on_load: Callable[[nn.Parameter, str], None] | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> tuple[Streamer, Placeholders]:
     """``source``'s skeleton, from the builder ``pc.load`` uses, with every weight a
     placeholder and a streamer that loads them in ``dtype_of(stored)``."""
-    model = build_skeleton(source)
+    model = build_skeleton(source, trust_remote_code=trust_remote_code)
     try:
         streamer = Streamer(model, source, key_map(model, source), device, dtype_of, on_load)
     except WeightsDoNotMap as exc:
@@ -280,7 +282,13 @@ def validate_blockwise(
     if not isinstance(base_source, ModelSource):
         raise CannotValidateError("block-wise validation takes one model, not a pipeline")
     coverage = Coverage()
-    base_streamer, base_placeholders = _streamed(base_source, device, fp32_dtype, coverage.alias)
+    base_streamer, base_placeholders = _streamed(
+        base_source,
+        device,
+        fp32_dtype,
+        coverage.alias,
+        trust_remote_code=component.trust_remote_code,
+    )
     baseline = base_streamer.model
     limit = max(1, int(budget * BLOCK_SHARE))
     blocks = partition(baseline, limit)
@@ -356,7 +364,9 @@ def _candidate_pass(
     device: torch.device,
     thresholds: Mapping[str, float],
 ) -> tuple[Outputs, list[Measurement]]:
-    streamer, placeholders = _streamed(component.converted, device, stored_dtype)
+    streamer, placeholders = _streamed(
+        component.converted, device, stored_dtype, trust_remote_code=component.trust_remote_code
+    )
     candidate = streamer.model
     # The boundaries pc.load would install: same record, same key map, same reasons.
     reasons = model_reasons(

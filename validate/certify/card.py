@@ -23,7 +23,6 @@ from typing import Any
 
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
-    CERTIFICATE_NAME,
     Certificate,
     LoadPath,
 )
@@ -90,7 +89,7 @@ def summary(certificate: Certificate) -> dict[str, Any]:
         "metrics_judged": len(certificate.metrics),
         "metrics_failed": len(failed),
         "loading": _loading_summary(certificate),
-        "certificate": CERTIFICATE_NAME,
+        "certificate": certificate.file_name,
     }
 
 
@@ -122,7 +121,7 @@ def _rows(metrics: Iterable[Measurement]) -> list[str]:
             f"{'✅' if m.passed else '❌'} |"
         )
     if len(ordered) > MAX_ROWS:
-        rows.append(f"| … | {len(ordered) - MAX_ROWS} more in `{CERTIFICATE_NAME}` | | | |")
+        rows.append(f"| … | {len(ordered) - MAX_ROWS} more in the certificate | | | |")
     return rows
 
 
@@ -190,8 +189,8 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
         lines.append("")
     lines += _loading(certificate)
     lines += [
-        f"Every file's sha256 is listed in `{CERTIFICATE_NAME}`; `precision-convert push` refuses "
-        "files that differ from it.",
+        f"Every file's sha256 is listed in `{certificate.file_name}`; "
+        "`precision-convert push` refuses files that differ from it.",
         "",
     ]
     return "\n".join(lines)
@@ -199,12 +198,14 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
 
 def _loading(certificate: Certificate) -> list[str]:
     """The loading section: the recommended call, then what every way of loading gives."""
+    variant = certificate.source.get("variant")
+    where = f'"<this repo or dir>", variant="{variant}"' if variant else '"<this repo or dir>"'
     lines = [
         "## Loading",
         "",
         "```python",
         "import precision_convert as pc",
-        'model = pc.load("<this repo or dir>")  # stored dtypes kept, fp32 islands intact',
+        f"model = pc.load({where})  # stored dtypes kept, fp32 islands intact",
         "```",
         "",
     ]

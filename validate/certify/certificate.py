@@ -23,9 +23,10 @@ from typing import Any
 from precision_convert.validation.probe.metrics import Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
+#: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
+#: written with ``--variant`` (it sits beside the source repo's files, under its own name).
+CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json")
 CARD_NAME = "README.md"
-#: Written after the hashes are taken (the card quotes the certificate), so never hashed.
-UNHASHED = frozenset({CERTIFICATE_NAME, CARD_NAME})
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
 SCHEMA = "precision-convert/certificate/1"
 #: Files hashed at once: enough to keep a few cores and a fast disk busy.
@@ -125,16 +126,40 @@ class Certificate:
             component = "pipeline" if "pipeline" in names else ""
         return next((p for p in self.load_paths if p.way == way and p.component == component), None)
 
+    @property
+    def file_name(self) -> str:
+        """The name it is stored under: the variant's certificate for a ``--variant`` output."""
+        return certificate_name(self.source.get("variant"))
+
     @classmethod
     def read(cls, directory: str | Path) -> Certificate:
         """The certificate stored in ``directory`` (FileNotFoundError when there is none)."""
-        path = Path(directory) / CERTIFICATE_NAME
+        found = certificate_files(directory)
+        if not found:
+            raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
+        path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
 
 
+def certificate_name(variant: str | None) -> str:
+    return f"precision_certificate.{variant}.json" if variant else CERTIFICATE_NAME
+
+
+def certificate_files(directory: str | Path) -> list[str]:
+    """The certificates in ``directory`` (normally one), sorted."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if CERTIFICATE_FILE.fullmatch(p.name))
+
+
 def write(certificate: Certificate, directory: str | Path) -> Path:
-    """Write ``precision_certificate.json`` atomically (a crash never leaves half a file)."""
-    path = Path(directory) / CERTIFICATE_NAME
+    """Write the certificate atomically (a crash never leaves half a file), replacing any
+    other certificate in ``directory`` (a re-validation under another variant name)."""
+    path = Path(directory) / certificate.file_name
+    for stale in certificate_files(directory):
+        if stale != path.name:
+            (Path(directory) / stale).unlink()
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(certificate.to_dict(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -161,17 +186,22 @@ def sha256_files(root: Path, paths: Iterable[Path]) -> dict[str, str]:
 
 
 def hash_files(directory: str | Path) -> dict[str, str]:
-    """sha256 of every file under ``directory`` (relative POSIX paths), minus :data:`UNHASHED`
-    and hidden paths (``.cache``, ``.git``)."""
+    """sha256 of every file under ``directory`` (relative POSIX paths), minus the certificate
+    and the card (written after the hashes are taken: the card quotes the certificate) and
+    hidden paths (``.cache``, ``.git``)."""
     root = Path(directory)
     paths = [
         path
         for path in root.rglob("*")
         if path.is_file()
-        and path.relative_to(root).as_posix() not in UNHASHED
+        and not _unhashed(path.relative_to(root).as_posix())
         and not any(p.startswith(".") for p in path.parts[len(root.parts) :])
     ]
     return sha256_files(root, paths)
+
+
+def _unhashed(relative: str) -> bool:
+    return relative == CARD_NAME or bool(CERTIFICATE_FILE.fullmatch(relative))
 
 
 def verify_files(directory: str | Path, certificate: Certificate) -> list[str]:

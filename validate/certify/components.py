@@ -31,6 +31,7 @@ class Component:
     converted: ModelSource
     baseline_dir: Path
     record: Mapping[str, Any]
+    trust_remote_code: bool = False  # the user allowed the model's own code (auto_map) to run
 
     @property
     def compute_dtype(self) -> torch.dtype:

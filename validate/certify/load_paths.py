@@ -38,7 +38,12 @@ from typing import Any
 import torch
 
 from precision_convert.conversion.io.source import ModelSource, PipelineSource
-from precision_convert.conversion.runtime.builders import _diffusers_dtype_keyword, model_class
+from precision_convert.conversion.runtime.builders import (
+    _diffusers_dtype_keyword,
+    model_class,
+    variant_keyword,
+)
+from precision_convert.conversion.runtime.loader import read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import from_config_string
 from precision_convert.errors import InputError
@@ -106,32 +111,50 @@ def model_ways(component: Component) -> list[Way]:
     source = component.converted
     compute = component.compute_dtype
     repo = f'"<repo>", subfolder="{component.name}"' if component.name else '"<repo>"'
+    repo += _variant_argument(source.variant)
     if source.library == "open_clip":
         return _open_clip_ways(source.root, compute)
-    cls_name = source.class_name or "AutoModel"
+    # A model with its own code is loaded the way its users must: through the Auto class,
+    # with trust_remote_code=True (only when the user allowed it here too).
+    trusted = component.trust_remote_code and bool(source.config.get("auto_map"))
+    cls_name = "AutoModel" if trusted else source.class_name or "AutoModel"
     call = f"{cls_name}.from_pretrained({repo}"
+    if trusted:
+        call += ", trust_remote_code=True"
+
+    def load(**kwargs: Any) -> Callable[[], Any]:
+        return _from_pretrained(source, trusted, **kwargs)
+
     if source.library == "transformers":
         keyword = "dtype"
-        auto = Way(AUTO, f'{call}, dtype="auto")', _from_pretrained(source, dtype="auto"))
+        auto = Way(AUTO, f'{call}, dtype="auto")', load(dtype="auto"))
     else:
         keyword = _diffusers_dtype_keyword()
         auto = Way(AUTO, f'{call}, {keyword}="auto")', None, "diffusers has no 'auto' dtype")
     return [
-        Way(PLAIN, f"{call})", _from_pretrained(source)),
+        Way(PLAIN, f"{call})", load()),
         auto,
         Way(
             COMPUTE,
             f"{call}, {keyword}={_literal(compute)})",
-            _from_pretrained(source, **{keyword: compute}),
+            load(**{keyword: compute}),
             input_dtype=compute,
         ),
     ]
 
 
-def _from_pretrained(source: ModelSource, **kwargs: Any) -> Callable[[], Any]:
+def _variant_argument(variant: str | None) -> str:
+    return f', variant="{variant}"' if variant else ""
+
+
+def _from_pretrained(source: ModelSource, trusted: bool, **kwargs: Any) -> Callable[[], Any]:
     def build() -> Any:
-        # The class a user would name (remote code is never run here: pc.load does not either).
-        return model_class(source).from_pretrained(source.root, **kwargs)
+        # The class a user would name; remote code only where the user allowed it.
+        if trusted:
+            kwargs["trust_remote_code"] = True
+        return model_class(source, trust_remote_code=trusted).from_pretrained(
+            source.root, **variant_keyword(source), **kwargs
+        )
 
     return build
 
@@ -160,19 +183,23 @@ def _open_clip_ways(root: Path, compute: torch.dtype) -> list[Way]:
     ]
 
 
-def pipeline_ways(root: Path, compute: torch.dtype | None) -> list[Way]:
+def pipeline_ways(opened: PipelineSource) -> list[Way]:
     """diffusers' own ways of loading the whole pipeline."""
+    variant = pipeline_variant(opened)
+    compute = pipeline_compute(opened.components.values())
 
     def load(**kwargs: Any) -> Callable[[], Any]:
         def build() -> Any:
             import diffusers
 
-            return diffusers.DiffusionPipeline.from_pretrained(root, **kwargs)
+            return diffusers.DiffusionPipeline.from_pretrained(
+                opened.root, **({"variant": variant} if variant else {}), **kwargs
+            )
 
         return build
 
     keyword = _diffusers_dtype_keyword()
-    call = 'DiffusionPipeline.from_pretrained("<repo>"'
+    call = f'DiffusionPipeline.from_pretrained("<repo>"{_variant_argument(variant)}'
     ways = [
         Way(PLAIN, f"{call})", load()),
         Way(AUTO, f'{call}, {keyword}="auto")', None, "diffusers has no 'auto' dtype"),
@@ -184,11 +211,15 @@ def pipeline_ways(root: Path, compute: torch.dtype | None) -> list[Way]:
     return ways
 
 
-def pc_load_call(component: str) -> str:
+def pc_load_call(component: str, variant: str | None) -> str:
     """How a user loads ``component`` with precision-convert."""
-    if component and component != "pipeline":
-        return f'precision_convert.load("<repo>/{component}")'
-    return 'precision_convert.load("<repo>")'
+    where = f"<repo>/{component}" if component and component != "pipeline" else "<repo>"
+    return f'precision_convert.load("{where}"{_variant_argument(variant)})'
+
+
+def pipeline_variant(opened: PipelineSource) -> str | None:
+    """The variant a pipeline's components were read under (one for all of them)."""
+    return next((m.variant for m in opened.components.values() if m.variant), None)
 
 
 # --------------------------------------------------------------------------- checking
@@ -204,7 +235,7 @@ def check_model(
     pc_errors: list[str],
 ) -> list[LoadPath]:
     """Every way of loading one model: ``pc.load`` from its comparison, the others run here."""
-    first = _pc_load(component.name, stored_dtypes([component.converted]), pc_metrics, pc_errors)
+    first = _pc_load(component, pc_metrics, pc_errors)
     return [
         first,
         *_check(component.name, model_ways(component), inputs, baseline, thresholds, device),
@@ -221,10 +252,8 @@ def check_pipeline(
     pc_errors: list[str],
 ) -> list[LoadPath]:
     """Every way of loading the whole pipeline, judged on its end-to-end run."""
-    models = list(opened.components.values())
-    first = _pc_load("pipeline", stored_dtypes(models), pc_metrics, pc_errors)
-    ways = pipeline_ways(opened.root, pipeline_compute(models))
-    return [first, *_check("pipeline", ways, inputs, baseline, thresholds, device)]
+    first = _pc_load(opened, pc_metrics, pc_errors)
+    return [first, *_check("pipeline", pipeline_ways(opened), inputs, baseline, thresholds, device)]
 
 
 def blockwise_paths(
@@ -232,18 +261,16 @@ def blockwise_paths(
 ) -> list[LoadPath]:
     """A model compared block by block: ``pc.load``'s record (its blocks were loaded as
     ``pc.load`` loads them); the library's loads would need the whole model in memory."""
-    first = _pc_load(component.name, stored_dtypes([component.converted]), pc_metrics, pc_errors)
+    first = _pc_load(component, pc_metrics, pc_errors)
     why = "the model only fits in memory block by block; it was not loaded whole"
     return [first, *_not_checked(component.name, model_ways(component), why)]
 
 
 def skipped_pipeline(opened: PipelineSource, why: str) -> list[LoadPath]:
     """A pipeline whose end-to-end run was skipped (``why``): no way of loading it ran."""
-    models = list(opened.components.values())
-    first = Way(PC_LOAD, pc_load_call("pipeline"), None)
-    ways = [first, *pipeline_ways(opened.root, pipeline_compute(models))]
-    records = _not_checked("pipeline", ways, why)
-    records[0].dtypes = stored_dtypes(models)
+    first = Way(PC_LOAD, pc_load_call("pipeline", pipeline_variant(opened)), None)
+    records = _not_checked("pipeline", [first, *pipeline_ways(opened)], why)
+    records[0].dtypes = stored_dtypes(opened.components.values())
     return records
 
 
@@ -258,7 +285,7 @@ def pipeline_compute(models: Iterable[ModelSource]) -> torch.dtype | None:
     """The compute dtype the pipeline's components share (the most common one)."""
     counts: dict[torch.dtype, int] = {}
     for model in models:
-        record = model.config.get("precision_convert")
+        record = read_record(model)
         found = from_config_string(str(record.get("compute_dtype", ""))) if record else None
         if found is not None and found.is_float:
             counts[found.torch] = counts.get(found.torch, 0) + 1
@@ -334,12 +361,16 @@ def _run(
 
 
 def _pc_load(
-    component: str,
-    dtypes: dict[str, int],
-    metrics: list[Measurement],
-    errors: list[str],
+    loaded: Component | PipelineSource, metrics: list[Measurement], errors: list[str]
 ) -> LoadPath:
-    record = LoadPath(component, PC_LOAD, pc_load_call(component), "fail", True, dtypes)
+    """``pc.load``'s record, from the comparison already run through it."""
+    if isinstance(loaded, PipelineSource):
+        name, variant = "pipeline", pipeline_variant(loaded)
+        dtypes = stored_dtypes(loaded.components.values())
+    else:
+        name, variant = loaded.name, loaded.converted.variant
+        dtypes = stored_dtypes([loaded.converted])
+    record = LoadPath(name, PC_LOAD, pc_load_call(name, variant), "fail", True, dtypes)
     if errors:
         record.detail = errors[0].partition(": ")[2] or errors[0]
     _judge(record, metrics, errors=bool(errors))

@@ -35,7 +35,7 @@ from precision_convert._version import __version__
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
-from precision_convert.conversion.runtime.loader import load
+from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.blockwise import validate_blockwise
@@ -111,6 +111,7 @@ def validate(
     max_memory: str | int | None = None,
     coverage: str = DEFAULT_LEVEL,
     calibration_data: str | Path | CalibrationData | None = None,
+    trust_remote_code: bool = False,
 ) -> Certificate:
     """Certify ``converted`` against its fp32 baseline and write the certificate and card.
 
@@ -130,6 +131,9 @@ def validate(
             :data:`~precision_convert.validation.probe.sweep.BUDGETS`.
         calibration_data: a file of text lines or JSONL model inputs whose probes are added
             to the sweep (see :mod:`~precision_convert.validation.probe.userdata`).
+        trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
+            baseline, ``pc.load`` and the library's loads alike. Off: such a model cannot be
+            validated (the certificate says so).
 
     Returns:
         The :class:`Certificate` (also written to ``precision_certificate.json``).
@@ -154,7 +158,7 @@ def validate(
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = _read_inputs(inputs)
-    components = _components(opened, source)
+    components = _components(opened, source, trust_remote_code)
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []
     try:
@@ -262,7 +266,9 @@ def _inputs_for(
     return mine or None
 
 
-def _components(opened: ModelSource | PipelineSource, source: SourceInfo) -> list[Component]:
+def _components(
+    opened: ModelSource | PipelineSource, source: SourceInfo, trust_remote_code: bool
+) -> list[Component]:
     if isinstance(opened, PipelineSource):
         found = list(opened.components.items())
     else:
@@ -272,9 +278,15 @@ def _components(opened: ModelSource | PipelineSource, source: SourceInfo) -> lis
         baseline_dir = source.path / name if name else source.path
         if not baseline_dir.is_dir():
             raise InputError(f"the baseline has no component {name!r}", source.path)
-        record = model.config.get("precision_convert")
+        record = read_record(model)
         components.append(
-            Component(name, model, baseline_dir, record if isinstance(record, dict) else {})
+            Component(
+                name,
+                model,
+                baseline_dir,
+                record if isinstance(record, dict) else {},
+                trust_remote_code,
+            )
         )
     return components
 
@@ -302,7 +314,11 @@ def _validate_whole(
     supplied: Mapping[str, torch.Tensor] | None,
     sweep_for: SweepSettings,
 ) -> ComponentResult:
-    baseline = load_fp32(component.baseline_dir).to(device).eval()
+    baseline = (
+        load_fp32(component.baseline_dir, trust_remote_code=component.trust_remote_code)
+        .to(device)
+        .eval()
+    )
     tokenizer = tokenizer_for(component.converted.root)
     if supplied is not None:
         candidates: Iterable[ModelInputs] = iter(
@@ -338,7 +354,11 @@ def _validate_whole(
     errors: list[str] = []
     candidate: Any = None
     try:
-        candidate = load(component.converted.root, device=device)
+        candidate = load(
+            component.converted.root,
+            device=device,
+            trust_remote_code=component.trust_remote_code,
+        )
         cand_out = run_probes(candidate, frozen, device, component.compute_dtype)
         metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
     except RUN_ERRORS as exc:
@@ -504,6 +524,8 @@ def _certificate(
             "path": str(source.path.absolute()),
             "files": source_files,
             "card": source_card_data(source.path),
+            # A --variant output: its files are added to the source repo under this variant.
+            "variant": next((c.converted.variant for c in components if c.converted.variant), None),
         },
         baseline={"dtype": "float32", "kind": source.kind},
         device=_device_record(device, max_memory, {r.record.mode for r in results}),
