@@ -5,9 +5,10 @@
 Builds a Llama-style model (about 390 MB in fp32 by default), converts it to bf16-safe without
 validation, then measures in fresh processes (so each peak is that run's own):
 
-* ``whole``: ``validate()`` with memory to spare. Peak RSS growth ÷ fp32 size should stay
-  near 1 (baseline and candidate run one after the other, never both resident; loading both
-  at once would be ≥ 1.5).
+* ``whole``: ``validate()`` with memory to spare, once per coverage level (quick, standard,
+  thorough: each level's probes, load paths included). Peak RSS growth ÷ fp32 size should
+  stay near 1 (baseline and candidate run one after the other, never both resident; loading
+  both at once would be ≥ 1.5).
 * ``blockwise``: ``validate(max_memory=fp32 size / 2)``: peak growth ÷ the budget (< 1).
 * time: ``validate()`` ÷ two plain steady-state forwards (fp32 model + converted model on the
   same inputs), and ÷ two loads plus two first forwards (which pay the same page faults and
@@ -92,7 +93,7 @@ class _Peak:
         return self.peak - self.start
 
 
-def _child(root: Path, mode: str, budget: int | None) -> dict[str, Any]:
+def _child(root: Path, mode: str, budget: int | None, coverage: str) -> dict[str, Any]:
     """One measurement, run in its own process."""
     import gc
 
@@ -129,7 +130,9 @@ def _child(root: Path, mode: str, budget: int | None) -> dict[str, Any]:
         return timings
     peak = _Peak()
     start = time.perf_counter()
-    certificate = runner.validate(root / "out", baseline=root / "src", max_memory=budget)
+    certificate = runner.validate(
+        root / "out", baseline=root / "src", max_memory=budget, coverage=coverage
+    )
     seconds = time.perf_counter() - start
     return {
         "growth": peak.stop(),
@@ -137,11 +140,16 @@ def _child(root: Path, mode: str, budget: int | None) -> dict[str, Any]:
         "verdict": certificate.verdict,
         "mode": certificate.components[0].mode,
         "blocks": certificate.components[0].blocks,
+        "probes": len(certificate.components[0].inputs.get("probes", [])),
+        "load_paths_checked": sum(p.verdict != "not-checked" for p in certificate.load_paths),
     }
 
 
-def _run_child(root: Path, mode: str, budget: int | None) -> dict[str, Any]:
+def _run_child(
+    root: Path, mode: str, budget: int | None, coverage: str = "standard"
+) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", mode, "--root", str(root)]
+    command += ["--coverage", coverage]
     if budget is not None:
         command += ["--budget", str(budget)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -157,16 +165,20 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--coverage", default="standard", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.child:
-        print(json.dumps(_child(args.root, args.child, args.budget)))
+        print(json.dumps(_child(args.root, args.child, args.budget, args.coverage)))
         return
+    from precision_convert.validation.probe.sweep import LEVELS
+
     with tempfile.TemporaryDirectory(prefix="bench-validate-") as scratch:
         root = args.keep or Path(scratch)
         fp32_bytes = _build(root, args.hidden, args.layers, args.source_dtype)
         forwards = _run_child(root, "forwards", None)
-        whole = _run_child(root, "whole", None)
+        levels = {level: _run_child(root, "whole", None, level) for level in LEVELS}
+        whole = levels["standard"]
         budget = fp32_bytes // 2
         blockwise = _run_child(root, "blockwise", budget)
     two_forwards = forwards["forward_fp32_steady"] + forwards["forward_candidate_steady"]
@@ -187,13 +199,18 @@ def main() -> None:
                     "layers": args.layers,
                 },
                 "whole": {
-                    "peak_rss_over_fp32_size": round(whole["growth"] / fp32_bytes, 3),
-                    "seconds": round(whole["seconds"], 2),
-                    "seconds_over_two_forwards": round(whole["seconds"] / two_forwards, 1),
-                    "seconds_over_two_loads_and_first_forwards": round(
-                        whole["seconds"] / by_hand, 2
-                    ),
-                    "verdict": whole["verdict"],
+                    level: {
+                        "probes": run["probes"],
+                        "load_paths_checked": run["load_paths_checked"],
+                        "peak_rss_over_fp32_size": round(run["growth"] / fp32_bytes, 3),
+                        "seconds": round(run["seconds"], 2),
+                        "seconds_over_two_forwards": round(run["seconds"] / two_forwards, 1),
+                        "seconds_over_two_loads_and_first_forwards": round(
+                            run["seconds"] / by_hand, 2
+                        ),
+                        "verdict": run["verdict"],
+                    }
+                    for level, run in levels.items()
                 },
                 "blockwise": {
                     "max_memory_mb": round(budget / 1e6, 1),
