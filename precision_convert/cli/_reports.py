@@ -270,7 +270,8 @@ def print_certificate(certificate: Certificate) -> None:
     title = f"parity with fp32 ({certificate.target or 'unknown target'})"
     print_table(title, headers, rows, right=(2,))
     for series in probe_series(certificate.metrics):
-        table = Table(title=f"{series.metric} per probe: {series.where}", title_justify="left")
+        out.print(escape(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
+        table = Table()
         for column in ("probe", series.metric, ""):
             table.add_column(column, justify="right" if column == series.metric else "left")
         for probe, value, bar in series.rows():

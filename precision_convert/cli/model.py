@@ -11,11 +11,11 @@ from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
     byte_progress,
-    console,
     emit_json,
     reported_errors,
 )
-from precision_convert.cli.validate import note_unvalidated, print_certificate, require_pass
+from precision_convert.cli._reports import note_unvalidated, print_certificate, print_conversion
+from precision_convert.cli.validate import require_pass
 
 
 def model(
@@ -138,26 +138,10 @@ def model(
     if json_output:
         emit_json(result.to_json())
     else:
-        from rich.table import Table
-
-        table = Table(title=f"{result.source} → {result.output} ({result.target})")
-        for column in ("component", "recipe", "fp32 modules", "fp32 share", "warnings"):
-            table.add_column(column)
-        for component in result.components:
-            summary = component.summary()
-            table.add_row(
-                component.name or component.class_name or "model",
-                summary["recipe"],
-                str(summary["fp32_modules"]),
-                f"{summary['fp32_share']:.1%}",
-                str(len(summary["warnings"])),
-            )
-        console.print(table)
-        for component in result.components:
-            for warning in component.plan.warnings:
-                console.print(f"[yellow]warning[/]: {warning}")
+        print_conversion(result)
     if result.certificate is not None:
-        print_certificate(result.certificate)
+        if not json_output:
+            print_certificate(result.certificate)
         with reported_errors():
             require_pass(result.certificate, result.output)
             if push is not None:

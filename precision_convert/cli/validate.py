@@ -10,10 +10,11 @@ import typer
 from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
-    console,
     emit_json,
     reported_errors,
+    step_progress,
 )
+from precision_convert.cli._reports import note_unvalidated, print_certificate
 
 if TYPE_CHECKING:
     from precision_convert.validation.certify.certificate import Certificate
@@ -72,7 +73,7 @@ def validate_command(
         return
     with reported_errors():
         try:
-            with console.status("validating against fp32…", spinner="dots"):
+            with step_progress("validating against fp32", True):
                 certificate = validate(
                     converted,
                     baseline,
@@ -86,22 +87,11 @@ def validate_command(
         except CannotValidateError:
             note_unvalidated(converted)
             raise
-        print_certificate(certificate)
         if json_output:
             emit_json(certificate.to_dict())
+        else:
+            print_certificate(certificate)
         require_pass(certificate, converted)
-
-
-def note_unvalidated(converted: Path) -> None:
-    """Say where the failing certificate of a validation that could not run went."""
-    from precision_convert.validation.certify.certificate import CARD_NAME, CERTIFICATE_NAME
-
-    if (converted / CERTIFICATE_NAME).is_file():
-        console.print(
-            f"[red]✗[/] not validated: {converted / CERTIFICATE_NAME} (verdict fail) and "
-            f"{CARD_NAME} say what is missing",
-            soft_wrap=True,
-        )
 
 
 def verify_files(converted: Path, json_output: bool) -> None:
@@ -136,32 +126,3 @@ def require_pass(certificate: Certificate, converted: Path) -> None:
         raise CheckFailed(
             f"{converted}: not certified ({len(certificate.failures)} problems, first: {first})"
         )
-
-
-def print_certificate(certificate: Certificate) -> None:
-    """The judged metrics as a table on stderr: every model-level output and every failure.
-
-    Block-wise runs judge hundreds of block outputs; passing ones are summed up in one line.
-    """
-    from rich.table import Table
-
-    table = Table(title=f"parity with fp32 ({certificate.target or 'unknown target'})")
-    for column in ("where", "metric", "value", "bound", ""):
-        table.add_column(column)
-    blocks = [m for m in certificate.metrics if m.probe.startswith("block:")]
-    for m in certificate.metrics:
-        if m in blocks and m.passed:
-            continue
-        value = "NaN/Inf" if m.value is None else f"{m.value:.4g}"
-        bound = "" if m.threshold is None else f"{'≤' if m.bound == 'max' else '≥'} {m.threshold:g}"
-        table.add_row(
-            m.where, m.metric, value, bound, "[green]ok[/]" if m.passed else "[red]FAIL[/]"
-        )
-    console.print(table)
-    passed_blocks = sum(m.passed for m in blocks)
-    if blocks:
-        console.print(f"block comparisons: {passed_blocks}/{len(blocks)} metrics within bounds")
-    for line in certificate.failures:
-        console.print(f"[red]✗[/] {line}")
-    colour = "green" if certificate.passed else "red"
-    console.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")
