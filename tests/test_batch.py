@@ -1,0 +1,276 @@
+"""``precision-convert batch``: the manifest checked up front, failures isolated, ``--resume``,
+the output folder's lock, and pushes to the local fake Hub that are never repeated.
+
+Runs are the console script in a child process (see ``_batch.py``); the family run is shared
+with ``test_batch_ray.py``. Manifest errors run in-process: nothing starts, so they are cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import _models
+import pytest
+from _batch import (
+    BROKEN_JOB,
+    GOOD_JOBS,
+    Run,
+    family_run,
+    run,
+    spawn,
+    stamps,
+)
+from _fake_hub import FakeHub
+from typer.testing import CliRunner
+
+from precision_convert.batch.state import exclusive
+from precision_convert.cli.main import app
+from precision_convert.hub import check
+
+TOKEN = "hf_FAKEbatchTokenDoNotLeak42"
+USER = "ns"
+SOURCE_REPO = "ns/tiny"
+#: Requests that write to the Hub (the card check is a read, whatever its method).
+_WRITES = ("POST", "PUT")
+
+
+def _writes(hub: FakeHub) -> list[tuple[str, str]]:
+    return [r for r in hub.requests if r[0] in _WRITES and r[1] != "/api/validate-yaml"]
+
+
+# --------------------------------------------------------------------------- the manifest
+
+_MANIFEST = """[defaults]
+to = ["bf16"]
+output_dir = "out"
+
+[[model]]
+source = "./m"
+
+[[model]]
+source = "{source}"
+{line10}
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "line10", "line", "fragment"),
+    [
+        ("./m", 'kep_fp32 = "x"', 10, "unknown key 'kep_fp32'"),
+        ("./m", 'to = ["bf17"]', 10, "unknown target 'bf17'"),
+        ("./m", 'name = "m"', 8, "output name 'm-bf16' is also used by [[model]] #1 (line 5)"),
+        ("./m", 'name = "a/b"', 10, "name 'a/b' must be a plain folder name"),
+        ("./m", 'name = ".."', 10, "name '..' must be a plain folder name"),
+        ("./missing", 'name = "x"', 9, "source './missing': no such directory"),
+        ("./m", 'name = "x"\npush = "pr"\nvariant = "bf16"', 11, "the source must be a Hub"),
+        ("ns/tiny", 'push = "pr"', 10, 'push = "pr" needs a variant'),
+        ("./m", 'push = "org/{nope}"\nname = "x"', 10, "push pattern 'org/{nope}'"),
+    ],
+)
+def test_a_bad_manifest_names_its_line_and_runs_nothing(
+    tmp_path: Path, source: str, line10: str, line: int, fragment: str
+) -> None:
+    (tmp_path / "m").mkdir()
+    manifest = tmp_path / "batch.toml"
+    manifest.write_text(_MANIFEST.format(source=source, line10=line10))
+    done = CliRunner().invoke(app, ["batch", str(manifest)])
+    assert done.exit_code == 2, done.output
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.output, done.stderr
+    assert lines[0].startswith(f"precision-convert: {manifest}:{line}: [[model]] #2: "), lines[0]
+    assert fragment in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing ran, not even the lock was taken
+
+
+def test_an_unknown_table_or_no_manifest_is_refused(tmp_path: Path) -> None:
+    manifest = tmp_path / "batch.toml"
+    manifest.write_text('[defaults]\nto = "bf16"\n\n[models]\nsource = "x"\n')
+    done = CliRunner().invoke(app, ["batch", str(manifest)])
+    assert done.exit_code == 2
+    assert f"{manifest}:4: unknown table or key 'models'" in done.stderr
+    done = CliRunner().invoke(app, ["batch", str(tmp_path / "nope.toml")])
+    assert done.exit_code == 2
+    assert "nope.toml: cannot read the manifest (No such file or directory)" in done.stderr
+
+
+# --------------------------------------------------------------------------- the family
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory, tiny_model: Callable[[str], Path]) -> Run:
+    return family_run(tmp_path_factory, tiny_model)
+
+
+def test_good_jobs_are_certified_and_the_broken_one_is_reported(family: Run) -> None:
+    assert family.returncode == 1, family.stderr
+    report = family.report
+    assert report["summary"] == {"done": 4, "skipped": 0, "failed": 1}
+    results = family.results()
+    assert list(results) == [*GOOD_JOBS, BROKEN_JOB]  # manifest order, whatever finished first
+    for key in GOOD_JOBS:
+        result = results[key]
+        assert result["status"] == "done" and result["verdict"] == "pass", result
+        assert result["key_metric"]["metric"] == "rel_l2"
+        assert result["key_metric"]["value"] < result["key_metric"]["threshold"]
+        assert set(result["timings"]) == {"download", "convert", "validate"}
+        checked = check(family.output_dir / key)  # the push gate: pass, files match
+        assert checked.certificate.target == result["target"]
+    assert results["llama-bf16"]["fp32_share"] == 0.0  # a plain cast keeps nothing in fp32
+    assert results["llama-bf16-safe"]["fp32_share"] > 0.0  # the norms stay fp32
+    broken = results[BROKEN_JOB]
+    assert broken["status"] == "failed" and broken["verdict"] is None
+    assert broken["reason"].startswith("convert: ") and "model.safetensors" in broken["reason"]
+    assert not (family.output_dir / BROKEN_JOB).exists()
+    # The table (stdout) lists every job; the reason is on stderr.
+    for key in [*GOOD_JOBS, BROKEN_JOB]:
+        assert key in family.stdout
+    assert f"✗ {BROKEN_JOB}: convert: " in family.stderr
+    assert "Traceback" not in family.stderr
+
+
+def test_a_second_run_on_a_busy_output_dir_stops(family: Run) -> None:
+    with exclusive(family.output_dir):
+        done = CliRunner().invoke(app, ["batch", str(family.root / "batch.toml")])
+    assert done.exit_code == 2
+    assert "another batch run (pid " in done.stderr and "is writing here" in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- the Hub
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
+    source = tmp_path_factory.mktemp("hub-source") / "tiny"
+    _models.save("t5-encoder", source)
+    with FakeHub() as server:
+        server.add_token(TOKEN, USER)
+        server.add_commit(SOURCE_REPO, source)
+        yield server
+
+
+def _hub_env(hub: FakeHub, root: Path) -> dict[str, str]:
+    return {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": str(root / ".hf-home"),
+    }
+
+
+def _manifest(root: Path, tiny_model: Callable[[str], Path], entries: str, extra: str = "") -> None:
+    text = f'[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n{extra}\n'
+    text += entries.format(llama=tiny_model("llama"), source=SOURCE_REPO)
+    (root / "batch.toml").write_text(text)
+
+
+def test_resume_after_a_kill_redoes_only_unfinished_jobs(
+    tmp_path: Path, tiny_model: Callable[[str], Path], hub: FakeHub
+) -> None:
+    entries = """
+[[model]]
+source = "{llama}"
+
+[[model]]
+source = "ns/does-not-exist"
+
+[[model]]
+source = "{source}"
+"""
+    _manifest(tmp_path, tiny_model, entries)
+    env = _hub_env(hub, tmp_path)
+    # One worker takes the jobs in order; the third parks on its download: the first two are
+    # finished (one certified; one failed, a Hub id that does not exist) when the run is
+    # killed, workers and all.
+    parked = hub.inject(r"^/api/models/ns/tiny/revision/", hold=True)
+    process = spawn(tmp_path, "--jobs", "1", env=env)
+    try:
+        assert parked.reached.wait(120), process.stderr
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+    finally:
+        parked.release.set()
+        hub.faults.clear()
+    out = tmp_path / "out"
+    assert not (out / "batch_report.json").exists()
+    assert not (out / "tiny-bf16").exists()
+    finished = stamps(out / "llama-bf16")
+
+    resumed = run(tmp_path, "--resume", env=env)
+    assert resumed.returncode == 1, resumed.stderr  # the missing repo fails again
+    results = resumed.results()
+    assert results["llama-bf16"]["status"] == "skipped"
+    missing = results["does-not-exist-bf16"]
+    assert missing["status"] == "failed" and missing["reason"].startswith("download: ")
+    assert "no such model repo" in missing["reason"]
+    assert results["tiny-bf16"]["status"] == "done"
+    assert stamps(out / "llama-bf16") == finished  # not rewritten: same bytes, same mtimes
+    assert check(out / "tiny-bf16").certificate.source["id"] == SOURCE_REPO
+
+
+def test_pushes_publish_each_certified_output_once(
+    tmp_path: Path, tiny_model: Callable[[str], Path], hub: FakeHub
+) -> None:
+    entries = """
+[[model]]
+source = "{llama}"
+push = "ns/{{name}}-{{target}}"
+
+[[model]]
+source = "{source}"
+to = ["bf16-safe"]
+variant = "bf16"
+push = "pr"
+"""
+    _manifest(tmp_path, tiny_model, entries)
+    env = _hub_env(hub, tmp_path)
+    hub.requests.clear()
+    # The Hub is busy once: the job backs off and pushes again.
+    busy = hub.inject(r"^/api/models/ns/llama-bf16/commit/", status=429, times=1)
+    first = run(tmp_path, env=env)
+    hub.faults.remove(busy)
+    assert first.returncode == 0, first.stderr
+    results = first.results()
+    assert results["llama-bf16"]["push"]["repo_id"] == "ns/llama-bf16"
+    assert results["llama-bf16"]["push"]["url"] in first.stdout
+    commits = [r for r in hub.requests if r[1] == "/api/models/ns/llama-bf16/commit/main"]
+    assert len(commits) == 2  # refused once with 429, then accepted
+    pushed = hub.files("ns/llama-bf16")
+    assert set(pushed) - {".gitattributes"} == set(check(first.output_dir / "llama-bf16").files)
+    pr = results["tiny-bf16-safe"]["push"]
+    assert pr["shape"] == "variant-pr" and pr["pull_request"] is not None
+    assert "model.bf16.safetensors" in hub.files(SOURCE_REPO, f"refs/pr/{pr['pull_request']}")
+
+    # A rerun with --resume: everything is kept, nothing is sent.
+    hub.requests.clear()
+    again = run(tmp_path, "--resume", env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.report["summary"] == {"done": 0, "skipped": 2, "failed": 0}
+    assert _writes(hub) == []
+    assert again.results()["tiny-bf16-safe"]["push"]["pull_request"] == pr["pull_request"]
+
+    # Killed after certifying, before pushing: --resume pushes, into the same open PR.
+    state_file = tmp_path / "out/.precision-convert-batch/jobs/tiny-bf16-safe.json"
+    state = json.loads(state_file.read_text())
+    state["push"] = None
+    state_file.write_text(json.dumps(state))
+    certified = stamps(tmp_path / "out/tiny-bf16-safe")
+    third = run(tmp_path, "--resume", env=env)
+    assert third.returncode == 0, third.stderr
+    results = third.results()
+    assert results["llama-bf16"]["status"] == "skipped"
+    assert results["tiny-bf16-safe"]["push"]["pull_request"] == pr["pull_request"]
+    assert stamps(tmp_path / "out/tiny-bf16-safe") == certified  # only the push was redone
+    prs = [d for d in hub.repos[SOURCE_REPO].discussions if d.is_pull_request]
+    assert len(prs) == 1
+
+    # The token is nowhere in what the runs wrote or printed.
+    for text in (first.stdout, first.stderr, third.stdout, third.stderr):
+        assert TOKEN not in text
+    for path in (tmp_path / "out").rglob("*"):
+        assert not path.is_file() or TOKEN.encode() not in path.read_bytes()
