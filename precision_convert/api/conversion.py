@@ -76,6 +76,11 @@ class ComponentResult:
         }
 
 
+#: ``model --json``'s format, documented in docs/json-schema.md (bumped when a field changes
+#: meaning).
+RESULT_SCHEMA = "precision-convert/conversion/1"
+
+
 @dataclass
 class ConversionResult:
     source: str
@@ -91,6 +96,7 @@ class ConversionResult:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
+            "schema": RESULT_SCHEMA,
             "source": self.source,
             "output": str(self.output),
             "target": self.target,

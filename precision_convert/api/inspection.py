@@ -108,13 +108,22 @@ class ComponentReport:
         }
 
 
+#: ``inspect --json``'s format, documented in docs/json-schema.md; bumped when a field changes
+#: meaning, so scripts can refuse what they do not understand.
+SCHEMA = "precision-convert/inspect/1"
+
+
 @dataclass
 class InspectReport:
     source: str
     components: list[ComponentReport]
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "components": [c.to_json() for c in self.components]}
+        return {
+            "schema": SCHEMA,
+            "source": self.source,
+            "components": [c.to_json() for c in self.components],
+        }
 
 
 def inspect_source(

@@ -1,0 +1,69 @@
+"""The JSON that scripts read is what docs/json-schema.md documents.
+
+``inspect --json``, ``model --json`` and ``precision_certificate.json`` are validated against
+the JSON Schema files in docs/schema/. The schemas close every object whose keys are ours
+(``additionalProperties: false``), so a field added, renamed or retyped without updating the
+documentation fails here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jsonschema import Draft202012Validator, ValidationError
+
+from precision_convert.api.conversion import convert
+from precision_convert.api.inspection import inspect_source
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
+
+SCHEMAS = Path(__file__).resolve().parents[1] / "docs" / "schema"
+
+
+def _validator(name: str) -> Draft202012Validator:
+    schema = json.loads((SCHEMAS / f"{name}.schema.json").read_text(encoding="utf-8"))
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def _assert_valid(name: str, payload: dict[str, Any]) -> None:
+    errors = sorted(_validator(name).iter_errors(payload), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:10])
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An fp16-safe conversion (calibrated, validated): both the result and a certificate."""
+    out = tmp_path_factory.mktemp("schema") / "llama-fp16-safe"
+    return convert(tiny_model("llama"), to="fp16-safe", output=out, coverage="quick")
+
+
+def test_model_json_matches_its_schema(converted: Any) -> None:
+    payload = json.loads(json.dumps(converted.to_json(), default=str))  # as emit_json writes it
+    assert payload["schema"] == "precision-convert/conversion/1"
+    assert payload["components"][0]["calibration"] is not None  # the calibrated shape is checked
+    _assert_valid("conversion", payload)
+    with pytest.raises(ValidationError):  # the schema is closed: undocumented keys fail
+        _validator("conversion").validate({**payload, "undocumented": 1})
+
+
+def test_certificate_matches_its_schema(converted: Any) -> None:
+    payload = json.loads((converted.output / CERTIFICATE_NAME).read_text(encoding="utf-8"))
+    assert payload["schema"] == "precision-convert/certificate/1"
+    assert payload["load_paths"] and payload["metrics"]
+    _assert_valid("certificate", payload)
+    broken = {**payload, "verdict": "maybe"}
+    with pytest.raises(ValidationError):
+        _validator("certificate").validate(broken)
+
+
+def test_inspect_json_matches_its_schema(tiny_model: Any, tmp_path: Path) -> None:
+    report = inspect_source(
+        tiny_model("t5-encoder"), calibrate=True, chart=tmp_path / "chart.png", coverage="quick"
+    )
+    payload = json.loads(json.dumps(report.to_json(), default=str))
+    assert payload["schema"] == "precision-convert/inspect/1"
+    assert payload["components"][0]["calibration"] is not None
+    _assert_valid("inspect", payload)
