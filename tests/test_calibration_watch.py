@@ -261,3 +261,27 @@ def test_normalization_island_that_overflows_becomes_a_range_island(tmp_path: Pa
     assert _cosine(fixed, reference) >= 0.99
     _reinstall_as_precision(converted, out, "model.norm")
     assert not logits(converted).isfinite().all()
+
+
+# --- (c) both cases through the certificate ----------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["residual-stream", "precision-island"])
+def test_overflow_cases_are_judged_by_the_certificate(tmp_path: Path, case: str) -> None:
+    """What a user sees: plain fp16 is refused by its own certificate (NaN/Inf named),
+    fp16-safe is certified (calibration made the islands that keep it finite), and bf16-safe
+    is certified."""
+    if case == "residual-stream":
+        source = _residual_llama(tmp_path / "source")
+    else:
+        source = _unet_overflowing_time_embedding(tmp_path / "source")
+    verdicts = {}
+    for target in ("fp16", "fp16-safe", "bf16-safe"):
+        result = convert(source, to=target, output=tmp_path / target, coverage="quick")
+        assert result.certificate is not None
+        verdicts[target] = result.certificate
+    assert verdicts["fp16"].verdict == "fail"
+    assert any("NaN/Inf" in line for line in verdicts["fp16"].failures), verdicts["fp16"].failures
+    for target in ("fp16-safe", "bf16-safe"):
+        assert verdicts[target].verdict == "pass", (target, verdicts[target].failures)
+        assert verdicts[target].load_path("plain").verdict == "pass"
