@@ -23,6 +23,16 @@ out = Console()
 DEBUG_VARIABLE = "PRECISION_CONVERT_DEBUG"
 
 
+def elide(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters by dropping its middle (``model.lay…q_proj``)."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return text[:width]
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+
+
 @contextmanager
 def reported_errors() -> Iterator[None]:
     """Turn library errors into one line on stderr and the error's exit code."""
@@ -59,18 +69,32 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
         BarColumn,
         DownloadColumn,
         Progress,
+        ProgressColumn,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.text import Text
 
     from precision_convert.progress import reporting
 
+    class Amount(ProgressColumn):
+        """Bytes and speed on the byte bar; "k of n" on a stage's line."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.size, self.speed = DownloadColumn(), TransferSpeedColumn()
+
+        def render(self, task: Any) -> Text:
+            count = task.fields.get("count")
+            if count is not None:
+                return Text(count)
+            return Text.assemble(self.size.render(task), " ", self.speed.render(task))
+
     columns = (
         TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        BarColumn(bar_width=20),
+        Amount(),
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=True) as progress:
@@ -108,7 +132,9 @@ class _StepDisplay:
         if task is None or done < self.last[label]:
             if task is not None:
                 self.progress.remove_task(task)
-            task = self.tasks[label] = self.progress.add_task(label, total=total)
+            # Its head is the stage, its tail the model: the middle goes first.
+            short = elide(label, max(20, console.width - 50))
+            task = self.tasks[label] = self.progress.add_task(short, total=total, count="")
         self.last[label] = done
         if total is not None and done >= total:
             self.progress.remove_task(task)
@@ -116,7 +142,7 @@ class _StepDisplay:
             return
         bound = "at most " if at_most else ""
         count = f"{done} of {bound}{total}" if total is not None else str(done)
-        self.progress.update(task, completed=done, total=total, description=f"{label} {count}")
+        self.progress.update(task, completed=done, total=total, count=count)
 
 
 #: Options shared by the commands that run probes (model, validate, inspect --calibrate).

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from precision_convert.cli._common import console, out
+from precision_convert.cli._common import console, elide, out
 from precision_convert.folding import Role, fold
 
 if TYPE_CHECKING:
@@ -30,16 +30,6 @@ if TYPE_CHECKING:
 MIN_NAME_WIDTH = 24
 #: Most hazards listed per kind before the rest are counted.
 MAX_HAZARD_ROLES = 10
-
-
-def elide(text: str, width: int) -> str:
-    """``text`` cut to ``width`` characters by dropping its middle (``model.lay…q_proj``)."""
-    if len(text) <= width:
-        return text
-    if width < 2:
-        return text[:width]
-    head = (width - 1) // 2
-    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
 def print_table(

@@ -38,6 +38,7 @@ from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.progress import stage
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import write_card
 from precision_convert.validation.certify.certificate import (
@@ -102,6 +103,7 @@ class SourceInfo:
 # --------------------------------------------------------------------------- public entry
 
 
+@stage("validation")
 def validate(
     converted: str | Path,
     baseline: str | Path | None = None,
