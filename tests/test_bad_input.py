@@ -431,6 +431,41 @@ def test_bad_flags(flags: list[str], fragments: list[str], tmp_path: Path, workd
     assert tree_digest(tmp_path) == before
 
 
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [
+        (["--inputs", "inputs.safetensors"], ["inputs.safetensors: ", "--inputs must be"]),
+        (["--variant", "fp/16"], ["--variant 'fp/16'", "letters, digits and _"]),
+        (["--coverage", "bogus"], ["bogus"]),
+    ],
+    ids=["inputs-not-safetensors", "variant-name", "coverage-level"],
+)
+def test_bad_validation_flags_refused_before_any_work(
+    flags: list[str], fragments: list[str], tmp_path: Path, workdir: Path
+) -> None:
+    """Flags only validation reads are still checked first: nothing is converted for a run
+    whose certificate could never be made."""
+    src = tiny_source(tmp_path / "src")
+    (workdir / "inputs.safetensors").write_text("not safetensors")
+    before = tree_digest(tmp_path)
+
+    code, stdout, stderr = _invoke(["model", str(src), "--to", "bf16", *flags])
+
+    assert code == 2, stderr
+    assert_one_error_line(stderr, *fragments)
+    assert stdout == ""
+    assert tree_digest(tmp_path) == before
+
+
+def test_validate_refuses_an_unknown_coverage_level(tmp_path: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    before = tree_digest(tmp_path)
+    code, _, stderr = _invoke(["validate", str(src), "--coverage", "bogus"])
+    assert code == 2
+    assert_one_error_line(stderr, "bogus")
+    assert tree_digest(tmp_path) == before
+
+
 def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
     src = tiny_source(tmp_path / "src")
     out = tmp_path / "out"

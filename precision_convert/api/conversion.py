@@ -247,6 +247,11 @@ def convert(
     check_target(to)
     check_variant(variant)
     data = read_user_data(calibration_data, coverage)
+    supplied = None
+    if validate and inputs is not None:  # a bad --inputs file: refused before any writing
+        from precision_convert.validation.certify.runner import read_inputs
+
+        supplied = read_inputs(inputs)
     root = resolve(source, revision, timeout=hub_timeout)
     target_dir = Path(output) if output is not None else default_output(source, to)
     staged = StagedOutput(target_dir, overwrite=overwrite)
@@ -305,7 +310,7 @@ def convert(
             target_dir,
             baseline=root,
             device=device,
-            inputs=inputs,
+            inputs=supplied,
             coverage=coverage or "standard",
             calibration_data=data,
             trust_remote_code=trust_remote_code,

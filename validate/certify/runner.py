@@ -159,7 +159,7 @@ def validate(
     source = source_info(baseline, root)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
-    supplied = _read_inputs(inputs)
+    supplied = read_inputs(inputs)
     components = _components(opened, source, trust_remote_code)
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []
@@ -239,9 +239,10 @@ def available_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _read_inputs(
+def read_inputs(
     inputs: str | Path | Mapping[str, torch.Tensor] | None,
 ) -> Mapping[str, torch.Tensor] | None:
+    """The tensors of an ``--inputs`` safetensors file (a mapping passes through)."""
     if inputs is None or isinstance(inputs, Mapping):
         return inputs
     from safetensors import SafetensorError
