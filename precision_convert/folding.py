@@ -101,6 +101,13 @@ class Role:
         return blocks(self.indices)
 
     @property
+    def varying(self) -> tuple[int, ...]:
+        """Positions (in each index tuple) of the slots that take more than one value: the
+        role's layer indices, as opposed to ``transformer_blocks.0`` written into its name."""
+        slots = len(self.indices[0])
+        return tuple(k for k in range(slots) if len({i[k] for i in self.indices}) > 1)
+
+    @property
     def label(self) -> str:
         """The folded name, ``down_blocks.{0..3}.resnets.{0,1}.norm1`` (several products are
         joined by `` | ``: ``down_blocks.{1,2}.resnets.0.conv_shortcut | up_blocks...``)."""
@@ -109,15 +116,21 @@ class Role:
         return " | ".join(fill(self.template, b) for b in self.blocks)
 
     def describe(self, subset: Iterable[str]) -> str:
-        """Which of this role's instances ``subset`` holds: ``all``, or their indices
-        (``0,79`` for one slot, ``(1,2; 0)`` products for nested slots); "" for none."""
+        """Which of this role's instances ``subset`` holds: ``all``, or their indices over the
+        :attr:`varying` slots (``0,79`` for one, ``(1,2; 0)`` products for several); "" for
+        none."""
         chosen = set(subset)
-        picked = [i for m, i in zip(self.members, self.indices, strict=True) if m in chosen]
+        varying = self.varying
+        picked = [
+            tuple(i[k] for k in varying)
+            for m, i in zip(self.members, self.indices, strict=True)
+            if m in chosen
+        ]
         if not picked:
             return ""
         if len(picked) == len(self.members):
             return "all"
-        if len(picked[0]) == 1:
+        if len(varying) == 1:
             return ranges(i[0] for i in picked)
         return " ".join("(" + "; ".join(ranges(s) for s in b) + ")" for b in blocks(picked))
 

@@ -37,6 +37,7 @@ MARKERS = {
     "precision": ("o", "fp32 island: precision (recipe, norms)"),
     "range": ("X", "fp32 island: range (activations beyond fp16)"),
     "search": ("D", "fp32 island: found by the search"),
+    "user": ("P", "fp32 island: --keep-fp32"),
 }
 
 
@@ -83,7 +84,7 @@ def _split_role(role: Role) -> tuple[str, str, tuple[tuple[int, ...], ...]]:
     is the rest (``transformer_blocks.0.attn1.to_q``).
     """
     slots = [i for i, part in enumerate(role.template) if part == "{}"]
-    varying = [k for k in range(len(slots)) if len({index[k] for index in role.indices}) > 1]
+    varying = role.varying
     constant = {slots[k]: str(role.indices[0][k]) for k in range(len(slots)) if k not in varying}
     parts = [constant.get(i, part) for i, part in enumerate(role.template)]
     cut = slots[varying[-1]] + 1

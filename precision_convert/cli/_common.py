@@ -93,7 +93,7 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
 
     columns = (
         TextColumn("{task.description}"),
-        BarColumn(bar_width=20),
+        BarColumn(bar_width=12),
         Amount(),
         TimeRemainingColumn(),
     )
@@ -133,7 +133,7 @@ class _StepDisplay:
             if task is not None:
                 self.progress.remove_task(task)
             # Its head is the stage, its tail the model: the middle goes first.
-            short = elide(label, max(20, console.width - 50))
+            short = elide(label, max(20, console.width - 42))
             task = self.tasks[label] = self.progress.add_task(short, total=total, count="")
         self.last[label] = done
         if total is not None and done >= total:

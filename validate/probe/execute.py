@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
+from precision_convert.dtypes import from_torch
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.progress import report
 from precision_convert.validation.probe.inputs import (
@@ -177,8 +178,8 @@ def run_probes(
 ) -> Outputs:
     """Run every probe in order, feeding later probes from earlier outputs where asked."""
     outputs: Outputs = {}
-    precision = str(dtype).removeprefix("torch.") if dtype is not None else "as stored"
-    what = f"{type(model).__name__} ({precision}) probe"
+    precision = from_torch(dtype).short if dtype is not None else "stored dtypes"
+    what = f"{type(model).__name__} {precision} probes"
     for k, probe in enumerate(resolve_partial(inputs, outputs)):
         report(what, k, len(inputs.probes))
         outputs[probe.name] = call_probe(model, probe, device, dtype)

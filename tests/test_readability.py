@@ -1,0 +1,315 @@
+"""Reports a person can take in at a glance, at real-model scale.
+
+Models here have real layer structures (80 Llama layers; a UNet2DConditionModel with the
+default block layout) built on the meta device and written with constant weights, so they
+cost a header's worth of bytes: only names, shapes and dtypes matter to ``inspect``'s table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from precision_convert.cli import _common
+from precision_convert.cli.main import app
+from precision_convert.conversion.analysis.activations import SEARCH_STAGE, search_islands
+from precision_convert.conversion.analysis.chart import (
+    activation_chart,
+    heatmap_data,
+)
+from precision_convert.folding import Role, blocks, fold, ranges
+from precision_convert.progress import report, reporting, stage
+from precision_convert.validation.certify.card import folded_metrics, probe_series
+from precision_convert.validation.probe.metrics import Measurement
+
+# --------------------------------------------------------------------------- models
+
+
+def _write(model: Any, directory: Path, weights: str, overflow: dict[str, float]) -> Path:
+    """Save ``model``'s config and constant weights (``overflow``: tensor -> one huge value)."""
+    directory.mkdir(parents=True)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        value = torch.full(tensor.shape, 0.01)
+        if name in overflow:
+            value.view(-1)[0] = overflow[name]
+        tensors[name] = value
+    save_file(tensors, str(directory / weights), metadata={"format": "pt"})
+    (
+        model.config.save_pretrained
+        if hasattr(model.config, "to_json_string")
+        else model.save_config
+    )(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama80(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An 80-layer Llama (tiny widths) whose down_proj weights overflow fp16 in layers 3, 77."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=80,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    config.architectures = ["LlamaForCausalLM"]  # what save_pretrained would record
+    overflow = {f"model.layers.{i}.mlp.down_proj.weight": 1e6 for i in (3, 77)}
+    return _write(model, tmp_path_factory.mktemp("llama80") / "m", "model.safetensors", overflow)
+
+
+@pytest.fixture
+def width() -> Iterator[None]:
+    """Reports rendered 100 columns wide, whatever the terminal running the tests."""
+    saved = _common.out._width
+    _common.out._width = 100
+    yield
+    _common.out._width = saved
+
+
+def _invoke(*args: str) -> Any:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+# --------------------------------------------------------------------------- folding
+
+
+def test_ranges_and_blocks() -> None:
+    assert ranges([7, 0, 2, 5, 6]) == "0,2,5..7"
+    assert ranges(range(32)) == "0..31"
+    # Instances that do not fill a grid are split into exact products, never padded.
+    tuples = [(b, r) for b in range(4) for r in (0, 1)] + [(4, 0)]
+    assert blocks(tuples) == [((0, 1, 2, 3), (0, 1)), ((4,), (0,))]
+
+
+def test_fold_names_nested_slots_and_what_a_subset_is() -> None:
+    names = [f"down_blocks.{b}.resnets.{r}.norm1" for b in range(4) for r in (0, 1)]
+    names += [f"down_blocks.{b}.downsamplers.0.conv" for b in range(3)]
+    names += ["down_blocks.1.resnets.0.conv_shortcut", "conv_in"]
+    roles = fold(names)
+    assert [r.label for r in roles] == [
+        "down_blocks.{0..3}.resnets.{0,1}.norm1",
+        "down_blocks.{0..2}.downsamplers.0.conv",
+        "down_blocks.1.resnets.0.conv_shortcut",
+        "conv_in",
+    ]
+    norm1 = roles[0]
+    assert norm1.describe(names[:8]) == "all"
+    assert norm1.describe(["down_blocks.2.resnets.1.norm1", "down_blocks.3.resnets.1.norm1"]) == (
+        "(2,3; 1)"
+    )
+    assert roles[1].describe(["down_blocks.2.downsamplers.0.conv"]) == "2"
+    ragged = fold([f"up.{b}.r.{r}.n" for b in range(3) for r in range(3 if b else 2)])[0]
+    assert ragged.label == "up.0.r.{0,1}.n | up.{1,2}.r.{0..2}.n"
+    assert Role.of("a.3.b").label == "a.3.b"
+
+
+def test_inspect_folds_80_layers_into_one_screen(llama80: Path, width: None) -> None:
+    """Snapshot of the folded table: one row per role, islands by index and reason."""
+    result = _invoke("inspect", str(llama80))
+    assert result.stderr == ""  # the report is stdout's; nothing else was said
+    assert result.stdout == SNAPSHOT_LLAMA80
+    assert len(result.stdout.splitlines()) < 60
+    assert "\x1b" not in result.stdout  # not a terminal: no escape codes
+
+
+SNAPSHOT_LLAMA80 = """\
+LlamaForCausalLM: LlamaForCausalLM — recipe llama
+┏━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━┓
+┃ module                                        ┃ count ┃ parameters ┃ fp32 islands          ┃
+┡━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━┩
+│ lm_head                                       │     1 │      1,024 │                       │
+│ model.embed_tokens                            │     1 │      1,024 │                       │
+│ model.layers.{0..79}.input_layernorm          │    80 │      1,280 │ all: precision        │
+│ model.layers.{0..79}.mlp.down_proj            │    80 │     40,960 │ fp16-safe 3,77: range │
+│ model.layers.{0..79}.mlp.gate_proj            │    80 │     40,960 │                       │
+│ model.layers.{0..79}.mlp.up_proj              │    80 │     40,960 │                       │
+│ model.layers.{0..79}.post_attention_layernorm │    80 │      1,280 │ all: precision        │
+│ model.layers.{0..79}.self_attn.k_proj         │    80 │     10,240 │                       │
+│ model.layers.{0..79}.self_attn.o_proj         │    80 │     20,480 │                       │
+│ model.layers.{0..79}.self_attn.q_proj         │    80 │     20,480 │                       │
+│ model.layers.{0..79}.self_attn.v_proj         │    80 │     10,240 │                       │
+│ model.norm                                    │     1 │         16 │ precision             │
+└───────────────────────────────────────────────┴───────┴────────────┴───────────────────────┘
+parameters by dtype — fp32: 188,944
+bf16-safe: 161 fp32 islands
+fp16-safe: 163 fp32 islands
+fp16-overflow model.layers.{3,77}.mlp.down_proj.weight: max |x| = 1e+06 exceeds 65504 (and 1 more like it)
+"""  # noqa: E501 (a report line, as printed)
+
+
+def test_inspect_full_and_json_list_every_module(llama80: Path) -> None:
+    modules = 80 * 9 + 3
+    full = _invoke("inspect", str(llama80), "--full")
+    assert sum(line.startswith("│ model.layers.") for line in full.stdout.splitlines()) == 80 * 9
+    as_json = _invoke("inspect", str(llama80), "--json")
+    payload = json.loads(as_json.stdout)  # stdout is the JSON and nothing else
+    assert len(payload["components"][0]["modules"]) == modules
+
+
+def test_inspect_fits_a_full_structure_unet(tmp_path: Path, width: None) -> None:
+    """Default UNet2DConditionModel blocks (tiny widths): under 100 lines, every island
+    named by its role with which instances and why."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(
+            block_out_channels=(8, 8, 8, 8),
+            norm_num_groups=4,
+            cross_attention_dim=8,
+            attention_head_dim=2,
+            sample_size=8,
+        )
+    source = _write(unet, tmp_path / "unet", "diffusion_pytorch_model.safetensors", {})
+    _common.out._width = 200  # wide enough that no name is elided: every label is checkable
+    text = _invoke("inspect", str(source)).stdout
+    assert len(text.splitlines()) < 100
+    islands = json.loads(_invoke("inspect", str(source), "--json").stdout)["components"][0][
+        "islands"
+    ]["fp16-safe"]
+    assert len(islands) > 100
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
+    for role in fold(islands):
+        assert role.label in rows, role.label
+        assert "precision" in rows[role.label]
+
+
+# --------------------------------------------------------------------------- chart
+
+
+def test_heatmap_data_snapshot() -> None:
+    """Panels per repeated structure (constant slots written out), strips for the rest."""
+    names = ["embed"]
+    names += [f"layers.{i}.{r}" for i in range(3) for r in ("norm", "attn.to_out.0")]
+    names += [f"up.{b}.res.{r}.conv" for b in range(2) for r in range(2)]
+    names += ["head"]
+    peaks = {n: float(i + 1) for i, n in enumerate(names) if n != "head"}
+    islands = {"layers.1.norm": "precision", "layers.2.attn.to_out.0": "range"}
+    data = heatmap_data(peaks, names, islands).to_json()
+    assert data == {
+        "panels": [
+            {
+                "title": "layers.{}",
+                "rows": ["norm", "attn.to_out.0"],
+                "columns": ["0", "1", "2"],
+                "peaks": [[2.0, 4.0, 6.0], [3.0, 5.0, 7.0]],
+                "islands": [[None, "precision", None], [None, None, "range"]],
+            },
+            {
+                "title": "up.{}.res.{}",
+                "rows": ["conv"],
+                "columns": ["0.0", "0.1", "1.0", "1.1"],
+                "peaks": [[8.0, 9.0, 10.0, 11.0]],
+                "islands": [[None, None, None, None]],
+            },
+        ],
+        "strips": [
+            {
+                "title": "outside repeated layers",
+                "rows": [""],
+                "columns": ["embed", "head"],
+                "peaks": [[1.0, None]],  # the head never ran
+                "islands": [[None, None]],
+            }
+        ],
+    }
+
+
+def test_heatmap_scales_to_80_layers_and_a_thousand_modules(tmp_path: Path) -> None:
+    roles = ["input_layernorm", "self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"]
+    llama = [f"model.layers.{i}.{r}" for i in range(80) for r in roles]
+    data = heatmap_data(dict.fromkeys(llama, 1.0), llama, {})
+    assert [len(p.rows) for p in data.panels] == [4] and len(data.panels[0].columns) == 80
+    # An SDXL-sized UNet: over a thousand modules fold to a few dozen rows.
+    unet = [
+        f"down_blocks.{b}.attentions.{a}.transformer_blocks.{t}.{r}"
+        for b in (1, 2)
+        for a in (0, 1)
+        for t in range(10)
+        for r in ("attn1.to_q", "attn1.to_k", "attn2.to_q", "ff.net.2", "norm1")
+    ] + [f"up_blocks.{b}.resnets.{r}.{m}" for b in range(3) for r in range(3) for m in "abc"]
+    unet += [f"single_{i}" for i in range(900)]
+    big = heatmap_data(dict.fromkeys(unet, 1.0), unet, {})
+    assert sum(len(p.rows) for p in big.panels) == 8
+    assert all(len(s.columns) <= 40 for s in big.strips)
+
+    from precision_convert.conversion.analysis.activations import ActivationStats
+
+    stats = {
+        m: ActivationStats(m, i, 10.0 ** (i % 7), 1.0, 1.0, 0.0, 0.0) for i, m in enumerate(llama)
+    }
+    path = activation_chart(stats, llama, {llama[0]: "precision"}, tmp_path / "c.png", "t")
+    from PIL import Image
+
+    with Image.open(path) as image:  # one column per layer fits; no 2640-pixel bar chart
+        assert image.size[0] <= 2200 and image.size[1] <= 1000
+
+
+# --------------------------------------------------------------------------- certificate
+
+
+def _m(probe: str, value: float | None, passed: bool = True, metric: str = "rel_l2") -> Measurement:
+    return Measurement("", probe, "logits", metric, value, 0.1, "max", passed)
+
+
+def test_certificate_rows_fold_probes_and_blocks() -> None:
+    metrics = [_m("forward", 0.01), _m("forward:length-64", 0.03), _m("forward:special", 0.02)]
+    metrics += [_m(f"block:model.layers.{i}", 0.2 if i == 7 else 0.01, i != 7) for i in range(9)]
+    rows = folded_metrics(metrics)
+    assert [(r.where, r.value, r.passed, r.worst_probe) for r in rows] == [
+        ("block:model.layers.{0..8}/logits", 0.2, False, "block 7 (of 9)"),
+        ("logits", 0.03, True, "forward:length-64 (of 3)"),
+    ]
+    (series,) = probe_series(metrics)  # blocks are not probes
+    assert [p for p, _ in series.values] == ["forward", "forward:length-64", "forward:special"]
+    bars = [bar for _, _, bar in series.rows()]
+    assert bars[1].startswith("█" * 13) and bars[1].endswith("0.3× bound")
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def test_search_reports_candidates_against_a_bound_that_holds() -> None:
+    needed = {"m3", "m11"}
+    seen: list[tuple[str, int, int | None, bool]] = []
+    with reporting(lambda *args: seen.append(args)), stage("calibration"):
+        result = search_islands([f"m{i}" for i in range(16)], lambda extra: needed <= extra)
+    assert set(result.added) == needed
+    label = f"calibration › {SEARCH_STAGE}"
+    counts = [(done, total) for what, done, total, _ in seen if what == label]
+    assert all(total is not None and done <= total for done, total in counts)
+    assert counts[-1] == (result.evaluations, result.evaluations)  # the line is closed
+    assert counts[0][1] >= result.evaluations and counts[0][1] < 16 * (math.log2(16) + 1) + 3
+    seen.clear()
+    report("after", 1, 2)  # outside `reporting`: nobody hears it, nothing is kept
+    assert seen == []
+
+
+# --------------------------------------------------------------------------- recipes
+
+
+def test_recipes_list_one_line_each_and_details_by_name() -> None:
+    listing = _invoke("recipes").stdout.splitlines()
+    from precision_convert.recipes import builtin
+
+    assert len(listing) == len(builtin()) + 1
+    assert all(len(line) <= _common.out.width for line in listing)
+    assert listing[0].split()[0] == next(iter(builtin()))
+    details = _invoke("recipes", "llama").stdout
+    assert "LlamaForCausalLM" in details and "hazard" in details
