@@ -116,9 +116,9 @@ def _child(root: Path, mode: str, budget: int | None, coverage: str) -> dict[str
             ),
         }
         inputs = None
-        for name, (load, dtype) in loaders.items():
+        for name, (build, dtype) in loaders.items():
             start = time.perf_counter()
-            model = load()
+            model = build()
             timings[f"load_{name}"] = time.perf_counter() - start
             inputs = inputs or build_inputs(model, seed=0)
             for run in ("first", "steady"):  # the first pays page faults and kernel set-up
