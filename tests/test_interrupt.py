@@ -184,7 +184,9 @@ def test_ctrl_c_mid_write_exits_130_and_removes_its_staging(
 
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines() == ["precision-convert: interrupted; no output was written"]
+    assert stderr.strip().splitlines() == [
+        f"precision-convert: interrupted; nothing was written ({target} does not exist)"
+    ]
     assert not weights.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -265,3 +267,28 @@ def test_disk_full_mid_write_is_one_line_and_leaves_nothing(
     assert staged, "the failure must come while the staging directory exists"
     assert not output.exists() and leftovers(tmp_path) == []
     assert tree_digest(source) == before
+
+
+def test_interrupt_message_says_what_is_on_disk(tmp_path: Path) -> None:
+    """The three states an interrupted ``model`` run can leave (the staged output is renamed
+    into place whole): nothing, the earlier output untouched, or this run's output not yet
+    certified, with the command that certifies it."""
+    from precision_convert.cli.model import interrupted_output
+
+    target = tmp_path / "out"
+    assert interrupted_output(target, None, "src", None) == (
+        f"nothing was written ({target} does not exist)"
+    )
+    target.mkdir()
+    earlier = target.stat().st_ino
+    assert interrupted_output(target, earlier, "src", None) == (
+        f"{target} is as it was: nothing of this run was kept"
+    )
+    replaced = tmp_path / "staged"
+    replaced.mkdir()
+    (replaced / "model.safetensors").write_bytes(b"")
+    target.rmdir()
+    replaced.rename(target)
+    message = interrupted_output(target, earlier, "src", None)
+    assert message.startswith(f"{target} holds the converted weights, not certified")
+    assert message.endswith(f"precision-convert validate {target} --baseline src")

@@ -33,9 +33,17 @@ def elide(text: str, width: int) -> str:
     return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
+#: What an interrupted command says when it wrote nothing.
+NOTHING_WRITTEN = "nothing was written"
+
+
 @contextmanager
-def reported_errors() -> Iterator[None]:
-    """Turn library errors into one line on stderr and the error's exit code."""
+def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Iterator[None]:
+    """Turn library errors into one line on stderr and the error's exit code.
+
+    Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
+    then (a conversion may have committed its output before validation was interrupted).
+    """
     from precision_convert.errors import PrecisionConvertError
 
     try:
@@ -46,7 +54,7 @@ def reported_errors() -> Iterator[None]:
         print(f"precision-convert: {exc}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        print("precision-convert: interrupted; no output was written", file=sys.stderr)
+        print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
         raise typer.Exit(130) from None
 
 

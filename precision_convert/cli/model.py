@@ -112,7 +112,13 @@ def model(
     from precision_convert.api.conversion import convert, default_output
     from precision_convert.errors import CannotValidateError
 
-    with reported_errors(), byte_progress("converting", not json_output) as progress:
+    target = output if output is not None else default_output(source, to)
+    before = _inode(target)
+
+    def on_disk() -> str:
+        return interrupted_output(target, before, source, push)
+
+    with reported_errors(on_disk), byte_progress("converting", not json_output) as progress:
         try:
             result = convert(
                 source,
@@ -133,7 +139,7 @@ def model(
                 variant=variant,
             )
         except CannotValidateError:  # the output is written, with a failing certificate
-            note_unvalidated(output if output is not None else default_output(source, to))
+            note_unvalidated(target)
             raise
     if json_output:
         emit_json(result.to_json())
@@ -142,11 +148,43 @@ def model(
     if result.certificate is not None:
         if not json_output:
             print_certificate(result.certificate)
-        with reported_errors():
+        with reported_errors(on_disk):
             require_pass(result.certificate, result.output)
             if push is not None:
                 from precision_convert.cli.push import push_and_report
 
-                push_and_report(
-                    result.output, push, create_pr=create_pr, private=private or None
-                )
+                push_and_report(result.output, push, create_pr=create_pr, private=private or None)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
+def interrupted_output(target: Path, before: int | None, source: str, push: str | None) -> str:
+    """What an interrupted ``model`` run left at ``target``, looked up after the fact.
+
+    The output is staged and renamed into place whole, so ``target`` is either as it was
+    (``before``: its inode when the run started) or this run's complete output, certified or
+    not yet (validation runs after the rename).
+    """
+    from precision_convert.validation.certify.certificate import Certificate, certificate_files
+
+    now = _inode(target)
+    if now is None:
+        return f"nothing was written ({target} does not exist)"
+    if now == before:
+        return f"{target} is as it was: nothing of this run was kept"
+    found = certificate_files(target)
+    if not found:
+        return (
+            f"{target} holds the converted weights, not certified (validation was "
+            f"interrupted): precision-convert validate {target} --baseline {source}"
+        )
+    verdict = Certificate.read(target).verdict
+    held = f"{target} holds the converted model and {found[0]} (verdict {verdict})"
+    if push is not None and verdict == "pass":
+        held += f"; the push may not have finished: precision-convert push {target} {push}"
+    return held

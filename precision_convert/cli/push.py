@@ -54,7 +54,13 @@ def push_command(
 
     Exit 2: no token, a rejected token, no write permission, or the Hub did not complete it.
     """
-    with reported_errors():
+    def on_disk() -> str:
+        return (
+            f"the push may not have finished; run it again to resume (files the Hub already "
+            f"holds are not sent again); {converted} is unchanged"
+        )
+
+    with reported_errors(on_disk):
         result = push_and_report(
             converted, repo_id, create_pr=create_pr, private=private or None, revision=revision
         )

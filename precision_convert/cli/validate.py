@@ -71,7 +71,10 @@ def validate_command(
     if verify:
         verify_files(converted, json_output)
         return
-    with reported_errors():
+    def on_disk() -> str:
+        return f"{converted} is unchanged (a certificate is written only when validation ends)"
+
+    with reported_errors(on_disk):
         try:
             with step_progress("validating against fp32", True):
                 certificate = validate(
