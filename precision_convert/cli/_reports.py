@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 MIN_NAME_WIDTH = 24
 #: Most hazards listed per kind before the rest are counted.
 MAX_HAZARD_ROLES = 10
+#: Most roles in the table of modules nearest to fp16's limit.
+MAX_NEAR_ROLES = 20
 
 
 def print_table(
@@ -152,17 +154,23 @@ def _print_hazards(component: ComponentReport) -> None:
 
 
 def _print_calibration(component: ComponentReport) -> None:
+    """The modules within 8x of fp16's limit, folded by role (``model.layers.{2..31}.
+    input_layernorm``: the instances that came near, with their worst peaks), nearest first."""
+    near = {row["module"]: row for row in component.nearest_to_limit(len(component.modules))}
+    islands = component.islands.get("fp16-safe", {})
+    roles = sorted(fold(near), key=lambda r: min(near[m]["fp16_headroom"] for m in r.members))
     rows = []
-    for row in component.nearest_to_limit():
-        headroom = row["fp16_headroom"]
+    for role in roles[:MAX_NEAR_ROLES]:
+        worst = [near[m] for m in role.members]
+        headroom = min(row["fp16_headroom"] for row in worst)
         style = "red" if headroom < 1 else "yellow" if headroom < 2 else ""
         rows.append(
             [
-                row["module"],
-                f"{row['max_in']:.4g}",
-                f"{row['max_out']:.4g}",
+                role.label,
+                f"{max(row['max_in'] for row in worst):.4g}",
+                f"{max(row['max_out'] for row in worst):.4g}",
                 f"[{style}]{headroom:.3g}x[/]" if style else f"{headroom:.3g}x",
-                row["island"] or "",
+                islands_cell(role, islands),
             ]
         )
     if rows:
