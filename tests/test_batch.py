@@ -34,6 +34,7 @@ from precision_convert.hub import check
 TOKEN = "hf_FAKEbatchTokenDoNotLeak42"
 USER = "ns"
 SOURCE_REPO = "ns/tiny"
+PARKED_REPO = "ns/parked"
 #: Requests that write to the Hub (the card check is a read, whatever its method).
 _WRITES = ("POST", "PUT")
 
@@ -150,6 +151,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     with FakeHub() as server:
         server.add_token(TOKEN, USER)
         server.add_commit(SOURCE_REPO, source)
+        server.add_commit(PARKED_REPO, source)
         yield server
 
 
@@ -165,29 +167,43 @@ def _hub_env(hub: FakeHub, root: Path) -> dict[str, str]:
 
 def _manifest(root: Path, tiny_model: Callable[[str], Path], entries: str, extra: str = "") -> None:
     text = f'[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n{extra}\n'
-    text += entries.format(llama=tiny_model("llama"), source=SOURCE_REPO)
+    text += entries.format(llama=tiny_model("llama"), source=SOURCE_REPO, parked=PARKED_REPO)
     (root / "batch.toml").write_text(text)
 
 
-def test_resume_after_a_kill_redoes_only_unfinished_jobs(
+def test_killed_resumed_and_pushed_once(
     tmp_path: Path, tiny_model: Callable[[str], Path], hub: FakeHub
 ) -> None:
+    """One story in two runs (each starts a warm worker): every certified output is published;
+    a run killed mid-way is resumed, redoing only what was unfinished, publishing nothing
+    twice and opening no second PR."""
     entries = """
 [[model]]
+source = "{source}"
+to = ["bf16-safe"]
+variant = "bf16"
+push = "pr"
+
+[[model]]
 source = "{llama}"
+push = "ns/{{name}}-{{target}}"
 
 [[model]]
 source = "ns/does-not-exist"
 
 [[model]]
-source = "{source}"
+source = "{parked}"
 """
     _manifest(tmp_path, tiny_model, entries)
     env = _hub_env(hub, tmp_path)
-    # One worker takes the jobs in order; the third parks on its download: the first two are
-    # finished (one certified; one failed, a Hub id that does not exist) when the run is
-    # killed, workers and all.
-    parked = hub.inject(r"^/api/models/ns/tiny/revision/", hold=True)
+    out = tmp_path / "out"
+    hub.requests.clear()
+
+    # One worker takes the jobs in order: a variant PR into the source repo; a new repo (after
+    # one 429: the job backs off and pushes again); a Hub id that does not exist; and a job
+    # that parks on its download. Then the run is killed, workers and all.
+    hub.inject(r"^/api/models/ns/llama-bf16/commit/", status=429, times=1)
+    parked = hub.inject(rf"^/api/models/{PARKED_REPO}/revision/", hold=True)
     process = spawn(tmp_path, "--jobs", "1", env=env)
     try:
         assert parked.reached.wait(120), process.stderr
@@ -196,81 +212,39 @@ source = "{source}"
     finally:
         parked.release.set()
         hub.faults.clear()
-    out = tmp_path / "out"
-    assert not (out / "batch_report.json").exists()
-    assert not (out / "tiny-bf16").exists()
-    finished = stamps(out / "llama-bf16")
-
-    resumed = run(tmp_path, "--resume", env=env)
-    assert resumed.returncode == 1, resumed.stderr  # the missing repo fails again
-    results = resumed.results()
-    assert results["llama-bf16"]["status"] == "skipped"
-    missing = results["does-not-exist-bf16"]
-    assert missing["status"] == "failed" and missing["reason"].startswith("download: ")
-    assert "no such model repo" in missing["reason"]
-    assert results["tiny-bf16"]["status"] == "done"
-    assert stamps(out / "llama-bf16") == finished  # not rewritten: same bytes, same mtimes
-    assert check(out / "tiny-bf16").certificate.source["id"] == SOURCE_REPO
-
-
-def test_pushes_publish_each_certified_output_once(
-    tmp_path: Path, tiny_model: Callable[[str], Path], hub: FakeHub
-) -> None:
-    entries = """
-[[model]]
-source = "{llama}"
-push = "ns/{{name}}-{{target}}"
-
-[[model]]
-source = "{source}"
-to = ["bf16-safe"]
-variant = "bf16"
-push = "pr"
-"""
-    _manifest(tmp_path, tiny_model, entries)
-    env = _hub_env(hub, tmp_path)
-    hub.requests.clear()
-    # The Hub is busy once: the job backs off and pushes again.
-    busy = hub.inject(r"^/api/models/ns/llama-bf16/commit/", status=429, times=1)
-    first = run(tmp_path, env=env)
-    hub.faults.remove(busy)
-    assert first.returncode == 0, first.stderr
-    results = first.results()
-    assert results["llama-bf16"]["push"]["repo_id"] == "ns/llama-bf16"
-    assert results["llama-bf16"]["push"]["url"] in first.stdout
+    assert not (out / "batch_report.json").exists() and not (out / "parked-bf16").exists()
     commits = [r for r in hub.requests if r[1] == "/api/models/ns/llama-bf16/commit/main"]
     assert len(commits) == 2  # refused once with 429, then accepted
     pushed = hub.files("ns/llama-bf16")
-    assert set(pushed) - {".gitattributes"} == set(check(first.output_dir / "llama-bf16").files)
-    pr = results["tiny-bf16-safe"]["push"]
-    assert pr["shape"] == "variant-pr" and pr["pull_request"] is not None
-    assert "model.bf16.safetensors" in hub.files(SOURCE_REPO, f"refs/pr/{pr['pull_request']}")
-
-    # A rerun with --resume: everything is kept, nothing is sent.
-    hub.requests.clear()
-    again = run(tmp_path, "--resume", env=env)
-    assert again.returncode == 0, again.stderr
-    assert again.report["summary"] == {"done": 0, "skipped": 2, "failed": 0}
-    assert _writes(hub) == []
-    assert again.results()["tiny-bf16-safe"]["push"]["pull_request"] == pr["pull_request"]
-
-    # Killed after certifying, before pushing: --resume pushes, into the same open PR.
-    state_file = tmp_path / "out/.precision-convert-batch/jobs/tiny-bf16-safe.json"
+    assert set(pushed) - {".gitattributes"} == set(check(out / "llama-bf16").files)
+    (pr,) = [d for d in hub.repos[SOURCE_REPO].discussions if d.is_pull_request]
+    assert "model.bf16.safetensors" in hub.files(SOURCE_REPO, f"refs/pr/{pr.num}")
+    finished = {key: stamps(out / key) for key in ("tiny-bf16-safe", "llama-bf16")}
+    # As if killed between the PR's commit and the state file that records it.
+    state_file = out / ".precision-convert-batch/jobs/tiny-bf16-safe.json"
     state = json.loads(state_file.read_text())
+    assert state["push"]["pull_request"] == pr.num
     state["push"] = None
     state_file.write_text(json.dumps(state))
-    certified = stamps(tmp_path / "out/tiny-bf16-safe")
-    third = run(tmp_path, "--resume", env=env)
-    assert third.returncode == 0, third.stderr
-    results = third.results()
-    assert results["llama-bf16"]["status"] == "skipped"
-    assert results["tiny-bf16-safe"]["push"]["pull_request"] == pr["pull_request"]
-    assert stamps(tmp_path / "out/tiny-bf16-safe") == certified  # only the push was redone
-    prs = [d for d in hub.repos[SOURCE_REPO].discussions if d.is_pull_request]
-    assert len(prs) == 1
+
+    hub.requests.clear()
+    resumed = run(tmp_path, "--resume", env=env)
+    assert resumed.returncode == 1, resumed.stderr  # the missing repo fails again
+    results = resumed.results()
+    assert [r["status"] for r in results.values()] == ["done", "skipped", "failed", "done"]
+    # Finished outputs are kept as they are: same bytes, same mtimes.
+    assert {key: stamps(out / key) for key in finished} == finished
+    # The pushed job sends nothing; the unrecorded push goes into the same PR.
+    assert not [r for r in _writes(hub) if "llama" in r[1]]
+    assert results["llama-bf16"]["push"]["url"] in resumed.stdout
+    assert results["tiny-bf16-safe"]["push"]["pull_request"] == pr.num
+    assert len([d for d in hub.repos[SOURCE_REPO].discussions if d.is_pull_request]) == 1
+    missing = results["does-not-exist-bf16"]
+    assert missing["reason"].startswith("download: ns/does-not-exist: ")
+    assert "no such model repo" in missing["reason"]
+    assert check(out / "parked-bf16").certificate.source["id"] == PARKED_REPO
 
     # The token is nowhere in what the runs wrote or printed.
-    for text in (first.stdout, first.stderr, third.stdout, third.stderr):
-        assert TOKEN not in text
-    for path in (tmp_path / "out").rglob("*"):
+    assert TOKEN not in resumed.stdout + resumed.stderr
+    for path in out.rglob("*"):
         assert not path.is_file() or TOKEN.encode() not in path.read_bytes()

@@ -21,9 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from precision_convert.errors import PushFailed
-from precision_convert.hub import PushResult, publish
+
+if TYPE_CHECKING:
+    from precision_convert.hub import PushResult
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ def publish_politely(
     sleep: Callable[[float], None] = time.sleep,
 ) -> PushResult:
     """:func:`precision_convert.hub.publish` within the repo's turn, retried as above."""
+    from precision_convert.hub import publish
+
     attempt = 0
     while True:
         with _turn(etiquette, repo_id, sleep):
