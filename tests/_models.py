@@ -418,6 +418,18 @@ def sd_pipeline(path: Path) -> Path:
     return path
 
 
+def generate(pipe: Any) -> torch.Tensor:
+    """A few seeded denoising steps of an ``sd_pipeline``, as images in [0, 1]."""
+    return pipe(
+        prompt="a cat near the river",
+        num_inference_steps=3,
+        height=32,
+        width=32,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
 #: The feed-forward pair scaled in the overflowing CogVideoX: up by this, down by its inverse.
 OVERFLOW_SCALE = 1e7
 

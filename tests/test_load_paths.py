@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import make, sd_pipeline
+from _models import generate, make, sd_pipeline
 from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
@@ -216,17 +216,6 @@ def test_fp16_safe_sd3_with_a_range_island_loads_plainly(tmp_path: Path) -> None
     assert "not checked: diffusers has no 'auto' dtype" in card
 
 
-def _generate(pipe: Any) -> torch.Tensor:
-    return pipe(
-        prompt="a cat near the river",
-        num_inference_steps=3,
-        height=32,
-        width=32,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(0),
-    ).images
-
-
 def test_fp16_safe_pipeline_generates_like_fp32_through_plain_diffusers(tmp_path: Path) -> None:
     from diffusers import DiffusionPipeline
 
@@ -238,11 +227,11 @@ def test_fp16_safe_pipeline_generates_like_fp32_through_plain_diffusers(tmp_path
     assert text_encoder["dtype"] == "float32"  # diffusers' components plain-load in fp32 too
 
     with torch.no_grad():
-        expected = _generate(DiffusionPipeline.from_pretrained(source))
+        expected = generate(DiffusionPipeline.from_pretrained(source))
         plain = DiffusionPipeline.from_pretrained(out)
         assert plain.unet.dtype == torch.float32 and plain.text_encoder.dtype == torch.float32
         for pipe in (plain, pc.load(out)):
-            images = _generate(pipe)
+            images = generate(pipe)
             assert torch.isfinite(images).all()
             assert psnr(images.float(), expected) >= 30
 
@@ -252,7 +241,7 @@ def test_fp16_safe_pipeline_generates_like_fp32_through_plain_diffusers(tmp_path
         shutil.copytree(out, old)
         set_config_dtype(old / "text_encoder", "float16")
         with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
-            _generate(DiffusionPipeline.from_pretrained(old))
+            generate(DiffusionPipeline.from_pretrained(old))
 
     certificate = validate(out, baseline=source, coverage=COVERAGE)
     assert certificate.verdict == "pass", certificate.failures

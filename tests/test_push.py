@@ -729,17 +729,6 @@ def test_model_push_converts_validates_and_publishes(
     _one_line_error(refused, 2, "--push needs a certificate")
 
 
-def _generate(pipe: Any) -> torch.Tensor:
-    return pipe(
-        prompt="a cat near the river",
-        num_inference_steps=2,
-        height=32,
-        width=32,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(0),
-    ).images
-
-
 @pytest.mark.parametrize("kind", ["unet", "pipeline"])
 def test_diffusers_variant_pr_loads_with_from_pretrained(
     hub: FakeHub, tmp_path: Path, kind: str
@@ -798,11 +787,11 @@ def test_diffusers_variant_pr_loads_with_from_pretrained(
                 )
                 assert similarity >= 0.999
         else:
-            expected = _generate(DiffusionPipeline.from_pretrained(source))
+            expected = _models.generate(DiffusionPipeline.from_pretrained(source))
             plain = DiffusionPipeline.from_pretrained(repo_id, revision=revision, variant="fp16")
             loaded = pc.load(repo_id, variant="fp16", revision=revision)
             for pipe in (plain, loaded):
-                images = _generate(pipe).float()
+                images = _models.generate(pipe).float()
                 mse = (images - expected).pow(2).mean().item()
                 assert mse == 0 or 10 * math.log10(1 / mse) >= 30
             assert loaded.unet.dtype == torch.float16  # pc.load keeps the memory saving
