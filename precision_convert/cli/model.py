@@ -14,7 +14,6 @@ from precision_convert.cli._common import (
     emit_json,
     reported_errors,
 )
-from precision_convert.cli._reports import note_unvalidated, print_certificate, print_conversion
 from precision_convert.cli.validate import require_pass
 
 
@@ -110,6 +109,7 @@ def model(
 
             raise InputError("--push needs a certificate: drop --no-validate")
     from precision_convert.api.conversion import convert, default_output
+    from precision_convert.cli._reports import note_unvalidated, print_certificate, print_conversion
     from precision_convert.errors import CannotValidateError
 
     target = output if output is not None else default_output(source, to)

@@ -14,7 +14,6 @@ from precision_convert.cli._common import (
     reported_errors,
     step_progress,
 )
-from precision_convert.cli._reports import note_unvalidated, print_certificate
 
 if TYPE_CHECKING:
     from precision_convert.validation.certify.certificate import Certificate
@@ -65,6 +64,7 @@ def validate_command(
     ] = False,
 ) -> None:
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
+    from precision_convert.cli._reports import note_unvalidated, print_certificate
     from precision_convert.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
 
