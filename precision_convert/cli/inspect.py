@@ -33,7 +33,7 @@ def inspect(
         typer.Option(
             "--calibrate",
             help="Run the model once in fp32 and show the modules nearest to fp16's limit, "
-            "with a PNG chart of every module's peak activation.",
+            "with a PNG heatmap of every module's peak activation by layer role and index.",
         ),
     ] = False,
     chart: Annotated[
