@@ -313,3 +313,39 @@ def test_recipes_list_one_line_each_and_details_by_name() -> None:
     assert listing[0].split()[0] == next(iter(builtin()))
     details = _invoke("recipes", "llama").stdout
     assert "LlamaForCausalLM" in details and "hazard" in details
+
+
+def test_stage_lines_restart_and_close() -> None:
+    """The CLI's stage display: a line per label, restarted when a count starts over (the
+    next model's probes), gone once done reaches the total."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.live: dict[int, dict[str, Any]] = {}
+            self.next = 0
+
+        def add_task(self, description: str, **fields: Any) -> int:
+            self.next += 1
+            self.live[self.next] = {"description": description, **fields}
+            return self.next
+
+        def update(self, task: int, **fields: Any) -> None:
+            self.live[task].update(fields)
+
+        def remove_task(self, task: int) -> None:
+            del self.live[task]
+
+    progress = Recorder()
+    display = _common._StepDisplay(progress)
+    display.report("validation › Llama fp32 probes", 1, 4, False)
+    display.report("validation › Llama fp32 probes", 2, 4, False)
+    (line,) = progress.live.values()
+    assert line["count"] == "2 of 4" and line["completed"] == 2
+    display.report("validation › Llama fp32 probes", 0, 4, False)  # the next run starts
+    (again,) = progress.live.values()
+    assert again is not line and again["count"] == "0 of 4"
+    display.report("calibration › island search", 3, 20, True)
+    assert any(v["count"] == "3 of at most 20" for v in progress.live.values())
+    display.report("calibration › island search", 5, 5, True)
+    display.report("validation › Llama fp32 probes", 4, 4, False)
+    assert progress.live == {}
