@@ -226,14 +226,22 @@ def _diffusers_skeleton(source: ModelSource, cls: type, trust_remote_code: bool)
 
 @cache
 def _diffusers_dtype_keyword() -> str:
-    """``dtype`` where diffusers takes it (it then warns about ``torch_dtype``), else the
-    ``torch_dtype`` every older release honours. Read from the signature, not a version."""
+    """``dtype`` where diffusers takes it (its pipelines then warn that ``torch_dtype`` is
+    deprecated), else the ``torch_dtype`` every older release honours.
+
+    ``from_pretrained`` takes ``**kwargs`` only, so the signature cannot tell; the loader's own
+    code does (it pops ``"dtype"``), which holds across releases where a version number would
+    have to be kept up to date by hand.
+    """
     import inspect
 
     import diffusers
 
-    loader = diffusers.ModelMixin.from_pretrained
-    return "dtype" if "dtype" in inspect.signature(loader).parameters else "torch_dtype"
+    try:
+        code = inspect.getsource(diffusers.ModelMixin.from_pretrained)
+    except (OSError, TypeError):  # no source shipped: the keyword every release takes
+        return "torch_dtype"
+    return "dtype" if 'kwargs.pop("dtype"' in code else "torch_dtype"
 
 
 def _diffusers_pretrained(
