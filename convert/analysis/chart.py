@@ -101,22 +101,23 @@ def heatmap_data(
     ``islands``: module -> island reason. Roles with the same structure and the same indices
     share a panel; panels and rows come in the order their first module ran.
     """
-    grouped: dict[tuple[str, tuple[tuple[int, ...], ...]], list[tuple[str, Role]]] = {}
+    Row = tuple[str, Role, tuple[tuple[int, ...], ...]]  # label, role, each member's indices
+    grouped: dict[tuple[str, tuple[tuple[int, ...], ...]], list[Row]] = {}
     singles: list[str] = []
     for role in fold(modules):
         if not role.repeated:
             singles.append(role.members[0])
             continue
         title, label, indices = _split_role(role)
-        grouped.setdefault((title, tuple(sorted(set(indices)))), []).append((label, role))
+        grouped.setdefault((title, tuple(sorted(set(indices)))), []).append((label, role, indices))
     panels = []
     for (title, columns), roles in grouped.items():
         position = {c: i for i, c in enumerate(columns)}
         rows_peaks, rows_islands = [], []
-        for _, role in roles:
+        for _, role, indices in roles:
             cells: list[float | None] = [None] * len(columns)
             marks: list[str | None] = [None] * len(columns)
-            for member, index in zip(role.members, _split_role(role)[2], strict=True):
+            for member, index in zip(role.members, indices, strict=True):
                 cells[position[index]] = peaks.get(member)
                 marks[position[index]] = islands.get(member)
             rows_peaks.append(tuple(cells))
@@ -124,7 +125,7 @@ def heatmap_data(
         panels.append(
             Panel(
                 title,
-                tuple(label for label, _ in roles),
+                tuple(label for label, _, _ in roles),
                 tuple(".".join(map(str, c)) for c in columns),
                 tuple(rows_peaks),
                 tuple(rows_islands),
