@@ -120,6 +120,13 @@ def test_fold_names_nested_slots_and_what_a_subset_is() -> None:
     assert Role.of("a.3.b").label == "a.3.b"
 
 
+def test_long_names_lose_their_middle_not_their_layer_range() -> None:
+    name = "model.layers.{0..79}.post_attention_layernorm"
+    assert _common.elide(name, 33) == "model.layers.{0..79}…on_layernorm"
+    assert _common.elide(name, 20) == "model.lay…_layernorm"  # no room: the tail comes first
+    assert _common.elide(name, len(name)) == name
+
+
 def test_inspect_folds_80_layers_into_one_screen(llama80: Path, width: None) -> None:
     """Snapshot of the folded table: one row per role, islands by index and reason."""
     result = _invoke("inspect", str(llama80))

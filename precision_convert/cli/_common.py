@@ -24,13 +24,25 @@ DEBUG_VARIABLE = "PRECISION_CONVERT_DEBUG"
 
 
 def elide(text: str, width: int) -> str:
-    """``text`` cut to ``width`` characters by dropping its middle (``model.lay…q_proj``)."""
+    """``text`` cut to ``width`` characters by dropping its middle (``model.lay…q_proj``).
+
+    A cut would rather not split a folded index range: ``model.layers.{0..79}…_layernorm``
+    keeps which layers, while the tail keeps what the module is (at least :data:`MIN_TAIL`).
+    """
     if len(text) <= width:
         return text
     if width < 2:
         return text[:width]
     head = (width - 1) // 2
+    if text.rfind("{", 0, head) > text.rfind("}", 0, head):
+        closed = text.find("}", head)
+        if closed != -1 and width - 1 - (closed + 1) >= MIN_TAIL:
+            head = closed + 1
     return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+
+
+#: The fewest characters an elided name keeps of its end.
+MIN_TAIL = 8
 
 
 #: What an interrupted command says when it wrote nothing.
