@@ -18,7 +18,10 @@ checkpoint cannot stop the batch.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -42,6 +45,8 @@ from precision_convert.batch.manifest import Job
 EventSink = Callable[[str, str], None]
 #: Runs of a job whose worker died before it is given up.
 _ATTEMPTS = 2
+#: The event a worker sends first, with its process id.
+_WORKER = "\0worker"
 
 _events: Any = None  # the worker's end of the event queue (set by _warm)
 _slots: Any = None  # the worker's end of the validation-slot queue
@@ -66,7 +71,12 @@ def validation_devices() -> list[str]:
 def run_local(
     tasks: Sequence[Task], settings: Settings, jobs: int, on_event: EventSink
 ) -> Iterator[Outcome]:
-    """Run ``tasks`` in ``jobs`` warm workers; yield each outcome as it completes."""
+    """Run ``tasks`` in ``jobs`` warm workers; yield each outcome as it completes.
+
+    Workers ignore Ctrl-C: the driver owns the interruption. It cancels what has not started
+    and terminates the workers (a job cut short leaves only a staging folder, removed by the
+    next run), so an interrupted batch stops now rather than after the jobs in flight.
+    """
     context = multiprocessing.get_context("spawn")  # fork would copy the driver's threads
     devices = validation_devices()
     pending = list(tasks)
@@ -74,29 +84,34 @@ def run_local(
         events, slots = context.Queue(), context.Queue()
         for device in devices:
             slots.put(device)
-        started: set[str] = set()
-        listener = threading.Thread(target=_forward, args=(events, on_event, started), daemon=True)
+        seen = _Seen()
+        listener = threading.Thread(target=seen.forward, args=(events, on_event), daemon=True)
         listener.start()
         broken: list[Task] = []
+        pool = ProcessPoolExecutor(
+            max_workers=min(jobs, len(pending)),
+            mp_context=context,
+            initializer=_warm,
+            initargs=(settings.threads, events, slots),
+        )
         try:
-            with ProcessPoolExecutor(
-                max_workers=min(jobs, len(pending)),
-                mp_context=context,
-                initializer=_warm,
-                initargs=(settings.threads, events, slots),
-            ) as pool:
-                futures = {pool.submit(_run, task, settings): task for task in pending}
-                for future in as_completed(futures):
-                    try:
-                        yield future.result()
-                    except BrokenProcessPool:
-                        broken.append(futures[future])
+            futures = {pool.submit(_run, task, settings): task for task in pending}
+            for future in as_completed(futures):
+                try:
+                    yield future.result()
+                except BrokenProcessPool:
+                    broken.append(futures[future])
+        except BaseException:  # Ctrl-C, or the caller stopped listening
+            pool.shutdown(wait=False, cancel_futures=True)
+            seen.terminate_workers()
+            raise
         finally:
+            pool.shutdown(wait=True)
             events.put(None)
             listener.join()
         pending = []
         for task in broken:
-            if task.job.key not in started:
+            if task.job.key not in seen.started:
                 pending.append(task)
             elif task.attempt < _ATTEMPTS:
                 pending.append(replace(task, attempt=task.attempt + 1))
@@ -104,10 +119,26 @@ def run_local(
                 yield _died(task.job)
 
 
-def _forward(events: Any, on_event: EventSink, started: set[str]) -> None:
-    while (event := events.get()) is not None:
-        started.add(event[0])
-        on_event(*event)
+class _Seen:
+    """What the workers reported: their process ids, and the jobs that started."""
+
+    def __init__(self) -> None:
+        self.workers: set[int] = set()
+        self.started: set[str] = set()
+
+    def forward(self, events: Any, on_event: EventSink) -> None:
+        while (event := events.get()) is not None:
+            key, stage = event
+            if key == _WORKER:
+                self.workers.add(int(stage))
+                continue
+            self.started.add(key)
+            on_event(key, stage)
+
+    def terminate_workers(self) -> None:
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
 
 def _died(job: Job) -> Outcome:
@@ -126,6 +157,8 @@ def _warm(threads: int, events: Any, slots: Any) -> None:
     """Worker start-up: own the process, import the heavy libraries once."""
     global _events, _slots
     _events, _slots = events, slots
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C
+    events.put((_WORKER, str(os.getpid())))
     own_process(threads)
     import precision_convert.api.conversion
     import precision_convert.hub

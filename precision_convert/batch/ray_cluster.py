@@ -63,9 +63,13 @@ def _run(
     ray: Any, tasks: Sequence[Task], settings: Settings, on_event: EventSink
 ) -> Iterator[Outcome]:
     gpus = ray.cluster_resources().get("GPU", 0)
-    convert = ray.remote(_convert).options(num_cpus=settings.threads)
+    # Torch runs ``threads`` threads whatever is reserved; a reservation larger than any node
+    # would never be scheduled.
+    largest = max((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]), default=1)
+    cpus = min(settings.threads, largest)
+    convert = ray.remote(_convert).options(num_cpus=cpus)
     validate = ray.remote(_validate).options(
-        **({"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": settings.threads})
+        **({"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": cpus})
     )
     push = ray.remote(_push).options(num_cpus=0)
     # ref -> (task, the stage that follows it; None: nothing to show; _DONE: the outcome)
@@ -82,14 +86,19 @@ def _run(
             validated = task.outcome
             on_event(job.key, "pushing")
         watched[push.remote(job, settings, validated)] = (task, _DONE)
-    while watched:
-        ready, _ = ray.wait(list(watched), num_returns=1)
-        for ref in ready:
-            task, following = watched.pop(ref)
-            if following == _DONE:
-                yield _result(ray, ref, task)
-            elif following is not None:
-                on_event(task.job.key, following)
+    try:
+        while watched:
+            ready, _ = ray.wait(list(watched), num_returns=1)
+            for ref in ready:
+                task, following = watched.pop(ref)
+                if following == _DONE:
+                    yield _result(ray, ref, task)
+                elif following is not None:
+                    on_event(task.job.key, following)
+    except BaseException:  # Ctrl-C: nothing of this run goes on on the cluster
+        for ref in watched:
+            ray.cancel(ref, force=True)
+        raise
 
 
 def _result(ray: Any, ref: Any, task: Task) -> Outcome:

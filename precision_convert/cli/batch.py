@@ -65,12 +65,12 @@ def batch(
     Exit 1: some job failed. Exit 2: a bad manifest (nothing run), or another batch run is
     writing to the same output folder.
     """
-    from precision_convert.batch.manifest import read_manifest
-    from precision_convert.batch.runner import REPORT_NAME, run_batch
+    with reported_errors():
+        from precision_convert.batch.manifest import read_manifest
+        from precision_convert.batch.runner import REPORT_NAME, run_batch
 
-    try:
-        with reported_errors():
-            plan = read_manifest(manifest)
+        plan = read_manifest(manifest)
+        try:
             with _Progress(len(plan.jobs)) as progress:
                 report = run_batch(
                     plan,
@@ -80,12 +80,13 @@ def batch(
                     resume=resume,
                     on_event=progress.event,
                 )
-    except KeyboardInterrupt:
-        print(
-            "precision-convert: interrupted; finished jobs are kept (run again with --resume)",
-            file=sys.stderr,
-        )
-        raise typer.Exit(130) from None
+        except KeyboardInterrupt:
+            print(
+                "precision-convert: interrupted; jobs that finished are kept in "
+                f"{plan.output_dir}: run again with --resume to do the rest",
+                file=sys.stderr,
+            )
+            raise typer.Exit(130) from None
     print_report(report)
     console.print(f"report: {report.output_dir / REPORT_NAME}", highlight=False, soft_wrap=True)
     if report.failed:
