@@ -3,11 +3,18 @@
 An interrupted run (even SIGKILL) leaves only a hidden staging directory whose name carries the
 owner's pid; the next run for the same target removes staging directories of dead owners. The
 target path itself only ever holds a complete output.
+
+Two runs writing one target at once would each build a complete staging directory and the
+later rename would either fail obscurely or (with ``--overwrite``) silently replace the other's
+output. So a run holds an exclusive lock on the target (``flock`` on a hidden ``.<name>.pc-lock``
+beside it, released by the kernel even on SIGKILL) from the moment it starts writing until its
+output is committed; a second run stops at once with a message naming the other's pid.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import uuid
@@ -18,6 +25,7 @@ from precision_convert.errors import InputError, OutputExistsError
 
 _STAGING = ".pc-staging-"
 _TRASH = ".pc-trash-"
+_LOCK = ".pc-lock"
 
 
 def _marker(target: Path, kind: str) -> str:
@@ -79,6 +87,54 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class TargetLock:
+    """An exclusive, non-blocking lock on writing ``target``: a ``flock`` on a hidden file
+    beside it that holds the owner's pid (for the message another run prints).
+
+    The file is removed on release. A run that opened it just before that removal would lock
+    a file no longer in the directory, so after locking the path is checked to still name the
+    locked file (else the lock is taken again on the new one).
+    """
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.path = target.parent / _marker(target, _LOCK)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise InputError(
+                    f"another precision-convert run (pid {owner}) is writing this output; "
+                    "wait for it to finish, or choose another output directory",
+                    self.target,
+                ) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the previous owner removed it while we waited: lock the new one
+        self._fd = fd
+        with contextlib.suppress(OSError):  # the pid only makes the other run's message nicer
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self._fd)  # closing releases the flock
+        self._fd = None
+
+
 class StagedOutput:
     """Build an output in a hidden sibling directory; ``commit()`` renames it into place.
 
@@ -92,6 +148,7 @@ class StagedOutput:
             f"{_marker(self.target, _STAGING)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         self._committed = False
+        self._lock = TargetLock(self.target)
 
     def check(self) -> None:
         """Refuse an existing target (unless overwriting) or one under a file; call early."""
@@ -107,12 +164,23 @@ class StagedOutput:
         self.check()
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
-            clean_leftovers(self.target)
-            self.path.mkdir()
+            self._lock.acquire()
         except OSError as exc:
             raise InputError(
                 f"cannot create the output: {exc.strerror or exc}", self.target
             ) from None
+        try:
+            self.check()  # another run may have committed this target while we planned
+            clean_leftovers(self.target)
+            self.path.mkdir()
+        except OSError as exc:
+            self._lock.release()
+            raise InputError(
+                f"cannot create the output: {exc.strerror or exc}", self.target
+            ) from None
+        except BaseException:
+            self._lock.release()
+            raise
         return self
 
     def commit(self) -> None:
@@ -135,5 +203,8 @@ class StagedOutput:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if not self._committed:
-            shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            if not self._committed:
+                shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            self._lock.release()

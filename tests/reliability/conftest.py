@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords and HERE in Path(str(item.fspath)).parents:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The trial models and reference outputs (``_harness.Sources``), built on first use."""
+    import _harness
+
+    return _harness.Sources(tmp_path_factory.mktemp("reliability-sources"))

@@ -29,11 +29,6 @@ SAMPLE = [
 FULL_SEEDS = range(1, 6)
 
 
-@pytest.fixture(scope="session")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> _harness.Sources:
-    return _harness.Sources(tmp_path_factory.mktemp("reliability-sources"))
-
-
 @pytest.fixture(scope="module")
 def hub() -> Iterator[FakeHub]:
     with FakeHub() as server:
