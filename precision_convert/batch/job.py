@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.batch.etiquette import Etiquette, publish_politely
 from precision_convert.batch.manifest import Job
 from precision_convert.batch.state import STATE_DIR, JobState, StateStore
-from precision_convert.errors import PrecisionConvertError
+from precision_convert.errors import CheckFailed, PrecisionConvertError
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ComponentResult
@@ -183,13 +183,11 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
         describe(outcome, certificate)
         if not certificate.passed:
             first = certificate.failures[0] if certificate.failures else "no metric was judged"
-            raise RuntimeError(f"not certified ({len(certificate.failures)} problems): {first}")
+            raise CheckFailed(f"not certified ({len(certificate.failures)} problems): {first}")
         checked = check(job.output)  # what --resume and push will check: it must pass now
         state = settings.store.read(job.key) or JobState(job.key, job.digest)
         state.certificate = checked.files[checked.certificate_name].sha256
         settings.store.write(state)
-    if outcome.failed and outcome.reason is not None:
-        outcome.reason = outcome.reason.replace("RuntimeError: ", "", 1)
     return outcome
 
 
@@ -237,7 +235,6 @@ def recorded(job: Job, settings: Settings, status: str) -> Outcome:
         if status == SKIPPED and state.push is not None:
             outcome.push = {k: v for k, v in state.push.items() if k != "certificate"}
             outcome.push["changed"] = False
-    outcome.baseline = checked.certificate.source.get("path")
     return outcome
 
 
@@ -276,7 +273,11 @@ def fp32_share(components: list[ComponentResult]) -> float:
 
 def own_process(threads: int) -> None:
     """For a worker that owns its process: a fixed torch thread count (the same on every
-    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars."""
+    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars.
+
+    Workers share the terminal with the driver's progress display, and everything a job has
+    to say reaches the report through its outcome; library warnings and bars would only
+    garble the display."""
     import os
     import warnings
 

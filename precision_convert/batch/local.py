@@ -61,13 +61,6 @@ class Task:
     attempt: int = 1
 
 
-def validation_devices() -> list[str]:
-    """One validation slot per GPU, else one on the CPU."""
-    import torch
-
-    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
-
-
 def run_local(
     tasks: Sequence[Task], settings: Settings, jobs: int, on_event: EventSink
 ) -> Iterator[Outcome]:
@@ -78,12 +71,11 @@ def run_local(
     next run), so an interrupted batch stops now rather than after the jobs in flight.
     """
     context = multiprocessing.get_context("spawn")  # fork would copy the driver's threads
-    devices = validation_devices()
     pending = list(tasks)
     while pending:
         events, slots = context.Queue(), context.Queue()
-        for device in devices:
-            slots.put(device)
+        # The first worker up fills the slots: the driver never has to import torch for it.
+        filling = (context.Lock(), context.Value("b", 0))
         seen = _Seen()
         listener = threading.Thread(target=seen.forward, args=(events, on_event), daemon=True)
         listener.start()
@@ -92,7 +84,7 @@ def run_local(
             max_workers=min(jobs, len(pending)),
             mp_context=context,
             initializer=_warm,
-            initargs=(settings.threads, events, slots),
+            initargs=(settings.threads, events, slots, filling),
         )
         try:
             futures = {pool.submit(_run, task, settings): task for task in pending}
@@ -153,13 +145,22 @@ def _died(job: Job) -> Outcome:
 # --------------------------------------------------------------------------- in the worker
 
 
-def _warm(threads: int, events: Any, slots: Any) -> None:
-    """Worker start-up: own the process, import the heavy libraries once."""
+def _warm(threads: int, events: Any, slots: Any, filling: tuple[Any, Any]) -> None:
+    """Worker start-up: own the process, import the heavy libraries once, and (the first
+    worker) put one validation slot per GPU, or one for the CPU, into the shared queue."""
     global _events, _slots
     _events, _slots = events, slots
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C
     events.put((_WORKER, str(os.getpid())))
     own_process(threads)
+    import torch
+
+    lock, filled = filling
+    with lock:
+        if not filled.value:
+            for device in [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]:
+                slots.put(device)
+            filled.value = 1
     import precision_convert.api.conversion
     import precision_convert.hub
     import precision_convert.validation.certify.runner  # noqa: F401

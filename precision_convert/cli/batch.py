@@ -132,7 +132,8 @@ class _Progress:
     def __init__(self, total: int) -> None:
         self.total = total
         self.finished = 0
-        self.live: Any = None
+        self.live: Any = None  # a rich Progress on a terminal
+        self.overall: Any = None
         self.rows: dict[str, Any] = {}
 
     def __enter__(self) -> _Progress:
