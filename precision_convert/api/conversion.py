@@ -290,9 +290,7 @@ def convert(
         ]
         try:
             with staged:
-                written = _write(
-                    opened, models, components, staged.path, on_progress, io, variant
-                )
+                written = _write(opened, models, components, staged.path, on_progress, io, variant)
                 staged.commit()
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None

@@ -54,6 +54,7 @@ def push_command(
 
     Exit 2: no token, a rejected token, no write permission, or the Hub did not complete it.
     """
+
     def on_disk() -> str:
         return (
             f"the push may not have finished; run it again to resume (files the Hub already "

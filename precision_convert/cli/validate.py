@@ -71,6 +71,7 @@ def validate_command(
     if verify:
         verify_files(converted, json_output)
         return
+
     def on_disk() -> str:
         return f"{converted} is unchanged (a certificate is written only when validation ends)"
 
