@@ -8,6 +8,7 @@ that is downloaded first. Everything is checked here, before a single output byt
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -176,9 +177,39 @@ def open_source(path: Path, variant: str | None = None) -> Source:
     """
     if variant is not None and not VARIANT_NAME.fullmatch(variant):
         raise InputError(f"not a variant name: {variant!r} (letters, digits and _)", path)
+    check_links(path)
     if (path / "model_index.json").is_file():
         return _pipeline(path, variant)
     return _model(path, variant)
+
+
+def check_links(root: Path) -> None:
+    """Refuse a symbolic link anywhere under ``root`` that leads out of it.
+
+    Everything under a model directory is read or copied into the output (and from there
+    pushed to the Hub), so a link to ``~/.ssh/id_rsa`` named ``tokenizer.json``, or a shard
+    index entry that is a link to another model's weights, would leak or mix in files the
+    user never meant to convert. The one exception is the Hub cache's own layout: a snapshot
+    (``…/snapshots/<revision>/``) holds links into its repo's ``blobs/`` folder.
+    """
+    base = root.resolve()
+    blobs = next((a.parent / "blobs" for a in (base, *base.parents) if a.name == "snapshots"), None)
+    for directory, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            entry = Path(directory, name)
+            if not entry.is_symlink():
+                continue
+            try:
+                target = entry.resolve()
+            except (OSError, RuntimeError):  # a loop of links
+                raise InputError("is a symbolic link that leads nowhere (a loop)", entry) from None
+            inside = target == base or base in target.parents
+            if not inside and not (blobs is not None and target.parent == blobs):
+                raise InputError(
+                    f"is a symbolic link to {target}, outside the model directory "
+                    "(copy the file in instead)",
+                    entry,
+                )
 
 
 def variant_name(name: str, variant: str | None) -> str:
