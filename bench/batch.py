@@ -1,7 +1,7 @@
 """Benchmark: 8 small conversions through ``batch`` against 8 ``model`` runs one after another.
 
 Builds (or reuses) eight tiny seeded checkpoints under ``--workdir`` (four Llamas and four T5
-encoders, transformers' own ``save_pretrained``), then times, each a fresh child process of
+encoders of the test zoo, ``tests/_models.py``), then times, each a fresh child process of
 this interpreter's venv, converting and certifying all eight to ``--target``:
 
 * ``precision-convert model SRC --to TARGET -o OUT`` eight times, one after another: every run
@@ -37,7 +37,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 COMMAND = Path(sys.executable).with_name("precision-convert")
@@ -47,40 +46,13 @@ MODELS = 8
 
 
 def _tiny(workdir: Path, kind: str, seed: int) -> Path:
+    """A tiny seeded model of the test zoo (``tests/_models.py``), saved once."""
     path = workdir / f"tiny-{kind}-{seed}-v{CHECKPOINT_VERSION}"
-    if (path / "config.json").is_file():
-        return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5EncoderModel
+    if not (path / "config.json").is_file():
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        import _models
 
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model: Any = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-            )
-        )
-    else:
-        model = T5EncoderModel(
-            T5Config(
-                vocab_size=128,
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                feed_forward_proj="gated-gelu",
-                is_encoder_decoder=False,
-                use_cache=False,
-            )
-        )
-    model.eval().save_pretrained(path)
+        _models.make(kind, seed).save_pretrained(path)
     return path
 
 
@@ -122,7 +94,7 @@ def main() -> None:
     options = parser.parse_args()
     workdir: Path = options.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    sources = [_tiny(workdir, kind, seed) for kind in ("llama", "t5") for seed in range(4)]
+    sources = [_tiny(workdir, kind, seed) for kind in ("llama", "t5-encoder") for seed in range(4)]
     assert len(sources) == MODELS
     env = {
         **os.environ,

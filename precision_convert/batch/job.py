@@ -44,7 +44,6 @@ class Settings:
     output_dir: Path
     threads: int  # torch intra-op threads per job: fixed, so metrics repeat bit for bit
     etiquette: Etiquette
-    hub_timeout: float | None = None
 
     @classmethod
     def for_run(cls, output_dir: Path, threads: int, **etiquette: Any) -> Settings:
@@ -129,7 +128,7 @@ def convert_stage(
     options = job.options
     on_stage("downloading")
     with _stage(outcome, "download"):
-        outcome.baseline = str(resolve(job.source, options.revision, timeout=settings.hub_timeout))
+        outcome.baseline = str(resolve(job.source, options.revision))
     if outcome.failed:
         return outcome
     on_stage("converting")
