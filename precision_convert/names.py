@@ -7,15 +7,35 @@ Names are compared component by component, never as substrings: ``wo`` must not 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from functools import lru_cache
 
 
-@lru_cache(maxsize=1024)
-def _component_regex(component: str) -> re.Pattern[str]:
-    # Inside one component "*" is a wildcard that never crosses a dot ("*norm*" matches "ln_norm").
-    return re.compile("^" + re.escape(component).replace(r"\*", "[^.]*") + "$")
+@lru_cache(maxsize=65536)
+def _component_matches(pattern: str, text: str) -> bool:
+    """Whether one name component matches one pattern component, where ``*`` stands for any
+    run of characters (``*norm*`` matches ``ln_norm``; a component never holds a dot).
+
+    The classic two-pointer glob: on a mismatch, retry from the last ``*`` one character
+    further. At most len(pattern) x len(text) steps, where a backtracking regex takes
+    exponential time on patterns like ``*a*a*a*a*a*a*a*a*a*a*a*a*b`` (patterns come from
+    recipe files and ``--keep-fp32``; one must not be able to hang a run).
+    """
+    p = t = 0
+    star, resume = -1, 0
+    while t < len(text):
+        if p < len(pattern) and pattern[p] == "*":
+            star, resume = p, t
+            p += 1
+        elif p < len(pattern) and pattern[p] == text[t]:
+            p += 1
+            t += 1
+        elif star >= 0:
+            p, resume = star + 1, resume + 1
+            t = resume
+        else:
+            return False
+    return all(c == "*" for c in pattern[p:])
 
 
 def validate_pattern(pattern: str) -> str:
@@ -32,14 +52,24 @@ def matches(pattern: str, name: str) -> bool:
 
 @lru_cache(maxsize=65536)
 def _match_parts(pattern: tuple[str, ...], name: tuple[str, ...]) -> bool:
-    if not pattern:
-        return not name
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_match_parts(rest, name[i:]) for i in range(len(name) + 1))
-    if not name or not _component_regex(head).match(name[0]):
-        return False
-    return _match_parts(rest, name[1:])
+    """Whole-name matching, one pattern component at a time.
+
+    ``reachable[j]``: the pattern components seen so far can match the first ``j`` name
+    components. ``**`` keeps every reachable prefix and extends each by any run; another
+    component extends a prefix by one matching component. len(pattern) x len(name) steps
+    in all, however many ``**`` a pattern holds (recursing into every split of the name
+    costs a power of the name's length).
+    """
+    reachable = [True] + [False] * len(name)
+    for head in pattern:
+        if head == "**":
+            for j in range(1, len(name) + 1):
+                reachable[j] = reachable[j] or reachable[j - 1]
+        else:
+            reachable = [False] + [
+                reachable[j] and _component_matches(head, part) for j, part in enumerate(name)
+            ]
+    return reachable[-1]
 
 
 def matches_self_or_ancestor(pattern: str, name: str) -> bool:
