@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from precision_convert.batch.etiquette import Etiquette, publish_politely
 from precision_convert.batch.manifest import Job
-from precision_convert.batch.state import STATE_DIR, JobState, StateStore
+from precision_convert.batch.state import STATE_DIR, JobState, Start, StateStore
 from precision_convert.errors import CheckFailed, PrecisionConvertError
 
 if TYPE_CHECKING:
@@ -220,19 +220,17 @@ def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:
     return outcome
 
 
-def recorded(job: Job, settings: Settings, status: str) -> Outcome:
-    """The outcome of a job whose certified output is kept, from its certificate and state."""
-    from precision_convert.hub import check
-
+def recorded(job: Job, start: Start, status: str) -> Outcome:
+    """The outcome of a job whose certified output ``--resume`` keeps (``start`` says what
+    it found: the certificate, and the state with the fp32 share and the push)."""
     outcome = Outcome.start(job)
     outcome.status = status
-    checked = check(job.output)
-    describe(outcome, checked.certificate)
-    state = settings.store.read(job.key)
-    if state is not None:
-        outcome.fp32_share = state.fp32_share
-        if status == SKIPPED and state.push is not None:
-            outcome.push = {k: v for k, v in state.push.items() if k != "certificate"}
+    if start.certificate is not None:
+        describe(outcome, start.certificate)
+    if start.state is not None:
+        outcome.fp32_share = start.state.fp32_share
+        if status == SKIPPED and start.state.push is not None:
+            outcome.push = {k: v for k, v in start.state.push.items() if k != "certificate"}
             outcome.push["changed"] = False
     return outcome
 

@@ -352,7 +352,7 @@ def _push(
                 "repo id, not a local directory",
                 "model",
                 index,
-                "source",
+                "push",
             )
         if options.variant is None:
             raise reader.fail(

@@ -47,11 +47,16 @@ def run_ray(
 ) -> Iterator[Outcome]:
     """Run ``tasks`` on the cluster at ``address`` (or the one this process is connected to,
     or a new local one); yield each outcome as it completes."""
+    if not tasks:  # everything kept by --resume: no cluster needed
+        return
     import ray
 
     owned = not ray.is_initialized()
     if owned:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        # Ray's start-up notes would break into the progress display; errors still show.
+        ray.init(
+            address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR"
+        )
     try:
         yield from _run(ray, tasks, settings, on_event)
     finally:

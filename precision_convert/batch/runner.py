@@ -21,7 +21,7 @@ from precision_convert._version import __version__
 from precision_convert.batch.job import DONE, FAILED, RUNNING, SKIPPED, Outcome, Settings, recorded
 from precision_convert.batch.local import EventSink, Task, run_local
 from precision_convert.batch.manifest import Manifest
-from precision_convert.batch.state import Resume, exclusive, resume_point
+from precision_convert.batch.state import Resume, Start, exclusive, resume_point
 from precision_convert.errors import InputError
 
 REPORT_NAME = "batch_report.json"
@@ -121,11 +121,11 @@ def run_batch(
     with exclusive(manifest.output_dir):
         tasks = []
         for job in manifest.jobs:
-            start = resume_point(job, settings.store) if resume else Resume.CONVERT
-            if start is Resume.DONE:
-                _finish(report, recorded(job, settings, SKIPPED), listener)
-            elif start is Resume.PUSH:
-                tasks.append(Task(job, recorded(job, settings, RUNNING)))
+            start = resume_point(job, settings.store) if resume else Start(Resume.CONVERT)
+            if start.point is Resume.DONE:
+                _finish(report, recorded(job, start, SKIPPED), listener)
+            elif start.point is Resume.PUSH:
+                tasks.append(Task(job, recorded(job, start, RUNNING)))
             else:
                 tasks.append(Task(job))
         if executor == "ray":

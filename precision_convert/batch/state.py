@@ -21,10 +21,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from precision_convert.batch.manifest import Job
 from precision_convert.errors import InputError
+
+if TYPE_CHECKING:
+    from precision_convert.validation.certify.certificate import Certificate
 
 STATE_DIR = ".precision-convert-batch"
 _LOCK_NAME = "lock"
@@ -72,27 +75,34 @@ class Resume(Enum):
     DONE = "done"
 
 
-def resume_point(job: Job, store: StateStore) -> Resume:
+@dataclass(frozen=True)
+class Start:
+    """Where a job starts, with what ``--resume`` found kept (certificate and state)."""
+
+    point: Resume
+    certificate: Certificate | None = None
+    state: JobState | None = None
+
+
+def resume_point(job: Job, store: StateStore) -> Start:
     """How much of ``job`` a ``--resume`` run can keep (see the module docstring)."""
     from precision_convert.errors import PrecisionConvertError
     from precision_convert.hub import check
 
     state = store.read(job.key)
     if state is None or state.digest != job.digest or state.certificate is None:
-        return Resume.CONVERT
+        return Start(Resume.CONVERT)
     try:
         checked = check(job.output)
     except PrecisionConvertError:
-        return Resume.CONVERT
+        return Start(Resume.CONVERT)
     if checked.files[checked.certificate_name].sha256 != state.certificate:
-        return Resume.CONVERT
-    if job.push is None:
-        return Resume.DONE
+        return Start(Resume.CONVERT)
     pushed = state.push or {}
-    same_repo = pushed.get("repo_id") == job.push.repo_id
-    return (
-        Resume.DONE if same_repo and pushed.get("certificate") == state.certificate else Resume.PUSH
+    done = job.push is None or (
+        pushed.get("repo_id") == job.push.repo_id and pushed.get("certificate") == state.certificate
     )
+    return Start(Resume.DONE if done else Resume.PUSH, checked.certificate, state)
 
 
 @contextlib.contextmanager
