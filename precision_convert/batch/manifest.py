@@ -266,6 +266,8 @@ def read_manifest(path: str | Path) -> Manifest:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"not valid TOML: {exc}", path) from None
+    except RecursionError:  # tomllib recurses per nesting level
+        raise InputError("not valid TOML: values nested too deeply", path) from None
     reader = _Reader(path, text)
     for key in data:
         if key not in ("defaults", "model"):
