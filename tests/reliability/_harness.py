@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -156,9 +157,16 @@ class Child:
         return (self.logs / "started").exists()
 
 
-def _forked_main(args: list[str], cwd: str, logs: str, env: dict[str, str]) -> None:
-    """The forked command: its own session and logs, SIGINT at Python's default, slow reads."""
+def _forked_main(
+    args: list[str], cwd: str, logs: str, env: dict[str, str], max_file_size: int | None
+) -> None:
+    """The forked command: its own session and logs, SIGINT at Python's default, slow reads,
+    and optionally a cap on the size of any file it writes (``RLIMIT_FSIZE``: a disk that
+    fills up; SIGXFSZ ignored, so that the write fails with EFBIG instead of killing it)."""
     os.setsid()
+    if max_file_size is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
     os.chdir(cwd)
     os.environ.update(env)
     for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -195,11 +203,20 @@ def _context() -> Any:
     return _FORKSERVER
 
 
-def fork_cli(args: list[str], cwd: Path, logs: Path, env: dict[str, str] | None = None) -> Child:
+def fork_cli(
+    args: list[str],
+    cwd: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    *,
+    max_file_size: int | None = None,
+) -> Child:
     """``precision-convert ARGS`` in a process forked from the warm forkserver."""
     logs.mkdir(parents=True, exist_ok=True)
     process = _context().Process(
-        target=_forked_main, args=(args, str(cwd), str(logs), dict(env or {})), daemon=False
+        target=_forked_main,
+        args=(args, str(cwd), str(logs), dict(env or {}), max_file_size),
+        daemon=False,
     )
     process.start()
 
