@@ -1,0 +1,198 @@
+"""Certificate integrity beyond ``tests/test_push.py``'s seven tamper kinds (a shard byte, a
+config key, an added file, a removed file, no certificate, a failing verdict, the card): a
+renamed shard, a certificate edited to cover a changed file, files inside a pipeline's
+component folders, and hidden files (neither certified nor uploaded, so no way to smuggle a
+file into a repo). Each change is caught by ``validate --verify`` and by ``push`` (nothing sent
+to the Hub), both naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import _harness
+import pytest
+from _fake_hub import FakeHub
+from test_push import TOKEN, USER, _one_line_error, _online, _push
+
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[FakeHub]:
+    with FakeHub() as server:
+        server.add_token(TOKEN, USER)
+        yield server
+
+
+@pytest.fixture
+def online(hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
+    _online(monkeypatch, hub, tmp_path / "hf-home")
+    hub.requests.clear()
+    return hub
+
+
+def _caught(output: Path, hub: FakeHub, culprit: str) -> None:
+    """``validate --verify`` and ``push`` both refuse ``output``, naming ``culprit``."""
+    verified = _harness.run_in_process(["validate", str(output), "--verify"])
+    _one_line_error(verified, 1, culprit, "not as certified")
+    done = _push(str(output), "ns/refused")
+    _one_line_error(done, 1, culprit, "push refused")
+    assert hub.requests == []  # the gate runs before anything talks to the Hub
+
+
+def _rename_weights(out: Path) -> str:
+    (out / "model.safetensors").rename(out / "model-renamed.safetensors")
+    return "model-renamed.safetensors"
+
+
+def _certificate_covers_a_change(out: Path) -> str:
+    """The weights changed and the certificate's hash updated to match; the card, which the
+    certificate renders, was not: the card gives it away."""
+    import hashlib
+
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    certificate = json.loads((out / CERTIFICATE_NAME).read_text())
+    certificate["files"]["model.safetensors"] = hashlib.sha256(bytes(data)).hexdigest()
+    certificate["metrics"][0]["value"] = 0.0  # and a prettier number
+    (out / CERTIFICATE_NAME).write_text(json.dumps(certificate, indent=2) + "\n")
+    return "README.md"
+
+
+def _weights_replaced_by_a_link(out: Path) -> str:
+    """A link to a file with other bytes: hashed through the link."""
+    other = out.parent / "other.safetensors"
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[100] ^= 0xFF
+    other.write_bytes(bytes(data))
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors").symlink_to(other)
+    return "model.safetensors"
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [_rename_weights, _certificate_covers_a_change, _weights_replaced_by_a_link],
+    ids=["renamed-shard", "certificate-edited", "weights-link"],
+)
+def test_tampering_is_caught(
+    tamper: Callable[[Path], str], tmp_path: Path, sources: _harness.Sources, online: FakeHub
+) -> None:
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    _harness.verify(output)
+    _caught(output, online, tamper(output))
+
+
+def test_hidden_files_are_neither_certified_nor_uploaded(
+    tmp_path: Path, sources: _harness.Sources, online: FakeHub
+) -> None:
+    """``.git``/``.cache`` style paths are skipped by the hashes and by the upload alike: a
+    hidden file cannot ride along into the repo."""
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    (output / ".cache").mkdir()
+    (output / ".cache" / "payload.bin").write_bytes(b"smuggled")
+    (output / ".env").write_text("SECRET=1\n")
+
+    _harness.verify(output)
+    done = _push(str(output), "ns/hidden")
+    assert done.exit_code == 0, done.output
+    pushed = online.files("ns/hidden")
+    assert not [name for name in pushed if name.startswith(".") and name != ".gitattributes"]
+    assert b"smuggled" not in b"".join(pushed.values())
+
+
+# -- a whole pipeline: files in component folders ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certified_pipeline(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Callable[[str], Path]
+) -> Path:
+    output = tmp_path_factory.mktemp("pipeline") / "sd-bf16"
+    done = _harness.run_in_process(
+        [
+            "model",
+            str(tiny_model("sd-pipeline")),
+            "--to",
+            "bf16",
+            *_harness.QUICK,
+            "-o",
+            str(output),
+        ]
+    )
+    assert done.exit_code == 0, done.stderr
+    return output
+
+
+def _component_weights_byte(out: Path) -> str:
+    name = "unet/diffusion_pytorch_model.safetensors"
+    data = bytearray((out / name).read_bytes())
+    data[-2] ^= 0x01
+    (out / name).write_bytes(bytes(data))
+    return name
+
+
+def _component_config_key(out: Path) -> str:
+    name = "vae/config.json"
+    config = json.loads((out / name).read_text())
+    config["force_upcast"] = not config.get("force_upcast", False)
+    (out / name).write_text(json.dumps(config))
+    return name
+
+
+def _copied_component_file(out: Path) -> str:
+    name = next(p for p in sorted((out / "tokenizer").iterdir()) if p.is_file())
+    name.write_bytes(name.read_bytes() + b"\n")
+    return name.relative_to(out).as_posix()
+
+
+def _scheduler_config(out: Path) -> str:
+    name = next((out / "scheduler").glob("*.json"))
+    name.write_text(name.read_text().replace("}", ', "beta_end": 0.5}', 1))
+    return name.relative_to(out).as_posix()
+
+
+def _file_added_to_a_component(out: Path) -> str:
+    (out / "text_encoder" / "extra.safetensors").write_bytes(b"x")
+    return "text_encoder/extra.safetensors"
+
+
+def _component_file_removed(out: Path) -> str:
+    (out / "text_encoder" / "config.json").unlink()
+    return "text_encoder/config.json"
+
+
+def _pipeline_index(out: Path) -> str:
+    index = json.loads((out / "model_index.json").read_text())
+    index["requires_safety_checker"] = False
+    (out / "model_index.json").write_text(json.dumps(index))
+    return "model_index.json"
+
+
+PIPELINE_TAMPERS = [
+    _component_weights_byte,
+    _component_config_key,
+    _copied_component_file,
+    _scheduler_config,
+    _file_added_to_a_component,
+    _component_file_removed,
+    _pipeline_index,
+]
+
+
+@pytest.mark.parametrize("tamper", PIPELINE_TAMPERS, ids=[t.__name__[1:] for t in PIPELINE_TAMPERS])
+def test_pipeline_tampering_is_caught(
+    tamper: Callable[[Path], str], tmp_path: Path, certified_pipeline: Path, online: FakeHub
+) -> None:
+    output = tmp_path / "out"
+    shutil.copytree(certified_pipeline, output)
+    _harness.verify(output)
+    _caught(output, online, tamper(output))
