@@ -248,3 +248,76 @@ source = "{parked}"
     assert TOKEN not in resumed.stdout + resumed.stderr
     for path in out.rglob("*"):
         assert not path.is_file() or TOKEN.encode() not in path.read_bytes()
+
+
+# --------------------------------------------------------------------------- Hub etiquette
+
+
+class _Response:
+    def __init__(self, status: int, retry_after: str = "") -> None:
+        self.status_code = status
+        self.headers = {"Retry-After": retry_after} if retry_after else {}
+
+
+def _failed(status: int, retry_after: str = "") -> Exception:
+    """A PushFailed as hub raises it: ``from None``, the HTTP error kept as its context."""
+    from precision_convert.errors import PushFailed
+
+    http = RuntimeError("HTTP error")
+    http.response = _Response(status, retry_after)  # type: ignore[attr-defined]
+    try:
+        try:
+            raise http
+        except RuntimeError:
+            raise PushFailed("ns/x: the Hub answered") from None
+    except PushFailed as exc:
+        return exc
+
+
+def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import precision_convert.hub as hub_module
+    from precision_convert.batch.etiquette import Etiquette, publish_politely
+    from precision_convert.errors import PushFailed
+
+    answers: list[Exception | str] = [_failed(429, "3"), _failed(503), "pushed"]
+    calls: list[str] = []
+
+    def publish(converted: Path, repo_id: str, **options: object) -> str:
+        calls.append(repo_id)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(hub_module, "publish", publish)
+    waits: list[float] = []
+    etiquette = Etiquette(tmp_path / "locks", interval=60.0, retries=4, backoff=2.0)
+
+    def push(repo_id: str) -> object:
+        return publish_politely(
+            tmp_path,
+            repo_id,
+            create_pr=False,
+            private=None,
+            etiquette=etiquette,
+            sleep=waits.append,
+        )
+
+    assert push("ns/x") == "pushed"
+    # 429: the Hub's Retry-After; 503: the backoff (2 s) doubled for a second retry; and each
+    # retry waits for its repo's turn.
+    assert [round(w) for w in waits[::2]] == [3, 4] and all(55 < w < 61 for w in waits[1::2])
+    waits.clear()
+    answers.append("again")
+    assert push("ns/x") == "again"
+    assert len(waits) == 1 and 55 < waits[0] < 61  # the repo's last commit was just now
+    answers.append("elsewhere")
+    assert push("ns/y") == "elsewhere"
+    assert len(waits) == 1  # another repo: no wait
+
+    answers.append(_failed(403))
+    with pytest.raises(PushFailed):
+        push("ns/z")
+    assert calls[-1] == "ns/z" and not answers  # not retried: waiting cannot help
