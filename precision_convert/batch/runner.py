@@ -83,7 +83,8 @@ def run_batch(
 
     Args:
         jobs: concurrent jobs (local: warm worker processes). Each job's torch threads are the
-            machine's CPUs divided by ``jobs``, the same on either executor.
+            machine's CPUs divided by ``jobs`` (or by the number of jobs, when fewer), the same
+            on either executor.
         executor: ``local`` or ``ray``.
         ray_address: the Ray cluster to use (default: the one this process is connected to,
             else a new local one).
@@ -106,7 +107,7 @@ def run_batch(
 
         require_ray()
     listener = on_event or _ignore
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = max(1, (os.cpu_count() or 1) // min(jobs, len(manifest.jobs)))
     settings = Settings.for_run(manifest.output_dir, threads, **(etiquette or {}))
     began = time.perf_counter()
     report = BatchReport(
