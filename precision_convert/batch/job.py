@@ -178,6 +178,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
             inputs=options.inputs,
             coverage=options.coverage or DEFAULT_LEVEL,
             calibration_data=options.calibration_data,
+            trust_remote_code=options.trust_remote_code,
         )
         describe(outcome, certificate)
         if not certificate.passed:
