@@ -82,4 +82,16 @@ class PushFailed(PrecisionConvertError):
     """The Hub did not complete a push: the connection was lost, server errors outlasted the
     client's retries, the branch moved meanwhile, or the Hub refused the card's metadata. The
     commit was not confirmed; running ``push`` again resumes, and what the Hub already holds is
-    not uploaded twice."""
+    not uploaded twice.
+
+    ``status`` is the Hub's HTTP answer (None: no answer, the connection failed) and
+    ``retry_after`` its ``Retry-After`` seconds, so a caller that retries (batch) can tell a
+    busy Hub from a refusal without reading the message.
+    """
+
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after

@@ -569,6 +569,8 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
         return InputError(f"{repo_id}: no such model repo on the Hub, or this token cannot see it")
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
+        after = str(exc.response.headers.get("Retry-After", ""))
+        answered = {"status": status, "retry_after": float(after) if after.isdigit() else None}
         if status == 401:
             return HubAuthError(
                 "the Hub rejected the token (401 Unauthorized): set HF_TOKEN to a valid token "
@@ -582,19 +584,24 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
         if status in (409, 412):
             return PushFailed(
                 f"{repo_id}: {branch!r} moved while pushing ({first_line(exc)}); nothing was "
-                "committed: run push again"
+                "committed: run push again",
+                **answered,
             )
         if status == 429 or status >= 500:
             return PushFailed(
                 f"{repo_id}: the Hub answered {status}{where} and did not recover (the client "
                 "retries what it can); run push again later: files it already holds are not "
-                "uploaded twice"
+                "uploaded twice",
+                **answered,
             )
         return PushFailed(
-            f"{repo_id}: the Hub refused the push{where} ({status}: {first_line(exc)})"
+            f"{repo_id}: the Hub refused the push{where} ({status}: {first_line(exc)})",
+            **answered,
         )
     if isinstance(exc, ValueError) and "README.md" in str(exc):
-        return PushFailed(f"{repo_id}: the Hub refused the card's metadata ({first_line(exc)})")
+        return PushFailed(
+            f"{repo_id}: the Hub refused the card's metadata ({first_line(exc)})", status=400
+        )
     return PushFailed(
         f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {first_line(exc)}); "
         "run push again to resume"

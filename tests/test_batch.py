@@ -253,25 +253,11 @@ source = "{parked}"
 # --------------------------------------------------------------------------- Hub etiquette
 
 
-class _Response:
-    def __init__(self, status: int, retry_after: str = "") -> None:
-        self.status_code = status
-        self.headers = {"Retry-After": retry_after} if retry_after else {}
-
-
-def _failed(status: int, retry_after: str = "") -> Exception:
-    """A PushFailed as hub raises it: ``from None``, the HTTP error kept as its context."""
+def _failed(status: int, retry_after: float | None = None) -> Exception:
+    """A PushFailed as hub raises it for an HTTP answer."""
     from precision_convert.errors import PushFailed
 
-    http = RuntimeError("HTTP error")
-    http.response = _Response(status, retry_after)  # type: ignore[attr-defined]
-    try:
-        try:
-            raise http
-        except RuntimeError:
-            raise PushFailed("ns/x: the Hub answered") from None
-    except PushFailed as exc:
-        return exc
+    return PushFailed("ns/x: the Hub answered", status=status, retry_after=retry_after)
 
 
 def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
@@ -281,7 +267,7 @@ def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
     from precision_convert.batch.etiquette import Etiquette, publish_politely
     from precision_convert.errors import PushFailed
 
-    answers: list[Exception | str] = [_failed(429, "3"), _failed(503), "pushed"]
+    answers: list[Exception | str] = [_failed(429, 3.0), _failed(503), "pushed"]
     calls: list[str] = []
 
     def publish(converted: Path, repo_id: str, **options: object) -> str:

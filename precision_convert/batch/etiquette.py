@@ -64,31 +64,15 @@ def publish_politely(
         attempt += 1
 
 
-def retry_delay(exc: BaseException, attempt: int, backoff: float) -> float | None:
+def retry_delay(exc: PushFailed, attempt: int, backoff: float) -> float | None:
     """Seconds to wait before trying ``exc``'s push again, or None when waiting cannot help."""
-    response = _response(exc)
-    if response is None:  # the connection failed: transient
+    status = exc.status
+    if status is None:  # the connection failed: transient
         return backoff * 2**attempt
-    status = int(response.status_code)
     if status == 429:
-        after = response.headers.get("Retry-After", "")
-        return float(after) if after.isdigit() else backoff * 2**attempt
+        return exc.retry_after if exc.retry_after is not None else backoff * 2**attempt
     if status >= 500 or status in (409, 412):
         return backoff * 2**attempt
-    return None
-
-
-def _response(exc: BaseException) -> object | None:
-    """The HTTP response behind a :class:`PushFailed` (``hub`` raises it ``from None``, which
-    keeps the original in ``__context__``)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        response = getattr(current, "response", None)
-        if response is not None and hasattr(response, "status_code"):
-            return response
-        current = current.__cause__ or current.__context__
     return None
 
 
