@@ -122,7 +122,7 @@ def _summary(trials: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "interruptions_survived": sum(c["survived"] for c in by_kind.values()),
         "message_defects": sum(c["message_defects"] for c in by_kind.values()),
         "failed": [t for t in trials if not t["ok"]],
-        "defects_seen": sorted({d for t in trials for d in t["defects"]}),
+        "defects_seen": dict(Counter(d.split(":")[0] for t in trials for d in t["defects"])),
         "by_kind": {kind: dict(counts) for kind, counts in by_kind.items()},
         "seconds": round(seconds, 1),
     }

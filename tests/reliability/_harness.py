@@ -61,6 +61,8 @@ SITECUSTOM = Path(__file__).with_name("_sitecustom")
 READ_DELAY = 0.1
 #: How the CLI says that an interrupted run left nothing (older and newer wording).
 _NOTHING_WRITTEN = ("no output was written", "nothing was written")
+#: Seconds between a SIGINT and an exit 0 within which the signal came too late to matter.
+_LATE_S = 1.0
 #: What the forkserver imports once, so that each forked command starts warm.
 _PRELOAD = [
     "torch",
@@ -94,6 +96,7 @@ class Trial:
     delay: float = 0.0  # seconds after the command began its work
     interrupted: bool = False  # the command was still running when the signal arrived
     late: bool = False  # the signal arrived as it exited after finishing (exit 0)
+    swallowed: bool = False  # SIGINT arrived, but the command went on (a known defect)
     returncode: int | None = None
     stderr: str = ""
     left: str = ""  # what the target held: nothing, certified, complete, uncertified
@@ -110,6 +113,7 @@ class Trial:
             "delay": round(self.delay, 3),
             "interrupted": self.interrupted,
             "late": self.late,
+            "swallowed": self.swallowed,
             "returncode": self.returncode,
             "left": self.left,
             "defects": self.defects,
@@ -296,12 +300,23 @@ def interrupt(
     trial.interrupted = child.poll() is None
     if trial.interrupted:
         child.signal(sig)
+    signalled = time.monotonic()
     trial.returncode = child.wait()
+    went_on = time.monotonic() - signalled
     trial.stderr = child.stderr
-    if trial.interrupted and trial.returncode == 0:
-        # Ctrl-C that lands while the interpreter shuts down after the work is done (the
-        # command has already returned) changes nothing: a finished run, checked as one.
+    if not trial.interrupted or trial.returncode in (130, -signal.SIGKILL):
+        return
+    if trial.returncode == 0 and went_on < _LATE_S:
+        # A signal that lands while the interpreter shuts down after the work is done (the
+        # command had already returned) changes nothing: a finished run, checked as one.
         trial.interrupted, trial.late = False, True
+        return
+    # A library caught the KeyboardInterrupt (e.g. torch's import of numpy, which a Ctrl-C
+    # during start-up interrupts) and the command went on as if nothing had happened.
+    trial.swallowed = True
+    trial.defect(
+        f"Ctrl-C swallowed: the command went on for {went_on:.1f} s and exited {trial.returncode}"
+    )
 
 
 # --------------------------------------------------------------------------- checks
@@ -363,7 +378,7 @@ def check_signal_exit(
     nothing was written, and ``truthful(line)`` (e.g. "it names the output") must hold. Without
     output the line must say that nothing was written.
     """
-    if not trial.interrupted:
+    if not trial.interrupted or trial.swallowed:
         return
     if trial.signal == "SIGKILL":
         assert trial.returncode == -signal.SIGKILL, (trial.returncode, trial.stderr)
