@@ -555,7 +555,7 @@ def validation(trial: Trial, work: Path, sources: Sources) -> None:
             VALIDATE,
             sources.certified_reference,
             lambda target: target.exists,
-            window=2.5,
+            window=0.8,
             certifies=True,
         )
         return
@@ -566,7 +566,7 @@ def validation(trial: Trial, work: Path, sources: Sources) -> None:
         certified.unlink()
     args = ["validate", str(target), "--baseline", str(sources.llama), "--coverage", "quick"]
     child = fork_cli(args, work, work / "logs")
-    interrupt(trial, child, lambda: True, window=3.0)
+    interrupt(trial, child, lambda: True, window=0.9)
     check_output(trial, target, sources.certified_reference, certifies=True)
     check_signal_exit(trial, True, lambda line: str(target) in line)
     assert tree_digest(sources.llama) == before, "the baseline changed"
@@ -585,7 +585,7 @@ def batch(trial: Trial, work: Path, sources: Sources) -> None:
     slow = {"PYTHONPATH": str(SITECUSTOM), "PC_TEST_READ_DELAY": str(READ_DELAY)}
     child = fork_cli(["batch", str(manifest), "--jobs", "1"], work, work / "logs", slow)
     out = work / "out"
-    interrupt(trial, child, lambda: True, window=25.0)
+    interrupt(trial, child, lambda: True, window=15.0)
     states = []
     for target in _BATCH_TARGETS:
         job = Trial(trial.kind, trial.signal, trial.seed)
