@@ -96,7 +96,7 @@ class Trial:
     delay: float = 0.0  # seconds after the command began its work
     interrupted: bool = False  # the command was still running when the signal arrived
     late: bool = False  # the signal arrived as it exited after finishing (exit 0)
-    swallowed: bool = False  # SIGINT arrived, but the command went on (a known defect)
+    swallowed: bool = False  # SIGINT arrived, but it did not exit 130 (a known defect)
     returncode: int | None = None
     stderr: str = ""
     left: str = ""  # what the target held: nothing, certified, complete, uncertified
@@ -311,12 +311,16 @@ def interrupt(
         # command had already returned) changes nothing: a finished run, checked as one.
         trial.interrupted, trial.late = False, True
         return
-    # A library caught the KeyboardInterrupt (e.g. torch's import of numpy, which a Ctrl-C
-    # during start-up interrupts) and the command went on as if nothing had happened.
     trial.swallowed = True
-    trial.defect(
-        f"Ctrl-C swallowed: the command went on for {went_on:.1f} s and exited {trial.returncode}"
-    )
+    if went_on >= _LATE_S:
+        # A library caught the KeyboardInterrupt (e.g. torch's import of numpy, which a
+        # Ctrl-C during start-up interrupts) and the command went on as if nothing happened.
+        trial.defect(
+            f"Ctrl-C swallowed: the command went on for {went_on:.1f} s and exited "
+            f"{trial.returncode}"
+        )
+    else:
+        trial.defect(f"Ctrl-C exit code: {trial.returncode}, not 130 ({trial.stderr[-200:]!r})")
 
 
 # --------------------------------------------------------------------------- checks
