@@ -493,3 +493,38 @@ def test_cli_checks_coverage_and_calibration_data_before_any_work(
                                        "--calibration-data", data])  # fmt: skip
     assert missing.exit_code == 2 and "none.txt" in missing.stderr
     assert not out.exists()  # refused before anything was written
+
+
+def test_probe_size_follows_the_model_so_validation_stays_near_its_size() -> None:
+    """A 350 MB model with an 8k vocabulary: 4096-token probes would hold ~0.5 GB of
+    activations (logits alone 134 MB), so probes shrink to a small share of the model; a tiny
+    model keeps the level's probes (their memory matters nowhere), and every vocabulary id is
+    still swept."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from precision_convert.validation.probe.sweep import (
+        ACTIVATION_SHARE,
+        budget_for,
+        bytes_per_token,
+        fit_model,
+    )
+
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        tie_word_embeddings=False,
+    )
+    with init_empty_weights():
+        big = LlamaForCausalLM(config)
+    weights = sum(4 * p.numel() for p in big.parameters())
+    standard = budget_for("standard")
+    fitted = fit_model(standard, big)
+    assert 16 <= fitted.tokens_per_probe < standard.tokens_per_probe
+    assert fitted.tokens_per_probe * bytes_per_token(big) <= ACTIVATION_SHARE * weights
+    assert fitted.whole_vocabulary and fitted.vocabulary_probes == standard.vocabulary_probes
+    tiny = make("llama")
+    assert fit_model(standard, tiny) == standard

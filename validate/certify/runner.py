@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import re
+import tempfile
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from precision_convert.validation.probe.execute import (
     run_probes,
     run_sweep,
     select_inputs,
+    spilled_outputs,
 )
 from precision_convert.validation.probe.execute import resolve as resolve_inputs
 from precision_convert.validation.probe.inputs import (
@@ -312,6 +314,21 @@ def _validate_component(
 
 
 def _validate_whole(
+    component: Component,
+    device: torch.device,
+    supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings,
+) -> ComponentResult:
+    """One model compared whole, every probe's outputs kept on disk until compared (the
+    sweep's kept outputs are not small next to a mid-size model)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="precision-convert-outputs-") as spill,
+        spilled_outputs(Path(spill)),
+    ):
+        return _compare_whole(component, device, supplied, sweep_for)
+
+
+def _compare_whole(
     component: Component,
     device: torch.device,
     supplied: Mapping[str, torch.Tensor] | None,

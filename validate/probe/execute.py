@@ -9,9 +9,12 @@ that produced them can be freed before the next one is loaded.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +40,10 @@ _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_dete
 #: The fields that define a Gaussian latent distribution.
 _DISTRIBUTION = ("mean", "logvar")
 
-Outputs = dict[str, dict[str, torch.Tensor]]
+#: Each probe's flattened outputs, by probe name (in memory, or :class:`SpilledOutputs`).
+Outputs = MutableMapping[str, dict[str, torch.Tensor]]
+#: Where :func:`run_probes` keeps outputs inside a :func:`spilled_outputs` block.
+_SPILL: ContextVar[Path | None] = ContextVar("precision_convert_spill", default=None)
 #: Errors a model raises when it cannot run on what it was given (dtype clashes included).
 RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
 
@@ -177,7 +183,8 @@ def run_probes(
     dtype: torch.dtype | None = None,
 ) -> Outputs:
     """Run every probe in order, feeding later probes from earlier outputs where asked."""
-    outputs: Outputs = {}
+    spill = _SPILL.get()
+    outputs: Outputs = SpilledOutputs(spill) if spill is not None else {}
     precision = from_torch(dtype).short if dtype is not None else "stored dtypes"
     what = f"{type(model).__name__} {precision} probes"
     for k, probe in enumerate(resolve_partial(inputs, outputs)):
@@ -185,6 +192,53 @@ def run_probes(
         outputs[probe.name] = call_probe(model, probe, device, dtype)
     report(what, len(inputs.probes), len(inputs.probes))
     return outputs
+
+
+class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
+    """Probe outputs on disk, one safetensors file per probe, read back when asked for.
+
+    Validation keeps every probe's baseline outputs until the candidate has run and been
+    compared. A coverage sweep's kept logits (1M elements a probe, dozens of probes) are small
+    next to a large model but not next to a mid-size one, where they pushed peak memory to
+    1.7x the fp32 model; on disk, one probe's outputs are resident at a time.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = Path(tempfile.mkdtemp(prefix="outputs-", dir=directory))
+        self._files: dict[str, Path] = {}
+
+    def __setitem__(self, probe: str, outputs: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        path = self._files.get(probe) or self._directory / f"{len(self._files)}.safetensors"
+        # Clones: safetensors refuses tensors that share memory (an output under two names).
+        save_file({name: t.detach().contiguous().clone() for name, t in outputs.items()}, path)
+        self._files[probe] = path
+
+    def __getitem__(self, probe: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(self._files[probe])
+
+    def __delitem__(self, probe: str) -> None:
+        self._files.pop(probe).unlink()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._files))
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+@contextmanager
+def spilled_outputs(directory: Path) -> Iterator[None]:
+    """Inside, :func:`run_probes` keeps its outputs in ``directory`` (see
+    :class:`SpilledOutputs`); the caller owns the directory and removes it."""
+    token = _SPILL.set(directory)
+    try:
+        yield
+    finally:
+        _SPILL.reset(token)
 
 
 def resolve_partial(inputs: ModelInputs, outputs: Outputs) -> Any:

@@ -242,7 +242,11 @@ def sweep(
             probes are sized to it and few, since each is a pass over every block (see
             :func:`fit_budget`); the certificate notes how much of the vocabulary was reached.
     """
-    budget = fit_budget(budget_for(level), model, memory) if memory else budget_for(level)
+    budget = (
+        fit_budget(budget_for(level), model, memory)
+        if memory
+        else fit_model(budget_for(level), model)
+    )
     probes: list[Probe] = []
     notes: list[str] = []
     if chosen.origin != "file":
@@ -287,6 +291,32 @@ def bytes_per_token(model: Any) -> int:
     wide = _cfg(config, "intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim") or 4 * hidden
     vocab = _cfg(config, "vocab_size") or 0
     return 4 * (8 * int(hidden) + 3 * int(wide) + 2 * int(vocab))
+
+
+#: Models smaller than this (fp32) keep the level's probes: their activations matter on no
+#: machine.
+FIT_ABOVE = 128 * 2**20
+#: A whole-model probe's activations may take this share of the fp32 model (baseline and
+#: candidate are resident one at a time, and kept outputs wait on disk, so peak memory stays
+#: near the model's own size).
+ACTIVATION_SHARE = 0.05
+
+
+def fit_model(budget: Budget, model: Any) -> Budget:
+    """``budget`` with probes no bigger than the model's memory affords.
+
+    A probe's activations grow with its tokens (a row of logits each), the model's weights do
+    not: a 350 MB model with an 8k vocabulary fed 4096 tokens at once nearly doubles its
+    footprint in logits alone, while a 7B model does not notice. Fewer tokens per probe means
+    smaller batches and more, smaller vocabulary chunks; every id is still covered, and long
+    sequences still run (at batch 1).
+    """
+    weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
+    if weights < FIT_ABOVE:
+        return budget
+    affordable = ACTIVATION_SHARE * weights // bytes_per_token(model)
+    tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
+    return budget if tokens == budget.tokens_per_probe else replace(budget, tokens_per_probe=tokens)
 
 
 def fit_budget(budget: Budget, model: Any, memory: int) -> Budget:
