@@ -63,6 +63,21 @@ def test_logit_metrics_see_a_changed_argmax() -> None:
     assert not judge("top1", values["top1"], {"top1": 0.9})[1]
 
 
+def test_top1_counts_fp32_near_ties_as_agreement() -> None:
+    """Two tokens whose fp32 logits differ by 0.01 (probabilities within 1%): half precision
+    may pick either, and that is not a different answer; a margin of 1.0 is."""
+    base = torch.zeros(1, 4, 10)
+    base[..., 3] = 5.0
+    base[..., 6] = 4.99
+    cand = base.clone()
+    cand[0, :, 6] = 5.01  # rounding flips the near-tie everywhere
+    assert compare(base, cand, OutputKind.LOGITS)["top1"] == 1.0
+    base[..., 6] = 4.0
+    cand = base.clone()
+    cand[0, :2, 6] = 6.0  # a real change of answer at two positions
+    assert compare(base, cand, OutputKind.LOGITS)["top1"] == 0.5
+
+
 def test_constant_frames_are_fatal_and_psnr_uses_the_baseline_range() -> None:
     base = torch.rand(1, 3, 2, 8, 8)  # (B, C, F, H, W)
     black = base.clone()
@@ -158,7 +173,7 @@ def test_model_card_yaml_and_table() -> None:
     assert data["library_name"] == "transformers"
     assert data["precision_convert"]["verdict"] == "pass"
     assert data["precision_convert"]["target"] == "bf16-safe"
-    assert "| `forward/last_hidden_state` | rel_l2 | 0.004 | ≤ 0.1 | ✅ |" in card.text
+    assert "| `last_hidden_state` | rel_l2 | 0.004 | ≤ 0.1 | ✅ | forward |" in card.text
     assert "![activation ranges of the model](precision_activations.png)" in card.text
 
 
@@ -178,3 +193,36 @@ def test_supplied_inputs_must_match_the_signature() -> None:
 
     with pytest.raises(CannotValidateError, match="does not take"):
         inputs_from_tensors(make("dit-transformer"), {"bogus": torch.zeros(1)})
+
+
+def test_spilled_outputs_round_trip_and_keep_nothing_resident(tmp_path: Path) -> None:
+    """Inside ``spilled_outputs`` run_probes keeps each probe's outputs in a file: what comes
+    back equals what went in (an output under two names, bools, empty results), and probes
+    that read earlier outputs still resolve."""
+    from precision_convert.validation.probe.execute import (
+        SpilledOutputs,
+        run_probes,
+        spilled_outputs,
+    )
+
+    store = SpilledOutputs(tmp_path)
+    hidden = torch.randn(2, 3)
+    store["a"] = {"last": hidden, "states.-1": hidden, "mask": torch.tensor([True, False])}
+    store["b"] = {}
+    again = store["a"]
+    assert torch.equal(again["last"], hidden) and torch.equal(again["states.-1"], hidden)
+    assert again["mask"].dtype == torch.bool and store["b"] == {} and list(store) == ["a", "b"]
+    del store["b"]
+    assert len(store) == 1 and len(list(tmp_path.rglob("*.safetensors"))) == 1
+
+    from _models import make
+
+    model = make("llama")
+    inputs = build_inputs(model, seed=0, coverage="quick")
+    in_memory = run_probes(model, inputs)
+    with spilled_outputs(tmp_path):
+        spilled = run_probes(model, inputs)
+    assert isinstance(spilled, SpilledOutputs) and list(spilled) == list(in_memory)
+    for probe, outputs in in_memory.items():
+        assert spilled[probe].keys() == outputs.keys()
+        assert all(torch.equal(spilled[probe][k], v) for k, v in outputs.items())
