@@ -278,24 +278,8 @@ def _nan_value(path: Path) -> None:
     [
         (_not_utf8, "cannot read the file"),
         (_nan_value, "input_ids"),
-        pytest.param(
-            _deep_jsonl,
-            "line 1",
-            marks=pytest.mark.xfail(
-                reason="validate/probe/userdata.py read_calibration_data catches only "
-                "JSONDecodeError: a deeply nested line raises RecursionError (a traceback)",
-                strict=False,
-            ),
-        ),
-        pytest.param(
-            _array_too_deep_for_a_tensor,
-            "line 1",
-            marks=pytest.mark.xfail(
-                reason="validate/probe/userdata.py _check_array recurses once per level: "
-                "RecursionError on a deep array (a traceback)",
-                strict=False,
-            ),
-        ),
+        (_deep_jsonl, "line 1"),
+        (_array_too_deep_for_a_tensor, "line 1"),
     ],
     ids=["not-utf8", "nan", "deeply-nested-json", "deep-array"],
 )

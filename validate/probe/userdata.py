@@ -88,6 +88,8 @@ def read_calibration_data(path: str | Path) -> CalibrationData:
             raise InputError(
                 f"--calibration-data: bad JSON on line {n} ({exc.msg}, column {exc.colno})", path
             ) from None
+        except RecursionError:  # json's decoder recurses once per nesting level
+            raise InputError(f"--calibration-data: line {n} is nested too deeply", path) from None
         if not isinstance(record, dict) or not record:
             raise InputError(
                 f"--calibration-data: line {n} is not a JSON object of named model inputs", path
@@ -115,6 +117,10 @@ def _check_array(value: Any, path: Path, line: int, key: str) -> None:
 
     try:
         shape(value)
+    except RecursionError:
+        raise InputError(
+            f"--calibration-data: line {line}: {key!r} is nested too deeply for a tensor", path
+        ) from None
     except ValueError as exc:
         raise InputError(
             f"--calibration-data: line {line}: {key!r} must be a number or a rectangular nested "
