@@ -27,6 +27,7 @@ from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     Certificate,
     LoadPath,
+    write_atomically,
 )
 from precision_convert.validation.probe.metrics import Measurement
 
@@ -439,5 +440,5 @@ def write_card(certificate: Certificate, directory: str | Path) -> Path:
     directory = Path(directory)
     charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
     path = directory / CARD_NAME
-    path.write_text(render(certificate, charts=charts), encoding="utf-8")
+    write_atomically(path, render(certificate, charts=charts))
     return path

@@ -160,10 +160,16 @@ def write(certificate: Certificate, directory: str | Path) -> Path:
     for stale in certificate_files(directory):
         if stale != path.name:
             (Path(directory) / stale).unlink()
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(certificate.to_dict(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(certificate.to_dict(), indent=2) + "\n")
     return path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: through a hidden temporary file (hidden,
+    so a run killed mid-write leaves nothing a hash check would count as an extra file)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def sha256_file(path: Path) -> str:
