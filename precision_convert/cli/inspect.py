@@ -53,7 +53,8 @@ def inspect(
     ] = False,
 ) -> None:
     """Show real tensor dtypes per module, the matching recipe, planned islands and hazards."""
-    from precision_convert.api.inspection import inspect_source
+    with reported_errors():  # heavy imports: a Ctrl-C meanwhile still gets its line
+        from precision_convert.api.inspection import inspect_source
 
     with reported_errors(), step_progress("calibrating", calibrate):
         report = inspect_source(

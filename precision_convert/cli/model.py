@@ -108,9 +108,14 @@ def model(
             from precision_convert.errors import InputError
 
             raise InputError("--push needs a certificate: drop --no-validate")
-    from precision_convert.api.conversion import convert, default_output
-    from precision_convert.cli._reports import note_unvalidated, print_certificate, print_conversion
-    from precision_convert.errors import CannotValidateError
+    with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
+        from precision_convert.api.conversion import convert, default_output
+        from precision_convert.cli._reports import (
+            note_unvalidated,
+            print_certificate,
+            print_conversion,
+        )
+        from precision_convert.errors import CannotValidateError
 
     target = output if output is not None else default_output(source, to)
     before = _inode(target)

@@ -64,9 +64,10 @@ def validate_command(
     ] = False,
 ) -> None:
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
-    from precision_convert.cli._reports import note_unvalidated, print_certificate
-    from precision_convert.errors import CannotValidateError
-    from precision_convert.validation.certify.runner import validate
+    with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
+        from precision_convert.cli._reports import note_unvalidated, print_certificate
+        from precision_convert.errors import CannotValidateError
+        from precision_convert.validation.certify.runner import validate
 
     if verify:
         verify_files(converted, json_output)
