@@ -22,6 +22,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -84,10 +85,11 @@ def run_local(
             max_workers=min(jobs, len(pending)),
             mp_context=context,
             initializer=_warm,
-            initargs=(settings.threads, events, slots, filling),
+            initargs=(settings.threads, events, slots, filling, os.getpid()),
         )
         try:
-            futures = {pool.submit(_run, task, settings): task for task in pending}
+            with _sigint_ignored_while_spawning():
+                futures = {pool.submit(_run, task, settings): task for task in pending}
             for future in as_completed(futures):
                 try:
                     yield future.result()
@@ -133,6 +135,35 @@ class _Seen:
                 os.kill(pid, signal.SIGTERM)
 
 
+@contextlib.contextmanager
+def _sigint_ignored_while_spawning() -> Iterator[None]:
+    """Workers start with SIGINT ignored (an ignored signal stays ignored across exec), so a
+    Ctrl-C while they import never prints their tracebacks: the driver handles it and stops
+    them. Only the main thread may touch signal handlers; the old one is put back at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _die_with_the_driver(driver: int) -> None:
+    """Linux: the kernel kills this worker when its driver dies, even by SIGKILL, which gives
+    the driver no chance to stop it (it would otherwise run on, reparented to init). A driver
+    that died while this worker was still starting is gone already: then exit now."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != driver:
+        os._exit(1)
+
+
 def _died(job: Job) -> Outcome:
     outcome = Outcome.start(job)
     outcome.status = FAILED
@@ -145,12 +176,13 @@ def _died(job: Job) -> Outcome:
 # --------------------------------------------------------------------------- in the worker
 
 
-def _warm(threads: int, events: Any, slots: Any, filling: tuple[Any, Any]) -> None:
+def _warm(threads: int, events: Any, slots: Any, filling: tuple[Any, Any], driver: int) -> None:
     """Worker start-up: own the process, import the heavy libraries once, and (the first
     worker) put one validation slot per GPU, or one for the CPU, into the shared queue."""
     global _events, _slots
     _events, _slots = events, slots
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C
+    _die_with_the_driver(driver)
     events.put((_WORKER, str(os.getpid())))
     own_process(threads)
     import torch
