@@ -42,3 +42,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return built[name]
 
     return get
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory: where the default ``./<source>-<target>`` would land."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work

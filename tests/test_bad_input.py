@@ -327,15 +327,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty working directory: where the default ``./<source>-<target>`` would land."""
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return work
-
-
 def _invoke(args: list[str]) -> tuple[int, str, str]:
     result = runner.invoke(app, args)
     if result.exception is not None and not isinstance(result.exception, SystemExit):

@@ -196,14 +196,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return work
-
-
 def _refused(args: list[str], root: Path, *fragments: str) -> None:
     """The command exits 2 with one line holding ``fragments`` and writes nothing under
     ``root``."""

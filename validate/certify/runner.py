@@ -310,25 +310,16 @@ def _validate_component(
         result = validate_blockwise(component, device, budget, supplied, sweep_for)
         result.load_paths = blockwise_paths(component, result.metrics, result.errors)
         return result
-    return _validate_whole(component, device, supplied, sweep_for)
-
-
-def _validate_whole(
-    component: Component,
-    device: torch.device,
-    supplied: Mapping[str, torch.Tensor] | None,
-    sweep_for: SweepSettings,
-) -> ComponentResult:
-    """One model compared whole, every probe's outputs kept on disk until compared (the
-    sweep's kept outputs are not small next to a mid-size model)."""
+    # Compared whole, every probe's outputs kept on disk until compared: a sweep's kept
+    # outputs are not small next to a mid-size model.
     with (
         tempfile.TemporaryDirectory(prefix="precision-convert-outputs-") as spill,
         spilled_outputs(Path(spill)),
     ):
-        return _compare_whole(component, device, supplied, sweep_for)
+        return _validate_whole(component, device, supplied, sweep_for)
 
 
-def _compare_whole(
+def _validate_whole(
     component: Component,
     device: torch.device,
     supplied: Mapping[str, torch.Tensor] | None,
