@@ -264,24 +264,60 @@ def convert(
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
     if calibrate is None:
         calibrate = to == "fp16-safe"
-    # The run's buffers and prefetch thread: all released, the thread joined, on the way out
-    # (whether the conversion succeeds or fails).
+    # Validated in the staging directory and renamed into place with its certificate, so the
+    # target holds nothing or a complete, certified output, however the run is stopped.
+    with staged:
+        components, written = _plan_and_write(
+            opened, models, staged, target_dir, to, on_progress, variant,
+            recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code,
+            calibrate=calibrate, coverage=coverage, calibration_data=data,
+        )  # fmt: skip
+        certificate = None
+        if validate:
+            from precision_convert.validation.certify.runner import validate as run_validation
+
+            try:
+                certificate = run_validation(
+                    staged.path,
+                    baseline=root,
+                    device=device,
+                    inputs=supplied,
+                    coverage=coverage or "standard",
+                    calibration_data=data,
+                    trust_remote_code=trust_remote_code,
+                )
+            except CannotValidateError:
+                staged.commit()  # kept, with the failing certificate that says what is missing
+                raise
+        staged.commit()
+    return ConversionResult(
+        source=str(source),
+        output=target_dir,
+        target=to,
+        components=components,
+        files=sorted(written),
+        certificate=certificate,
+    )
+
+
+def _plan_and_write(
+    opened: Source,
+    models: dict[str, ModelSource],
+    staged: StagedOutput,
+    target_dir: Path,
+    to: str,
+    on_progress: ProgressHook | None,
+    variant: str | None,
+    **planning: Any,
+) -> tuple[list[ComponentResult], list[str]]:
+    """Plan every model and write the output into the staging directory."""
+    # The run's buffers and prefetch thread: all released, the thread joined, before
+    # validation (whether the conversion succeeds or fails).
     with IOContext() as io:
         # Read the weights into the page cache while planning imports torch/transformers.
         io.prefetch(t for model in models.values() for t in model.tensors())
         planned = {
-            name: plan_model(
-                model,
-                to,
-                recipe=recipe,
-                keep_fp32=keep_fp32,
-                trust_remote_code=trust_remote_code,
-                calibrate=calibrate,
-                pool=io.reads,
-                coverage=coverage,
-                calibration_data=data,
-                component=name,
-            )
+            name: plan_model(model, to, pool=io.reads, component=name, **planning)
             for name, model in models.items()
         }
         components = [
@@ -289,31 +325,10 @@ def convert(
             for name, m in models.items()
         ]
         try:
-            with staged:
-                written = _write(opened, models, components, staged.path, on_progress, io, variant)
-                staged.commit()
+            written = _write(opened, models, components, staged.path, on_progress, io, variant)
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
-    result = ConversionResult(
-        source=str(source),
-        output=target_dir,
-        target=to,
-        components=components,
-        files=sorted(written),
-    )
-    if validate:
-        from precision_convert.validation.certify.runner import validate as run_validation
-
-        result.certificate = run_validation(
-            target_dir,
-            baseline=root,
-            device=device,
-            inputs=supplied,
-            coverage=coverage or "standard",
-            calibration_data=data,
-            trust_remote_code=trust_remote_code,
-        )
-    return result
+    return components, written
 
 
 def check_variant(variant: str | None) -> None:

@@ -171,9 +171,9 @@ def _inode(path: Path) -> int | None:
 def interrupted_output(target: Path, before: int | None, source: str, push: str | None) -> str:
     """What an interrupted ``model`` run left at ``target``, looked up after the fact.
 
-    The output is staged and renamed into place whole, so ``target`` is either as it was
-    (``before``: its inode when the run started) or this run's complete output, certified or
-    not yet (validation runs after the rename).
+    The output is staged, validated there and renamed into place whole with its certificate,
+    so ``target`` is either as it was (``before``: its inode when the run started) or this
+    run's complete output (without a certificate only under ``--no-validate``).
     """
     from precision_convert.validation.certify.certificate import Certificate, certificate_files
 
@@ -185,8 +185,8 @@ def interrupted_output(target: Path, before: int | None, source: str, push: str 
     found = certificate_files(target)
     if not found:
         return (
-            f"{target} holds the converted weights, not certified (validation was "
-            f"interrupted): precision-convert validate {target} --baseline {source}"
+            f"{target} holds the converted weights, not certified: "
+            f"precision-convert validate {target} --baseline {source}"
         )
     verdict = Certificate.read(target).verdict
     held = f"{target} holds the converted model and {found[0]} (verdict {verdict})"

@@ -488,6 +488,15 @@ def _staging_exists(parent: Path, target: Path) -> Callable[[], bool]:
     return lambda: any(p.name.startswith(prefix) for p in parent.iterdir())
 
 
+def staged_weights(parent: Path, target: Path) -> Callable[[], bool]:
+    """The conversion has written its weights into the staging directory: it validates there
+    next, before the output is renamed into place."""
+    prefix = f".{target.name}.pc-staging-"
+    return lambda: any(
+        p.name.startswith(prefix) and (p / "model.safetensors").is_file() for p in parent.iterdir()
+    )
+
+
 def _convert_trial(
     trial: Trial,
     work: Path,
@@ -549,8 +558,9 @@ def calibration(trial: Trial, work: Path, sources: Sources) -> None:
 
 
 def validation(trial: Trial, work: Path, sources: Sources) -> None:
-    """Even seeds: ``model LLAMA --to bf16`` signalled once its output is committed, i.e.
-    while it validates. Odd seeds: ``validate OUT`` on a committed, uncertified output."""
+    """Even seeds: ``model LLAMA --to bf16`` signalled once its weights are staged, i.e.
+    while it validates (before the output is renamed into place). Odd seeds: ``validate OUT``
+    on a complete, uncertified output."""
     if trial.seed % 2 == 0:
         _convert_trial(
             trial,
@@ -558,7 +568,7 @@ def validation(trial: Trial, work: Path, sources: Sources) -> None:
             sources.llama,
             VALIDATE,
             sources.certified_reference,
-            lambda target: target.exists,
+            lambda target: staged_weights(work, target),
             window=0.8,
             certifies=True,
         )

@@ -77,12 +77,13 @@ def test_interrupted_at_random(
 # --------------------------------------------------------------------------- the message
 
 
-def test_ctrl_c_during_validation_names_the_committed_output(
+def test_ctrl_c_during_validation_leaves_nothing_and_says_so(
     sources: _harness.Sources, tmp_path: Path
 ) -> None:
-    """The defect issue 12 opened with: Ctrl-C while ``model`` validates printed "no output
-    was written" although the converted weights were already committed. The line must name
-    the output directory that holds them."""
+    """The defect issue 12 opened with: Ctrl-C while ``model`` validated printed "no output
+    was written" although the converted weights were already committed. Now ``model``
+    validates in the staging directory and renames the output into place with its
+    certificate, so a Ctrl-C then leaves nothing at the target, and the line says so."""
     target = tmp_path / "out"
     child = _harness.fork_cli(
         ["model", str(sources.llama), *_harness.VALIDATE, "-o", str(target)],
@@ -90,13 +91,14 @@ def test_ctrl_c_during_validation_names_the_committed_output(
         tmp_path / "logs",
     )
     trial = _harness.Trial("validation", "SIGINT", 0)
-    _harness.interrupt(trial, child, target.exists, window=0.0)
+    _harness.interrupt(trial, child, _harness.staged_weights(tmp_path, target), window=0.0)
     assert trial.interrupted and trial.returncode == 130, trial.stderr
     lines = [line for line in trial.stderr.splitlines() if line.strip()]
     assert "Traceback" not in trial.stderr and len(lines) == 1, trial.stderr
-    assert target.is_dir() and not any(target.glob("precision_certificate*.json"))
-    assert lines[0].startswith("precision-convert: interrupted"), lines[0]
-    assert str(target) in lines[0] and not _harness.says_nothing(lines[0]), lines[0]
+    assert not target.exists() and _harness.leftovers(tmp_path) == []
+    assert lines[0] == (
+        f"precision-convert: interrupted; nothing was written ({target} does not exist)"
+    )
 
 
 def test_ctrl_c_before_anything_is_written_says_so(tmp_path: Path) -> None:
