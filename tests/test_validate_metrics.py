@@ -226,3 +226,29 @@ def test_spilled_outputs_round_trip_and_keep_nothing_resident(tmp_path: Path) ->
     for probe, outputs in in_memory.items():
         assert spilled[probe].keys() == outputs.keys()
         assert all(torch.equal(spilled[probe][k], v) for k, v in outputs.items())
+
+
+def test_a_candidate_that_fails_to_run_is_an_error_not_a_crash() -> None:
+    """pc.load's model raising on the probes (a dtype clash at a boundary, say) becomes one
+    certificate failure line naming the component; it is freed all the same."""
+    from _models import make
+
+    from precision_convert.validation.certify.runner import _compare_candidate
+    from precision_convert.validation.probe.execute import run_probes
+
+    class Broken(torch.nn.Module):
+        def forward(self, **kwargs: object) -> None:
+            raise RuntimeError("mat1 and mat2 must have the same dtype\nmore detail")
+
+    model = make("llama")
+    inputs = build_inputs(model, seed=0)
+    baseline = run_probes(model, inputs)
+    metrics, errors = _compare_candidate(
+        Broken, "text_encoder", inputs, baseline, {}, torch.device("cpu")
+    )
+    assert metrics == [] and errors == [
+        "text_encoder: the converted model failed to run: "
+        "RuntimeError: mat1 and mat2 must have the same dtype"
+    ]
+    metrics, _ = _compare_candidate(lambda: model, "", inputs, baseline, {}, torch.device("cpu"))
+    assert metrics and all(m.value == 0 or m.metric != "rel_l2" for m in metrics)

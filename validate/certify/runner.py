@@ -25,7 +25,7 @@ import platform
 import re
 import tempfile
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,24 +362,20 @@ def _validate_whole(
 
     record, thresholds = component_record(component, chosen.task, swept, "whole")
     metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
-    errors: list[str] = []
-    candidate: Any = None
-    try:
-        candidate = load(
+    compared, errors = _compare_candidate(
+        lambda: load(
             component.converted.root,
             device=device,
             trust_remote_code=component.trust_remote_code,
-        )
-        cand_out = run_probes(candidate, frozen, device, component.compute_dtype)
-        metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
-    except RUN_ERRORS as exc:
-        name = component.name or "model"
-        errors.append(f"{name}: the converted model failed to run: {_first_line(exc)}")
-    finally:  # gone before the library's own loads come in, one at a time
-        gone = weakref.ref(candidate) if candidate is not None else None
-        candidate = None
-        if gone is not None:
-            free_model(gone, device)
+        ),
+        component.name,
+        frozen,
+        base_out,
+        thresholds,
+        device,
+        component.compute_dtype,
+    )
+    metrics += compared
     paths = check_model(component, frozen, base_out, thresholds, device, metrics, errors)
     return ComponentResult(record, metrics, errors, paths)
 
@@ -414,22 +410,38 @@ def _validate_pipeline(
     gone = weakref.ref(baseline)
     del baseline
     free_model(gone, device)
-    metrics: list[Measurement] = []
-    errors: list[str] = []
-    candidate: Any = None
-    try:
-        candidate = load(opened.root, device=device)
-        cand_out = run_probes(candidate, inputs, device)
-        metrics = compare_outputs("pipeline", inputs, base_out, cand_out, thresholds)
-    except RUN_ERRORS as exc:
-        errors.append(f"pipeline: the converted pipeline failed to run: {_first_line(exc)}")
-    finally:  # gone before diffusers' own loads come in, one at a time
-        gone = weakref.ref(candidate) if candidate is not None else None
-        candidate = None
-        if gone is not None:
-            free_model(gone, device)
+    metrics, errors = _compare_candidate(
+        lambda: load(opened.root, device=device), "pipeline", inputs, base_out, thresholds, device
+    )
     paths = check_pipeline(opened, inputs, base_out, thresholds, device, metrics, errors)
     return ComponentResult(record, metrics, errors, paths)
+
+
+def _compare_candidate(
+    load_candidate: Callable[[], Any],
+    name: str,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: Mapping[str, float],
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> tuple[list[Measurement], list[str]]:
+    """The converted model (or pipeline) through ``pc.load``, run on ``inputs`` and compared
+    with the baseline's outputs; freed before returning, so the library's own loads that
+    follow come in one at a time. A candidate that fails to run is an error, not a crash."""
+    candidate: Any = None
+    try:
+        candidate = load_candidate()
+        outputs = run_probes(candidate, inputs, device, dtype)
+        return compare_outputs(name, inputs, baseline, outputs, thresholds), []
+    except RUN_ERRORS as exc:
+        what = "pipeline" if name == "pipeline" else "model"
+        return [], [f"{name or 'model'}: the converted {what} failed to run: {_first_line(exc)}"]
+    finally:
+        if candidate is not None:
+            gone = weakref.ref(candidate)
+            candidate = None
+            free_model(gone, device)
 
 
 def _first_line(exc: BaseException) -> str:
