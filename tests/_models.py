@@ -9,11 +9,17 @@ own. The conftest fixture ``tiny_model`` builds each saved directory once per se
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# The real-config zoo lives with the examples, which must not import tests/: tests and benches
+# reach it through this module.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import zoo  # noqa: F401 - re-exported: tests and benches reach the zoo as _models.zoo
 
 
 def t5_encoder() -> Any:

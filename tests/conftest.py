@@ -23,10 +23,12 @@ os.environ.setdefault("PRECISION_CONVERT_CACHE", tempfile.mkdtemp(prefix="pc-tes
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model("t5")`` → a saved tiny model directory (built on first use, then reused).
 
-    Names: the keys of ``_models.ZOO`` plus ``"openclip"`` and ``"sd-pipeline"``.
+    Names: the keys of ``_models.ZOO``, ``"openclip"``, ``"sd-pipeline"`` and the real-config
+    families of ``zoo.FAMILIES`` (e.g. ``"llama-3.2-1b"``).
     Treat the returned directory as read-only: other tests share it.
     """
     builders: dict[str, Callable[[Path], Path]] = {
+        **_models.zoo.FAMILIES,
         "openclip": _models.open_clip_model,
         "sd-pipeline": _models.sd_pipeline,
     }

@@ -1,0 +1,41 @@
+"""A zoo of tiny models with the shapes published checkpoints have, built offline.
+
+Every entry starts from the ``config.json`` of a published checkpoint (cited where it is
+defined) and changes only depth and width, so vocabulary size, special-token ids, position
+limits, rope settings, tying, attention layout and the classes' ``_keep_in_fp32_modules`` are
+the real ones; each ships a tokenizer of the family's own kind and conventions (no pad token
+where the family has none), its ``generation_config.json`` and its shard layout. Weights are
+random from a fixed seed, stored in the published dtype. No download is needed.
+
+This package is the one definition of test and example models: ``examples/`` scripts import
+it directly, ``tests/_models.py`` re-exports it for the tests and benches.
+
+Usage::
+
+    import zoo
+    zoo.build("llama-3.2-1b", Path("tiny-llama"))   # a directory from_pretrained can load
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from . import causal_lm
+
+#: name -> builder writing the family's directory at the given path (and returning it).
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    "llama-3.2-1b": causal_lm.llama_3_2_1b,
+    "mistral-7b-v0.3": causal_lm.mistral_7b_v0_3,
+    "gpt2": causal_lm.gpt2,
+}
+
+#: Families whose tokenizer has no pad token, as published (Llama 3, Mistral, GPT-2).
+PADLESS = ("llama-3.2-1b", "mistral-7b-v0.3", "gpt2")
+
+
+def build(name: str, path: Path) -> Path:
+    """Write zoo family ``name`` to ``path`` (a new directory) and return ``path``."""
+    if name not in FAMILIES:
+        raise KeyError(f"no zoo family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name](path)
