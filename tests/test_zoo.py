@@ -120,3 +120,18 @@ def test_builders_leave_the_callers_rng_alone() -> None:
         zoo._build.scaled(zoo.causal_lm.GPT2, n_embd=8, n_head=2, n_layer=1)
     )
     assert torch.equal(torch.rand(3), expected)
+
+
+# --------------------------------------------------------------------------- what the zoo revealed
+
+
+def test_phi3_auto_map_beside_a_native_class_needs_no_remote_code(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Phi-3 ships an ``auto_map`` its native transformers class replaces: the fp32 baseline
+    builds that class, as ``from_pretrained`` does, instead of refusing to validate."""
+    from precision_convert.conversion.runtime.baseline import load_fp32
+
+    directory = tiny_model("phi-3-mini-4k")
+    assert "auto_map" in _config(directory)
+    assert type(load_fp32(directory)).__name__ == "Phi3ForCausalLM"

@@ -58,6 +58,15 @@ def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> type
     return adapter(source).model_class(source, trust_remote_code)
 
 
+def uses_remote_code(source: ModelSource, *, trust_remote_code: bool) -> bool:
+    """Whether building ``source`` runs code shipped with the checkpoint: its config maps
+    classes to that code (``auto_map``), and the user trusts it or transformers has no class
+    of its own (Phi-3 ships an ``auto_map`` its native transformers class replaces)."""
+    if source.library != "transformers" or not source.config.get("auto_map"):
+        return False
+    return trust_remote_code or _native_transformers_class(source) is None
+
+
 def build_skeleton(
     source: ModelSource, *, trust_remote_code: bool = False, cls: type | None = None
 ) -> nn.Module:
@@ -130,15 +139,23 @@ def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
 # --- transformers ------------------------------------------------------------------------------
 
 
+def _native_transformers_class(source: ModelSource) -> type | None:
+    """The transformers class ``architectures`` names, when transformers has it."""
+    import transformers
+
+    architecture = (source.config.get("architectures") or [None])[0]
+    native = getattr(transformers, architecture, None) if architecture else None
+    return native if isinstance(native, type) else None
+
+
 def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
     """The class named in ``architectures``; remote code (``auto_map``) only when trusted."""
     import transformers
 
     architecture = (source.config.get("architectures") or [None])[0]
-    native = getattr(transformers, architecture, None) if architecture else None
-    native = native if isinstance(native, type) else None
+    native = _native_transformers_class(source)
     auto_map = source.config.get("auto_map") or {}
-    if auto_map and (trust_remote_code or native is None):
+    if uses_remote_code(source, trust_remote_code=trust_remote_code):
         if not trust_remote_code:
             raise InputError(
                 "the model's code ships with the checkpoint (auto_map in config.json); pass "
