@@ -135,3 +135,17 @@ def test_phi3_auto_map_beside_a_native_class_needs_no_remote_code(
     directory = tiny_model("phi-3-mini-4k")
     assert "auto_map" in _config(directory)
     assert type(load_fp32(directory)).__name__ == "Phi3ForCausalLM"
+
+
+def test_safety_checker_is_built_as_the_pipeline_names_it(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """SD 1.5's safety checker: its config reads as CLIP's, its class is diffusers'; the
+    baseline builds the class model_index.json names, and probes feed its own inputs."""
+    from precision_convert.conversion.runtime.baseline import load_fp32
+    from precision_convert.validation.probe.inputs import input_candidates
+
+    checker = load_fp32(tiny_model("stable-diffusion-1.5")).safety_checker
+    assert type(checker).__name__ == "StableDiffusionSafetyChecker"
+    probe = next(input_candidates(checker)).probes[0]
+    assert set(probe.kwargs) == {"clip_input", "images"}

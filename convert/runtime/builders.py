@@ -13,9 +13,11 @@ frequencies, causal masks) are computed at construction and are not in the check
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.io.source import ModelSource
@@ -140,12 +142,30 @@ def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _native_transformers_class(source: ModelSource) -> type | None:
-    """The transformers class ``architectures`` names, when transformers has it."""
+    """The class ``architectures`` names: transformers', or for a pipeline component the one
+    its ``model_index.json`` names (diffusers' ``StableDiffusionSafetyChecker`` is a
+    transformers model whose config reads as CLIP's), as diffusers itself would build it."""
     import transformers
 
     architecture = (source.config.get("architectures") or [None])[0]
-    native = getattr(transformers, architecture, None) if architecture else None
-    return native if isinstance(native, type) else None
+    if not isinstance(architecture, str):
+        return None
+    native = getattr(transformers, architecture, None)
+    if isinstance(native, type):
+        return native
+    entry = _model_index(source.root.parent).get(source.root.name)
+    if isinstance(entry, list) and len(entry) == 2 and entry[1] == architecture:
+        return component_class(str(entry[0]), architecture)
+    return None
+
+
+def _model_index(directory: Path) -> dict[str, Any]:
+    """The pipeline index in ``directory`` ({} when there is none or it cannot be read)."""
+    try:
+        index = json.loads((directory / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
