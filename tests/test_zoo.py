@@ -149,3 +149,24 @@ def test_safety_checker_is_built_as_the_pipeline_names_it(
     assert type(checker).__name__ == "StableDiffusionSafetyChecker"
     probe = next(input_candidates(checker)).probes[0]
     assert set(probe.kwargs) == {"clip_input", "images"}
+
+
+def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """A 16 MB model with Llama-3's 128k vocabulary fed the level's 1024 tokens would hold
+    0.5 GB of logits per probe: its probes shrink to what a small model may take."""
+    from transformers import AutoModelForCausalLM
+
+    from precision_convert.validation.probe.sweep import (
+        SMALL_MODEL_ACTIVATIONS,
+        budget_for,
+        bytes_per_token,
+        fit_model,
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b"))
+    quick = budget_for("quick")
+    fitted = fit_model(quick, model)
+    assert fitted.tokens_per_probe < quick.tokens_per_probe
+    assert fitted.tokens_per_probe * bytes_per_token(model) <= SMALL_MODEL_ACTIVATIONS
