@@ -350,3 +350,26 @@ def test_a_tokenizer_of_another_model_is_a_note(tmp_path: Path) -> None:
     probes = probes_of(inputs)
     assert "forward:text" not in probes
     assert probes["forward:padded"].sweep["ids_from"] == "seeded"
+
+
+def test_a_pipeline_that_pads_prompts_to_no_limit_fails_in_one_line(tmp_path: Path) -> None:
+    """diffusers pads prompts to ``tokenizer.model_max_length``; left unset (1e30) the pipeline
+    cannot run for anyone. The certificate says so in one line instead of a traceback."""
+    from _models import sd_pipeline
+
+    from precision_convert.cli.main import app
+
+    source = sd_pipeline(tmp_path / "sd")
+    config_file = source / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    del config["model_max_length"]
+    config_file.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["model", str(source), "--to", "bf16-safe", "-o", str(out), "--coverage", "quick"]
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "end to end (OverflowError: int too big to convert)" in result.stderr
+    certificate = json.loads((out / "precision_certificate.json").read_text())
+    assert certificate["verdict"] == "fail"
+    assert any("OverflowError" in line for line in certificate["failures"])
