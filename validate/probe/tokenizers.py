@@ -30,8 +30,10 @@ import torch
 #: A ``model_max_length`` at or past this is no limit: transformers stores int(1e30) for a
 #: tokenizer that never set one, and real context lengths stay far below a trillion tokens.
 UNBOUNDED = 10**12
-#: Checked once per tokenizer: whether it can encode at all.
+#: Checked once per tokenizer: whether it can encode at all (cut short: some tokenizers warn
+#: about any text longer than their model_max_length).
 TRIAL_TEXT = "A red fox jumps over the sleeping dog."
+TRIAL_LENGTH = 8
 #: The ids each special token of a tokenizer may have, in the order probes prefer as padding.
 _PAD_CHOICES = (
     ("pad_token_id", "the tokenizer's pad token"),
@@ -57,7 +59,7 @@ class ProbeTokenizer:
     def wrap(cls, tokenizer: Any, where: str = "") -> ProbeTokenizer:
         """``tokenizer`` if it can encode a sentence, else an unusable one with a note."""
         try:
-            ids = tokenizer(TRIAL_TEXT, add_special_tokens=True)["input_ids"]
+            ids = tokenizer(TRIAL_TEXT, truncation=True, max_length=TRIAL_LENGTH)["input_ids"]
             if not ids or not all(isinstance(i, int) for i in ids):
                 raise ValueError("it encodes a sentence to no token ids")
         # Tokenizers' Rust backend raises plain Exception; any failure here means "unusable".
