@@ -39,6 +39,7 @@ from precision_convert.conversion.runtime.record import (
     read_record,
     tensors_under,
 )
+from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_save
 from precision_convert.dtypes import FP32, DType, from_config_string
 from precision_convert.errors import InputError
 
@@ -141,6 +142,8 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
     _restore_stored_dtypes(model, tensors, key_of, compute, source)
     reasons = model_reasons(record.get("islands", {}) if record else {}, tensors, key_of)
     install(model, find_boundaries(model, compute=compute.torch, reasons=reasons))
+    if record is not None:  # a re-save writes back what the library's save drops
+        keep_plan_on_save(model, SavedPlan.of(source, record))
     return model.eval()
 
 
