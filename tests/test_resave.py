@@ -25,6 +25,7 @@ from safetensors import safe_open
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.certificate import Certificate
+from precision_convert.validation.certify.load_paths import RESAVED
 from precision_convert.validation.probe.execute import run_probes
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
@@ -126,6 +127,19 @@ def test_resave_of_a_range_island_llama_stays_finite_and_within_bounds(
     with torch.no_grad():
         broken = LlamaForCausalLM.from_pretrained(old).eval()(input_ids=ids).logits
     assert not torch.isfinite(broken).all()
+
+
+def test_the_certificate_records_the_resave_without_it_deciding(
+    converted: tuple[Path, Path, Certificate],
+) -> None:
+    _, _, certificate = converted
+    found = {p.way: p for p in certificate.load_paths}
+    for way in RESAVED.values():
+        assert found[way].verdict == "pass" and not found[way].decides, way
+        assert "checked on 1 of" in (found[way].detail or "")  # few probes: small cost
+    assert found["resave:plain"].call.startswith('precision_convert.load("<repo>").save_pretrained')
+    assert found["resave:pc.load"].dtypes == found["pc.load"].dtypes  # the plan, not upcast
+    assert set(found["resave:plain"].dtypes) == {"float32"}
 
 
 def test_a_model_cast_after_loading_is_saved_without_a_record_it_breaks(
