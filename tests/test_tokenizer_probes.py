@@ -373,3 +373,58 @@ def test_a_pipeline_that_pads_prompts_to_no_limit_fails_in_one_line(tmp_path: Pa
     certificate = json.loads((out / "precision_certificate.json").read_text())
     assert certificate["verdict"] == "fail"
     assert any("OverflowError" in line for line in certificate["failures"])
+
+
+# --------------------------------------------------------------------------- the zoo
+
+#: Files of a model directory that belong to its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "merges.txt", "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
+
+
+def _padless(name: str, target: str) -> Any:
+    # Llama-3.2-1B's 128k vocabulary makes its fp16 candidate's logits the slowest on a CPU
+    # (about a minute); test_zoo certifies that conversion in CI, this one adds the CLI view.
+    slow = name == "llama-3.2-1b" and target == "fp16-safe"
+    return pytest.param(name, target, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [_padless(n, t) for n in zoo.PADLESS for t in ("bf16-safe", "fp16-safe")],
+)
+def test_padless_zoo_models_certify_through_their_own_tokenizer(
+    tiny_model: Callable[[str], Path], tmp_path: Path, name: str, target: str
+) -> None:
+    """Llama 3.2, Mistral v0.3 and GPT-2 as published ship no pad token: the main job exits 0
+    with a passing certificate, whose text, special-token and padded probes went through the
+    real tokenizer, and no tokenizer file changes."""
+    from precision_convert.cli.main import app
+
+    source = tiny_model(name)
+    shipped = [source / f for f in TOKENIZER_FILES if (source / f).is_file()]
+    assert source / "tokenizer.json" in shipped
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shipped}
+    whole = digest(source)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["model", str(source), "--to", target, "-o", str(out), "--coverage", "quick"]
+    )
+    assert result.exit_code == 0, result.output
+    assert digest(source) == whole  # the source untouched, its tokenizer files included
+    copied = {p.name: hashlib.sha256((out / p.name).read_bytes()).hexdigest() for p in shipped}
+    assert copied == before
+
+    certificate = json.loads((out / "precision_certificate.json").read_text())
+    assert certificate["verdict"] == "pass", certificate["failures"]
+    assert not [n for n in certificate["notes"] if "tokenizer" in n]
+    inputs = certificate["components"][0]["inputs"]
+    config = json.loads((source / "config.json").read_text())
+    assert inputs["origin"] == "tokenizer"
+    assert inputs["tokenizer"]["usable"] is True
+    assert inputs["tokenizer"]["pad"] == "eos: the tokenizer has no pad token"
+    assert inputs["tokenizer"]["pad_id"] == config["eos_token_id"]
+    for probe in (*TOKENIZED, "forward:padded-left"):
+        assert inputs["probes"][probe]["sweep"]["ids_from"] == "tokenizer", probe
+    passed = {m["probe"] for m in certificate["metrics"] if m["passed"]}
+    assert {*TOKENIZED, "forward:padded-left"} <= passed
