@@ -153,10 +153,19 @@ def test_the_cache_can_be_disabled_or_moved(
 def test_remote_code_is_never_cached(
     cache: Path, tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
+    auto_map = {"AutoModel": "modeling.Model"}
     remote = _copy_with_config(
-        tiny_model("llama"), tmp_path / "remote", auto_map={"AutoModel": "modeling.Model"}
+        tiny_model("llama"), tmp_path / "remote", auto_map=auto_map, architectures=["Remote"]
     )
     source = _model(remote)
     assert norms.skeleton_norms(source) is None  # not trusted: names serve
     norms.skeleton_norms(source, trust_remote_code=True)
     assert _entries(cache) == []
+    # An auto_map beside a class transformers has (Phi-3 ships one): untrusted, the native
+    # class is built, as every loader builds it; trusted, the remote code is, and not cached.
+    native = _model(_copy_with_config(tiny_model("llama"), tmp_path / "native", auto_map=auto_map))
+    plain = _model(tiny_model("llama"))
+    assert norms.skeleton_norms(native) == norms.skeleton_norms(plain, use_cache=False)
+    cached = _entries(cache)
+    norms.skeleton_norms(native, trust_remote_code=True)
+    assert _entries(cache) == cached

@@ -12,7 +12,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import _models
 import pytest
 from _models import zoo
 
@@ -25,19 +24,39 @@ def _config(directory: Path) -> dict:
     return json.loads((directory / "config.json").read_text())
 
 
+#: Tokenizers shorter than their embedding, as published: the rows past them exist in the
+#: model and no text produces them (Qwen2.5 pads to 151936, Phi-3 to 32064, T5 to 32128).
+TOKENIZER_LENGTH = {"qwen2.5-0.5b": 151665, "phi-3-mini-4k": 32011, "t5": 32100}
+
+
+def _text_parts(directory: Path) -> list[tuple[Path, Path]]:
+    """(config folder, tokenizer folder) pairs: the model itself, or a pipeline's encoders."""
+    if not (directory / "model_index.json").exists():
+        return [(directory, directory)]
+    return [
+        (encoder, directory / encoder.name.replace("text_encoder", "tokenizer"))
+        for encoder in sorted(directory.glob("text_encoder*"))
+    ]
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tokenizer_is_the_familys(tiny_model: Callable[[str], Path], name: str) -> None:
     from transformers import AutoTokenizer
 
-    directory = tiny_model(name)
-    config = _config(directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    assert len(tokenizer) == config["vocab_size"]
-    assert (tokenizer.pad_token is None) == (name in zoo.PADLESS)
-    assert tokenizer.convert_tokens_to_ids(tokenizer.eos_token) == config["eos_token_id"]
-    # Real text splits into learned sub-words, not single bytes.
-    words = tokenizer.tokenize("the river bank")
-    assert len(words) <= 4, words
+    for config_dir, tokenizer_dir in _text_parts(tiny_model(name)):
+        config = _text_config(_config(config_dir))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        expected = TOKENIZER_LENGTH.get(
+            "t5" if config["model_type"] == "t5" else name, config["vocab_size"]
+        )
+        assert len(tokenizer) == expected, config_dir
+        assert (tokenizer.pad_token is None) == (name in zoo.PADLESS)
+        # Real text splits into learned sub-words, not single bytes.
+        assert len(tokenizer.tokenize("the river bank")) <= 6
 
 
 def test_llama_keeps_its_published_layout(tiny_model: Callable[[str], Path]) -> None:
@@ -91,4 +110,51 @@ def test_builders_leave_the_callers_rng_alone() -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
-assert _models  # the fixture module must be importable before the zoo is
+# --------------------------------------------------------------------------- what the zoo revealed
+
+
+def test_phi3_auto_map_beside_a_native_class_needs_no_remote_code(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Phi-3 ships an ``auto_map`` its native transformers class replaces: the fp32 baseline
+    builds that class, as ``from_pretrained`` does, instead of refusing to validate."""
+    from precision_convert.conversion.runtime.baseline import load_fp32
+
+    directory = tiny_model("phi-3-mini-4k")
+    assert "auto_map" in _config(directory)
+    assert type(load_fp32(directory)).__name__ == "Phi3ForCausalLM"
+
+
+def test_safety_checker_is_built_as_the_pipeline_names_it(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """SD 1.5's safety checker: its config reads as CLIP's, its class is diffusers'; the
+    baseline builds the class model_index.json names, and probes feed its own inputs."""
+    from precision_convert.conversion.runtime.baseline import load_fp32
+    from precision_convert.validation.probe.inputs import input_candidates
+
+    checker = load_fp32(tiny_model("stable-diffusion-1.5")).safety_checker
+    assert type(checker).__name__ == "StableDiffusionSafetyChecker"
+    probe = next(input_candidates(checker)).probes[0]
+    assert set(probe.kwargs) == {"clip_input", "images"}
+
+
+def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """A 16 MB model with Llama-3's 128k vocabulary fed the level's 1024 tokens would hold
+    0.5 GB of logits per probe: its probes shrink to what a small model may take."""
+    from transformers import AutoModelForCausalLM
+
+    from precision_convert.validation.probe.sweep import (
+        SMALL_MODEL_ACTIVATIONS,
+        budget_for,
+        bytes_per_token,
+        fit_model,
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b"))
+    quick = budget_for("quick")
+    fitted = fit_model(quick, model)
+    assert fitted.tokens_per_probe < quick.tokens_per_probe
+    assert fitted.tokens_per_probe * bytes_per_token(model) <= SMALL_MODEL_ACTIVATIONS

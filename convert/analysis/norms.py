@@ -46,10 +46,11 @@ def skeleton_norms(
 ) -> SkeletonNorms | None:
     """The normalization modules of ``source``'s skeleton, in the skeleton's own names; None
     when no skeleton can be built. Read from the cache when it holds them (``use_cache``)."""
-    if "auto_map" in source.config and not trust_remote_code:
+    if not trust_remote_code and builders.uses_remote_code(source, trust_remote_code=False):
         return None  # remote code is never run to find norms; names serve instead
     key = None
-    if use_cache and "auto_map" not in source.config:  # remote code may change: not cached
+    remote = builders.uses_remote_code(source, trust_remote_code=trust_remote_code)
+    if use_cache and not remote:  # remote code may change: not cached
         key = norm_cache.cache_key(source.library, source.class_name, source.config, _CODE)
     if key is not None and (cached := norm_cache.load(key)) is not None:
         return cached

@@ -6,7 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.io.source import PipelineSource, open_source
-from precision_convert.conversion.runtime.builders import build_filled, build_pretrained
+from precision_convert.conversion.runtime.builders import (
+    build_filled,
+    build_pretrained,
+    uses_remote_code,
+)
 from precision_convert.conversion.runtime.streaming import fp32_dtype
 from precision_convert.errors import CannotValidateError, WeightsDoNotMap
 
@@ -20,12 +24,15 @@ def load_fp32(directory: Path, *, trust_remote_code: bool = False) -> Any:
     Remote code runs only with ``trust_remote_code``.
 
     Raises:
-        CannotValidateError: the model needs its own code (``auto_map``) and it is not trusted.
+        CannotValidateError: the model needs its own code (``auto_map`` and no transformers
+            class of its own) and it is not trusted.
     """
     import torch
 
     opened = open_source(directory)
-    needs_code = not isinstance(opened, PipelineSource) and opened.config.get("auto_map")
+    needs_code = not isinstance(opened, PipelineSource) and uses_remote_code(
+        opened, trust_remote_code=False
+    )
     if needs_code and not trust_remote_code:
         raise CannotValidateError(
             "the fp32 baseline needs the model's own code (auto_map); pass "

@@ -13,9 +13,11 @@ frequencies, causal masks) are computed at construction and are not in the check
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.io.source import ModelSource
@@ -56,6 +58,15 @@ def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> type
             library is not installed.
     """
     return adapter(source).model_class(source, trust_remote_code)
+
+
+def uses_remote_code(source: ModelSource, *, trust_remote_code: bool) -> bool:
+    """Whether building ``source`` runs code shipped with the checkpoint: its config maps
+    classes to that code (``auto_map``), and the user trusts it or transformers has no class
+    of its own (Phi-3 ships an ``auto_map`` its native transformers class replaces)."""
+    if source.library != "transformers" or not source.config.get("auto_map"):
+        return False
+    return trust_remote_code or _native_transformers_class(source) is None
 
 
 def build_skeleton(
@@ -130,15 +141,41 @@ def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
 # --- transformers ------------------------------------------------------------------------------
 
 
+def _native_transformers_class(source: ModelSource) -> type | None:
+    """The class ``architectures`` names: transformers', or for a pipeline component the one
+    its ``model_index.json`` names (diffusers' ``StableDiffusionSafetyChecker`` is a
+    transformers model whose config reads as CLIP's), as diffusers itself would build it."""
+    import transformers
+
+    architecture = (source.config.get("architectures") or [None])[0]
+    if not isinstance(architecture, str):
+        return None
+    native = getattr(transformers, architecture, None)
+    if isinstance(native, type):
+        return native
+    entry = _model_index(source.root.parent).get(source.root.name)
+    if isinstance(entry, list) and len(entry) == 2 and entry[1] == architecture:
+        return component_class(str(entry[0]), architecture)
+    return None
+
+
+def _model_index(directory: Path) -> dict[str, Any]:
+    """The pipeline index in ``directory`` ({} when there is none or it cannot be read)."""
+    try:
+        index = json.loads((directory / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
 def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
     """The class named in ``architectures``; remote code (``auto_map``) only when trusted."""
     import transformers
 
     architecture = (source.config.get("architectures") or [None])[0]
-    native = getattr(transformers, architecture, None) if architecture else None
-    native = native if isinstance(native, type) else None
+    native = _native_transformers_class(source)
     auto_map = source.config.get("auto_map") or {}
-    if auto_map and (trust_remote_code or native is None):
+    if uses_remote_code(source, trust_remote_code=trust_remote_code):
         if not trust_remote_code:
             raise InputError(
                 "the model's code ships with the checkpoint (auto_map in config.json); pass "

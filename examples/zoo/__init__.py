@@ -21,13 +21,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from . import causal_lm
+from . import causal_lm, encoders, pipelines
 
 #: name -> builder writing the family's directory at the given path (and returning it).
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "llama-3.2-1b": causal_lm.llama_3_2_1b,
     "mistral-7b-v0.3": causal_lm.mistral_7b_v0_3,
+    "qwen2.5-0.5b": causal_lm.qwen2_5_0_5b,
+    "gemma-2-2b": causal_lm.gemma_2_2b,
+    "phi-3-mini-4k": causal_lm.phi_3_mini_4k,
     "gpt2": causal_lm.gpt2,
+    "t5-v1.1-base": encoders.t5_v1_1,
+    "flan-t5-base": encoders.flan_t5,
+    "bert-base-uncased": encoders.bert_base_uncased,
+    "clip-vit-large-patch14": encoders.clip_vit_l_14,
+    "stable-diffusion-1.5": pipelines.stable_diffusion_1_5,
+    "stable-diffusion-xl": pipelines.stable_diffusion_xl,
+    "stable-diffusion-3": pipelines.stable_diffusion_3,
+    "flux.1-dev": pipelines.flux_1_dev,
+    "cogvideox-5b": pipelines.cogvideox_5b,
 }
 
 #: Families whose tokenizer has no pad token, as published (Llama 3, Mistral, GPT-2).

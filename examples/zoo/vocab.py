@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 #: Text the learned part of every vocabulary comes from: the probes' sentences, plus prose,
 #: digits and punctuation, so real text splits into sub-words rather than single bytes.
@@ -42,26 +43,47 @@ def _corpus_lines(repeat: int = 8) -> list[str]:
 
 
 def _fill(
-    vocab: dict[str, int], merges: list[tuple[str, str]], units: Sequence[str], size: int
+    vocab: dict[str, int],
+    merges: list[tuple[str, str]],
+    units: Sequence[str],
+    size: int,
+    right_units: Sequence[str] | None = None,
 ) -> None:
-    """Add merges of ``units`` (then of those merges with ``units``) until ``size`` tokens.
+    """Add merges of ``units`` with ``right_units`` (then of those merges with ``right_units``)
+    until ``size`` tokens.
 
     Every new token is the concatenation of two tokens already in the vocabulary, so the BPE
     stays well formed: each merge's parts exist before the merge does.
     """
+    right = list(right_units if right_units is not None else units)
     frontier = list(units)
     while len(vocab) < size:
         grown: list[str] = []
-        for left, right in itertools.product(frontier, units):
-            token = left + right
+        for left, part in itertools.product(frontier, right):
+            token = left + part
             if token in vocab:
                 continue
             vocab[token] = len(vocab)
-            merges.append((left, right))
+            merges.append((left, part))
             grown.append(token)
             if len(vocab) == size:
                 return
         frontier = grown
+
+
+def _trained_bpe(
+    learner: Any, size: int, **trainer: Any
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """Tokens (in id order) and merges a BPE ``learner`` learns from :data:`CORPUS`."""
+    from tokenizers import trainers
+
+    learner.train_from_iterator(
+        _corpus_lines(), trainers.BpeTrainer(vocab_size=size, show_progress=False, **trainer)
+    )
+    model = json.loads(learner.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return tokens, merges  # type: ignore[return-value]
 
 
 @cache
@@ -70,24 +92,46 @@ def byte_level_bpe(size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
 
     The 256 byte symbols, merges learned from :data:`CORPUS`, then generated merges.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     learner = Tokenizer(models.BPE())
     learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    learner.train_from_iterator(
-        _corpus_lines(),
-        trainers.BpeTrainer(
-            vocab_size=min(size, 2048),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
+    tokens, merges = _trained_bpe(
+        learner, min(size, 2048), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    model = json.loads(learner.to_str())["model"]
-    vocab: dict[str, int] = dict(sorted(model["vocab"].items(), key=lambda kv: kv[1]))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    units = [token for token in vocab if len(token) == 1]
-    _fill(vocab, merges, units, size)  # type: ignore[arg-type]
-    return vocab, merges  # type: ignore[return-value]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    _fill(vocab, merges, [t for t in tokens if len(t) == 1], size)
+    return vocab, merges
+
+
+@cache
+def clip_bpe(size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """CLIP's BPE of ``size`` tokens: bytes, bytes ending a word (``</w>``), merges, and
+    ``<|startoftext|>``/``<|endoftext|>`` as its last two ids (49406/49407 in CLIP's)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    learner = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    learner.normalizer = normalizers.Lowercase()
+    # CLIP splits words on whitespace and drops it (no "Ġ" marks), then maps bytes.
+    learner.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    _, learned = _trained_bpe(learner, 2048, initial_alphabet=alphabet, end_of_word_suffix="</w>")
+    ends = [c + "</w>" for c in alphabet]
+    vocab = {token: index for index, token in enumerate([*alphabet, *ends])}
+    merges: list[tuple[str, str]] = []
+    for left, right in learned:
+        if left in vocab and right in vocab and left + right not in vocab:
+            vocab[left + right] = len(vocab)
+            merges.append((left, right))
+    _fill(vocab, merges, alphabet, size - 2, right_units=[*alphabet, *ends])
+    vocab["<|startoftext|>"] = size - 2
+    vocab["<|endoftext|>"] = size - 1
+    return vocab, merges
 
 
 @dataclass(frozen=True)

@@ -254,15 +254,13 @@ def _side(value: Any, default: int, cap: int) -> int:
 
 
 def _library(model: Any) -> str:
-    module = type(model).__module__.split(".")[0]
-    if module in ("transformers", "diffusers", "open_clip"):
-        return module
-    # Subclasses defined elsewhere (remote code, user code) still inherit a library base.
-    for base in type(model).__mro__:
-        root = base.__module__.split(".")[0]
-        if root in ("transformers", "diffusers", "open_clip"):
-            return root
-    return "torch"
+    # The library whose base the class inherits, wherever the class is defined: remote or user
+    # code subclasses a library's model, and diffusers defines transformers models too (the
+    # Stable Diffusion safety checker is a transformers PreTrainedModel).
+    roots = [base.__module__.split(".")[0] for base in type(model).__mro__]
+    if "transformers" in roots:
+        return "transformers"
+    return next((root for root in roots if root in ("diffusers", "open_clip")), "torch")
 
 
 def _is_autoencoder(model: Any) -> bool:
@@ -378,6 +376,12 @@ def _transformers_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
         modalities.append([(ids, "text")])
     if "pixel_values" in params:
         modalities.append([({"pixel_values": _pixel_values(ctx)}, "vision")])
+    if "clip_input" in params and "images" in params:
+        # diffusers' Stable Diffusion safety checker: CLIP pixels of the decoded images, and
+        # the images (B, H, W, C in [0, 1]) it hands back, blacked out where it flags them.
+        images = (_image(ctx.gen("images"), BATCH, 3, PIXEL_SIDE, PIXEL_SIDE) + 1) / 2
+        checked = {"clip_input": _pixel_values(ctx), "images": images.permute(0, 2, 3, 1)}
+        modalities.append([(checked, "vision")])
     speech = _speech_layouts(ctx)
     if speech:
         modalities.append([(layout, "speech") for layout in speech])

@@ -314,8 +314,12 @@ def bytes_per_token(model: Any) -> int:
 
 
 #: Models smaller than this (fp32) keep the level's probes: their activations matter on no
-#: machine.
+#: machine...
 FIT_ABOVE = 128 * 2**20
+#: ...unless a wide vocabulary makes one probe's logits dwarf the model: a 70 MB model with
+#: Gemma's 256k vocabulary fed 1024 tokens holds 1 GB of logits. A small model's probe may
+#: take this much (fp32), a few times the model, still nothing on any machine.
+SMALL_MODEL_ACTIVATIONS = 64 * 2**20
 #: A whole-model probe's activations may take this share of the fp32 model (baseline and
 #: candidate are resident one at a time, and kept outputs wait on disk, so peak memory stays
 #: near the model's own size).
@@ -332,9 +336,8 @@ def fit_model(budget: Budget, model: Any) -> Budget:
     sequences still run (at batch 1).
     """
     weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
-    if weights < FIT_ABOVE:
-        return budget
-    affordable = ACTIVATION_SHARE * weights // bytes_per_token(model)
+    allowance = ACTIVATION_SHARE * weights if weights >= FIT_ABOVE else SMALL_MODEL_ACTIVATIONS
+    affordable = allowance // bytes_per_token(model)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     return budget if tokens == budget.tokens_per_probe else replace(budget, tokens_per_probe=tokens)
 

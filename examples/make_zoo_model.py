@@ -1,0 +1,28 @@
+"""Build a tiny model of a real family (Llama-3.2, Mistral, Qwen2.5, Gemma-2, Phi-3, GPT-2, T5,
+BERT, CLIP, Stable Diffusion 1.5/XL/3, Flux, CogVideoX) to try the converter on.
+
+Each is its published checkpoint's config shrunk in depth and width only, with a tokenizer of
+the family's own kind (see ``examples/zoo``). No download is needed; the sentencepiece-based
+tokenizers need the ``sentencepiece`` and ``protobuf`` packages.
+
+Usage: python examples/make_zoo_model.py FAMILY DIR   (no arguments: list the families)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import zoo
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("families:", ", ".join(zoo.FAMILIES))
+        return 0 if not argv else 2
+    print(zoo.build(argv[0], Path(argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
