@@ -32,6 +32,7 @@ from precision_convert.validation.certify.certificate import (
     Certificate,
     verify_files,
 )
+from precision_convert.validation.certify.load_paths import RESAVED
 from precision_convert.validation.certify.runner import validate
 
 #: Weight scale that makes a layer's outputs (and weights) leave fp16's range.
@@ -118,7 +119,7 @@ def test_fp16_safe_t5_with_a_range_island_loads_plainly(tmp_path: Path) -> None:
     certificate = validate(out, baseline=source, coverage=COVERAGE)
     assert certificate.verdict == "pass", certificate.failures
     found = ways(certificate, "")
-    assert set(found) == {"pc.load", "plain", "auto", "compute"}
+    assert set(found) == {"pc.load", "plain", "auto", "compute", *RESAVED.values()}
     assert found["pc.load"].verdict == "pass" and found["pc.load"].decides
     assert set(found["pc.load"].dtypes) == {"float16", "float32"}
     assert found["plain"].verdict == "pass" and found["plain"].decides
@@ -131,6 +132,16 @@ def test_fp16_safe_t5_with_a_range_island_loads_plainly(tmp_path: Path) -> None:
     assert found["compute"].verdict == "fail" and not found["compute"].decides
     assert "NaN/Inf" in found["compute"].failures[0]
     assert found["compute"].call.endswith("dtype=torch.float16)")
+    # The user's round trip: pc.load, save_pretrained, load again; shown, never deciding.
+    for way in RESAVED.values():
+        assert found[way].verdict == "pass" and not found[way].decides, way
+        assert "checked on 1 of" in (found[way].detail or "")
+    assert found["resave:plain"].call == (
+        'precision_convert.load("<repo>").save_pretrained("<dir>"); '
+        'T5EncoderModel.from_pretrained("<dir>")'
+    )
+    assert set(found["resave:plain"].dtypes) == {"float32"}  # as the converted files' plain load
+    assert found["resave:pc.load"].dtypes == found["pc.load"].dtypes
 
     on_disk = Certificate.read(out)
     assert on_disk.to_dict() == certificate.to_dict()
@@ -253,6 +264,9 @@ def test_fp16_safe_pipeline_generates_like_fp32_through_plain_diffusers(tmp_path
     assert whole["auto"].verdict == "not-checked"
     for component in ("text_encoder", "unet", "vae"):
         assert ways(certificate, component)["plain"].verdict == "pass", component
+        assert "resave:plain" not in ways(certificate, component)  # re-saved whole, below
+    assert whole["resave:plain"].verdict == whole["resave:pc.load"].verdict == "pass"
+    assert "resave:auto" in whole and whole["resave:auto"].verdict == "not-checked"
     card = ModelCard.load(out / CARD_NAME)
     assert PLAIN_TAG in card.data.tags
     assert "| pipeline | plain default | `DiffusionPipeline.from_pretrained" in card.text
@@ -288,7 +302,7 @@ def test_blockwise_leaves_plain_loads_not_checked(
     assert certificate.verdict == "pass", certificate.failures
     found = ways(certificate)
     assert found["pc.load"].verdict == "pass"
-    for way in ("plain", "auto", "compute"):
+    for way in ("plain", "auto", "compute", *RESAVED.values()):
         assert found[way].verdict == "not-checked"
         assert "block by block" in (found[way].detail or "")
     tags = ModelCard.load(out / CARD_NAME).data.tags

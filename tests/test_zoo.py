@@ -20,18 +20,6 @@ from precision_convert.api.conversion import convert
 FAMILIES = sorted(zoo.FAMILIES)
 SAFE_TARGETS = ("bf16-safe", "fp16-safe")
 
-#: Pad-less tokenizers crash validation's padded probes until the probes handle them (issue 17).
-PADLESS_CRASH = pytest.mark.xfail(
-    reason="validate/probe/inputs.py pads with a tokenizer that has no pad token (issue 17)",
-    raises=ValueError,
-    strict=True,
-)
-
-
-def _marks(name: str) -> list[pytest.MarkDecorator]:
-    return [PADLESS_CRASH] if name in zoo.PADLESS else []
-
-
 def _config(directory: Path) -> dict:
     return json.loads((directory / "config.json").read_text())
 
@@ -92,7 +80,7 @@ def test_mistral_is_sharded_with_an_index(tiny_model: Callable[[str], Path]) -> 
 
 
 @pytest.mark.parametrize("target", SAFE_TARGETS)
-@pytest.mark.parametrize("name", [pytest.param(name, marks=_marks(name)) for name in FAMILIES])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_family_certifies(
     tiny_model: Callable[[str], Path], tmp_path: Path, name: str, target: str
 ) -> None:

@@ -15,9 +15,7 @@ treated as one whose fp32 output must flow on.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +34,12 @@ from precision_convert.conversion.runtime.builders import (
     key_map,
 )
 from precision_convert.conversion.runtime.devices import resolve_device
+from precision_convert.conversion.runtime.record import (
+    check_record,
+    read_record,
+    tensors_under,
+)
+from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_save
 from precision_convert.dtypes import FP32, DType, from_config_string
 from precision_convert.errors import InputError
 
@@ -132,40 +136,18 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
     tensors = list(source.tensors())
     compute = _compute_dtype(record, tensors, source)
     if record is not None:
-        _check_record(record, tensors, source)
+        check_record(record, tensors, source)
     model = build_pretrained(source, compute.torch, trust_remote_code=trust_remote_code, cls=cls)
     key_of = key_map(model, source)
     _restore_stored_dtypes(model, tensors, key_of, compute, source)
     reasons = model_reasons(record.get("islands", {}) if record else {}, tensors, key_of)
     install(model, find_boundaries(model, compute=compute.torch, reasons=reasons))
+    if record is not None:  # a re-save writes back what the library's save drops
+        keep_plan_on_save(model, SavedPlan.of(source, record))
     return model.eval()
 
 
 # --- the record ----------------------------------------------------------------------------
-
-
-def read_record(source: ModelSource) -> dict[str, Any] | None:
-    """The ``precision_convert`` block: from the config, else from the first shard's metadata
-    (a ``--variant`` output keeps the source's config, so only its shards carry it)."""
-    block = source.config.get(RECORD_KEY)
-    where: Path = source.root / source.config_name
-    if block is None:
-        from precision_convert.conversion.io.header import read_header
-
-        first = source.files[0].path
-        if first.suffix != ".safetensors":
-            return None
-        raw = read_header(first).metadata.get(RECORD_KEY)
-        if raw is None:
-            return None
-        where = first
-        try:
-            block = json.loads(raw)
-        except ValueError:
-            raise InputError(f"{RECORD_KEY} metadata is not valid JSON", where) from None
-    if not isinstance(block, dict) or not isinstance(block.get("fp32_modules", []), list):
-        raise InputError(f"{RECORD_KEY} record is not an object with an fp32_modules list", where)
-    return block
 
 
 def _compute_dtype(
@@ -188,37 +170,13 @@ def _compute_dtype(
     return max(counts, key=counts.__getitem__) if counts else FP32
 
 
-def _under(name: str, tensors: Iterable[LazyTensor]) -> list[LazyTensor]:
-    """Tensors a record name covers: the tensor itself, or everything below the module."""
-    return [t for t in tensors if t.name == name or t.name.startswith(name + ".")]
-
-
-def _check_record(record: dict[str, Any], tensors: list[LazyTensor], source: ModelSource) -> None:
-    """Refuse weights that contradict their record: the plan is only worth what the files hold."""
-    for island in record.get("fp32_modules", []):
-        covered = _under(str(island), tensors)
-        if not covered:
-            raise InputError(
-                f"the {RECORD_KEY} record keeps {island!r} in fp32 but no tensor belongs to it; "
-                "the weights do not match their record, convert again",
-                source.root,
-            )
-        wrong = next((t for t in covered if t.dtype.is_float and t.dtype != FP32), None)
-        if wrong is not None:
-            raise InputError(
-                f"the {RECORD_KEY} record keeps {island!r} in fp32 but {wrong.name!r} is stored "
-                f"as {wrong.dtype.short}; the weights do not match their record, convert again",
-                source.root,
-            )
-
-
 def model_reasons(
     islands: dict[str, str], tensors: list[LazyTensor], key_of: KeyMap
 ) -> dict[str, str]:
     """Island reasons re-keyed from checkpoint names to the model's module names."""
     out: dict[str, str] = {}
     for name, reason in islands.items():
-        for t in _under(name, tensors):
+        for t in tensors_under(name, tensors):
             key, suffix = key_of(t.name), t.name[len(name) :]
             if key is not None and key.endswith(suffix):
                 out[key[: len(key) - len(suffix)]] = str(reason)

@@ -41,6 +41,9 @@ WAY_NAMES = {
     "plain": "plain default",
     "auto": '`"auto"` dtype',
     "compute": "explicit compute dtype",
+    "resave:plain": "re-saved, plain default",
+    "resave:auto": 're-saved, `"auto"` dtype',
+    "resave:pc.load": "re-saved, precision-convert",
 }
 #: Bytes per element of the dtypes a load path records.
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}

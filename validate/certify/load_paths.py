@@ -24,26 +24,34 @@ recorded (and shown in the model card) so that users know what they get. A way t
 very same tensors in the same dtypes as one already run (transformers' default dtype *is*
 ``"auto"``) is not run again. Block-wise validation never loads the model whole, so there the
 library's loads are "not checked".
+
+Then the user's round trip: ``precision_convert.load(dir).save_pretrained(new)`` and ``new``
+loaded again with the library's default (``resave:plain``), ``dtype="auto"``
+(``resave:auto``, transformers) and ``precision_convert.load`` (``resave:pc.load``). These are
+shown, never decide, and run on few probes (the layout's and the real-text one, named in each
+record's detail) to keep their cost small: a save and up to three loads. A pipeline is re-saved
+whole (its components through their own ``save_pretrained``), not component by component.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from precision_convert.conversion.io.source import ModelSource, PipelineSource
+from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source
 from precision_convert.conversion.runtime.builders import (
     _diffusers_dtype_keyword,
     model_class,
     variant_keyword,
 )
-from precision_convert.conversion.runtime.loader import read_record
+from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import from_config_string
 from precision_convert.errors import InputError
@@ -60,6 +68,7 @@ __all__ = [
     "DECIDING",
     "PC_LOAD",
     "PLAIN",
+    "RESAVED",
     "blockwise_paths",
     "check_model",
     "check_pipeline",
@@ -73,6 +82,11 @@ AUTO = "auto"
 COMPUTE = "compute"
 #: The ways whose verdict is the certificate's.
 DECIDING = frozenset({PC_LOAD, PLAIN})
+#: The re-save ways: ``pc.load(dir).save_pretrained(new)``, then ``new`` loaded each of these
+#: ways. Shown, never deciding.
+RESAVED = {PLAIN: "resave:plain", AUTO: "resave:auto", PC_LOAD: "resave:pc.load"}
+#: The sweep probe a re-save is checked on besides the layout's own: real text.
+RESAVE_PROBE = "forward:text"
 #: Failed metrics kept per way (the worst first); the count of the rest is added.
 MAX_FAILURES = 5
 #: Errors a load or a run through a library may raise (missing files, refused configs too).
@@ -234,12 +248,16 @@ def check_model(
     pc_metrics: list[Measurement],
     pc_errors: list[str],
 ) -> list[LoadPath]:
-    """Every way of loading one model: ``pc.load`` from its comparison, the others run here."""
+    """Every way of loading one model: ``pc.load`` from its comparison, the others run here,
+    then the re-save round trip (a single model only: a pipeline is re-saved whole)."""
     first = _pc_load(component, pc_metrics, pc_errors)
-    return [
+    records = [
         first,
         *_check(component.name, model_ways(component), inputs, baseline, thresholds, device),
     ]
+    if not component.name:
+        records += _resaved(component, inputs, baseline, thresholds, device)
+    return records
 
 
 def check_pipeline(
@@ -251,9 +269,14 @@ def check_pipeline(
     pc_metrics: list[Measurement],
     pc_errors: list[str],
 ) -> list[LoadPath]:
-    """Every way of loading the whole pipeline, judged on its end-to-end run."""
+    """Every way of loading the whole pipeline, judged on its end-to-end run, then the re-save
+    round trip of the whole pipeline."""
     first = _pc_load(opened, pc_metrics, pc_errors)
-    return [first, *_check("pipeline", pipeline_ways(opened), inputs, baseline, thresholds, device)]
+    return [
+        first,
+        *_check("pipeline", pipeline_ways(opened), inputs, baseline, thresholds, device),
+        *_resaved(opened, inputs, baseline, thresholds, device),
+    ]
 
 
 def blockwise_paths(
@@ -263,13 +286,17 @@ def blockwise_paths(
     ``pc.load`` loads them); the library's loads would need the whole model in memory."""
     first = _pc_load(component, pc_metrics, pc_errors)
     why = "the model only fits in memory block by block; it was not loaded whole"
-    return [first, *_not_checked(component.name, model_ways(component), why)]
+    ways = model_ways(component)
+    if not component.name:
+        ways += _resave_ways(component, None)
+    return [first, *_not_checked(component.name, ways, why)]
 
 
 def skipped_pipeline(opened: PipelineSource, why: str) -> list[LoadPath]:
     """A pipeline whose end-to-end run was skipped (``why``): no way of loading it ran."""
     first = Way(PC_LOAD, pc_load_call("pipeline", pipeline_variant(opened)), None)
-    records = _not_checked("pipeline", [first, *pipeline_ways(opened)], why)
+    ways = [first, *pipeline_ways(opened), *_resave_ways(opened, None)]
+    records = _not_checked("pipeline", ways, why)
     records[0].dtypes = stored_dtypes(opened.components.values())
     return records
 
@@ -347,9 +374,7 @@ def _run(
         dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
         outputs = run_probes(model, inputs, device, dtype)
     except LOAD_ERRORS as exc:
-        text = str(exc).strip()
-        line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-        record.detail = f"fails to {stage}: {line}"
+        record.detail = f"fails to {stage}: {_error_line(exc)}"
     finally:
         if model is not None:
             gone = weakref.ref(model)
@@ -358,6 +383,11 @@ def _run(
     if outputs is not None:
         _judge(record, compare_outputs(component, inputs, baseline, outputs, thresholds))
     return record
+
+
+def _error_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _pc_load(
@@ -426,6 +456,96 @@ def failure_lines(records: Iterable[LoadPath]) -> list[str]:
 
 def _as_clause(why: str) -> str:
     return why if why.startswith("fails") else f"differs from fp32: {why}"
+
+
+# --------------------------------------------------------------------------- re-saved
+
+
+def _resaved(
+    loaded: Component | PipelineSource,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: dict[str, float],
+    device: torch.device,
+) -> list[LoadPath]:
+    """The user's round trip: ``pc.load``, ``save_pretrained`` into a temporary directory,
+    then each way of loading that, run on :func:`resave_inputs` only."""
+    name = "pipeline" if isinstance(loaded, PipelineSource) else loaded.name
+    if not isinstance(loaded, PipelineSource) and loaded.converted.library == "open_clip":
+        return _not_checked(name, _resave_ways(loaded, None), "OpenCLIP has no save_pretrained")
+    subset = resave_inputs(inputs)
+    names = [p.name for p in subset.probes]
+    scope = f"checked on {len(names)} of {len(inputs.probes)} probes ({', '.join(names)})"
+    with tempfile.TemporaryDirectory(prefix="precision-convert-resave-") as scratch:
+        saved, error = _save_again(loaded, Path(scratch) / "resaved")
+        if saved is None:
+            records = _not_checked(name, _resave_ways(loaded, None), "")
+            for record in records:
+                record.verdict, record.detail = "fail", f"fails to re-save: {error}"
+            return records
+        kept = {n: baseline[n] for n in names}
+        records = _check(name, _resave_ways(loaded, saved), subset, kept, thresholds, device)
+    for record in records:
+        record.detail = f"{record.detail}; {scope}" if record.detail else scope
+    return records
+
+
+def resave_inputs(inputs: ModelInputs) -> ModelInputs:
+    """The probes a re-save is checked on: the layout's own (every probe no sweep made: one
+    forward, or an autoencoder's encode and decode) and real text when there is some."""
+    kept = tuple(p for p in inputs.probes if not p.sweep or p.name == RESAVE_PROBE)
+    return replace(inputs, probes=kept)
+
+
+def _save_again(
+    loaded: Component | PipelineSource, directory: Path
+) -> tuple[ModelSource | PipelineSource | None, str | None]:
+    """``pc.load`` the converted files, ``save_pretrained`` them into ``directory`` and open
+    what was written; else None and the error's first line."""
+    model: Any = None
+    root = loaded.root if isinstance(loaded, PipelineSource) else loaded.converted.root
+    trusted = not isinstance(loaded, PipelineSource) and loaded.trust_remote_code
+    try:
+        model = load(root, trust_remote_code=trusted)
+        model.save_pretrained(directory)
+        return open_source(directory), None
+    except LOAD_ERRORS as exc:
+        return None, _error_line(exc)
+    finally:
+        if model is not None:
+            gone = weakref.ref(model)
+            del model
+            free_model(gone)
+
+
+def _resave_ways(
+    loaded: Component | PipelineSource, saved: ModelSource | PipelineSource | None
+) -> list[Way]:
+    """The ways of loading the re-saved files ``saved`` (None: not saved, the calls only),
+    named as users write them, the saved directory as ``<dir>``."""
+    if isinstance(loaded, PipelineSource):
+        variant = pipeline_variant(loaded)
+        found = pipeline_ways(saved if isinstance(saved, PipelineSource) else loaded)
+    else:
+        variant = loaded.converted.variant
+        model = saved if isinstance(saved, ModelSource) else loaded.converted
+        found = model_ways(replace(loaded, converted=model))
+    # The compute-dtype way is left out: it ignores the files' dtypes, a re-save changes nothing.
+    library = [w for w in found if w.key != COMPUTE]
+    round_trip = f'{pc_load_call("", variant)}.save_pretrained("<dir>"); '
+    ways = [
+        Way(
+            RESAVED[w.key],
+            round_trip
+            + w.call.replace('"<repo>"', '"<dir>"').replace(_variant_argument(variant), ""),
+            w.build if saved is not None else None,
+            w.why_not,
+        )
+        for w in library
+    ]
+    reload = (lambda: load(saved.root)) if saved is not None else None
+    ways.append(Way(RESAVED[PC_LOAD], round_trip + 'precision_convert.load("<dir>")', reload))
+    return ways
 
 
 # --------------------------------------------------------------------------- what was loaded

@@ -530,6 +530,12 @@ def _certificate(
     compute = {c.record.get("compute_dtype") for c in components} - {None}
     source_files = _source_files(source)
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
+    for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
+        tokenizer = r.record.inputs.get("tokenizer") or {}
+        if tokenizer.get("usable") is False:
+            notes.append(
+                f"{r.record.name}: {tokenizer['note']}" if r.record.name else tokenizer["note"]
+            )
     if source.kind == "converted-upcast":
         notes.append(
             "no --baseline given: the baseline is the converted weights upcast to fp32, "

@@ -44,8 +44,17 @@ _DISTRIBUTION = ("mean", "logvar")
 Outputs = MutableMapping[str, dict[str, torch.Tensor]]
 #: Where :func:`run_probes` keeps outputs inside a :func:`spilled_outputs` block.
 _SPILL: ContextVar[Path | None] = ContextVar("precision_convert_spill", default=None)
-#: Errors a model raises when it cannot run on what it was given (dtype clashes included).
-RUN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+#: Errors a model raises when it cannot run on what it was given (dtype clashes included;
+#: OverflowError: a pipeline padding prompts to a tokenizer's unset model_max_length, 1e30).
+RUN_ERRORS = (
+    RuntimeError,
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    AttributeError,
+    OverflowError,
+)
 
 
 def flatten(value: Any, prefix: str = "", *, cpu: bool = True) -> dict[str, torch.Tensor]:

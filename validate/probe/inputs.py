@@ -32,6 +32,11 @@ from typing import Any
 import torch
 
 from precision_convert.errors import CannotValidateError
+from precision_convert.validation.probe.tokenizers import (
+    ProbeTokenizer,
+    pad_rows,
+    probe_tokenizer,
+)
 
 #: Sentences tokenized when the model ships a tokenizer: ordinary prose plus digits and
 #: punctuation, so embeddings of frequent and rarer tokens are both exercised.
@@ -117,6 +122,8 @@ class ModelInputs:
     coverage: str | None = None
     #: Bytes the sweep's probes were fitted to (block-wise validation), None when unbounded.
     memory: int | None = None
+    #: The tokenizer the token probes went through, as :meth:`ProbeTokenizer.describe` says.
+    tokenizer: Mapping[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         """Every probe precisely enough to replay it, as the certificate records it.
@@ -132,6 +139,7 @@ class ModelInputs:
             "layout": self.layout,
             **({"coverage": self.coverage} if self.coverage else {}),
             **({"memory_budget": self.memory} if self.memory else {}),
+            **({"tokenizer": dict(self.tokenizer)} if self.tokenizer else {}),
             "probes": {p.name: _describe_probe(p) for p in self.probes},
             **({"notes": list(self.notes)} if self.notes else {}),
         }
@@ -188,11 +196,11 @@ def _describe(value: Any) -> Any:
 class _Ctx:
     """What the builders read: the model's config, its signature and a seeded generator."""
 
-    def __init__(self, model: Any, seed: int, tokenizer: Any | None) -> None:
+    def __init__(self, model: Any, seed: int, tokenizer: ProbeTokenizer | None) -> None:
         self.model = model
         self.config = getattr(model, "config", None)
         self.seed = seed
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None and tokenizer.usable else None
         self.params = _signature(model.forward)
 
     def cfg(self, *keys: str, prefer: Sequence[str] = ()) -> Any:
@@ -275,31 +283,33 @@ def _is_open_clip(model: Any) -> bool:
 
 
 def _token_ids(ctx: _Ctx) -> tuple[dict[str, torch.Tensor], str]:
-    """Token ids (and mask) from the tokenizer on :data:`SENTENCES`, else seeded random ids."""
+    """Token ids and mask of :data:`SENTENCES` through the tokenizer (right-padded by hand,
+    so no pad token is needed), else seeded random ids."""
     vocab = ctx.cfg("vocab_size", prefer=("text_config",))
     positions = ctx.cfg(
         "max_position_embeddings", "n_positions", "max_text_len", prefer=("text_config",)
     )
     length = min(TEXT_LEN, int(positions) - 2) if positions else TEXT_LEN
     if ctx.tokenizer is not None:
-        enc = ctx.tokenizer(
-            list(SENTENCES),
-            padding="max_length",
-            truncation=True,
-            max_length=max(length, 8),
-            return_tensors="pt",
-        )
-        ids = enc["input_ids"]
-        if vocab is None or int(ids.max()) < int(vocab):
-            out = {"input_ids": ids}
-            if "attention_mask" in enc:
-                out["attention_mask"] = enc["attention_mask"]
-            return out, "tokenizer"
+        width = max(length, 8)
+        rows = [ctx.tokenizer.encode(sentence, width) for sentence in SENTENCES]
+        if vocab is None or max(max(row) for row in rows) < int(vocab):
+            ids, mask = pad_rows(rows, ctx.tokenizer.pad()[0], width=width)
+            return {"input_ids": ids, "attention_mask": mask}, "tokenizer"
     if vocab is None:
         raise CannotValidateError("the config has no vocab_size for token ids; pass --inputs")
     # Id 0 is often padding; stay clear of it so every position carries a real embedding.
     ids = ctx.randint("input_ids", 1, int(vocab), BATCH, length)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "builder"
+
+
+def _fits_vocabulary(ctx: _Ctx) -> bool:
+    """Whether the tokenizer's ids for real text fall inside the model's vocabulary (a
+    tokenizer of another model does not; a config without vocab_size cannot tell)."""
+    vocab = ctx.cfg("vocab_size", prefer=("text_config",))
+    if ctx.tokenizer is None or not isinstance(vocab, int):
+        return True
+    return max(ctx.tokenizer.encode(" ".join(SENTENCES), TEXT_LEN * 8)) < vocab
 
 
 def _pixel_values(ctx: _Ctx) -> torch.Tensor:
@@ -675,10 +685,20 @@ def input_candidates(
 ) -> Iterator[ModelInputs]:
     """Every plausible set of inputs for ``model``, likeliest first (at most MAX_CANDIDATES).
 
+    ``tokenizer``: the model's own (a library tokenizer or a :class:`ProbeTokenizer`); one
+    that cannot be used is a note on every candidate, and token ids are seeded instead.
+
     Raises:
         CannotValidateError: no builder knows how to feed this architecture.
     """
-    ctx = _Ctx(model, seed, tokenizer)
+    tok = probe_tokenizer(tokenizer)
+    ctx = _Ctx(model, seed, tok)
+    if ctx.tokenizer is not None and not _fits_vocabulary(ctx):
+        vocab = ctx.cfg("vocab_size", prefer=("text_config",))
+        tok = ProbeTokenizer.unusable(
+            tok.where, f"gives ids past the model's vocabulary of {vocab} (another model's?)"
+        )
+        ctx = _Ctx(model, seed, tok)
     library = _library(model)
     if library == "transformers":
         found = _transformers_candidates(ctx)
@@ -693,8 +713,10 @@ def input_candidates(
             f"cannot validate {type(model).__name__}: no input builder for this model; "
             "pass --inputs"
         )
+    notes = (tok.note,) if tok is not None and tok.note else ()
+    record = tok.describe() if tok is not None else None
     for index, inputs in enumerate(itertools.islice(found, MAX_CANDIDATES)):
-        yield replace(inputs, layout=index)
+        yield replace(inputs, layout=index, notes=(*inputs.notes, *notes), tokenizer=record)
 
 
 def inputs_from_tensors(

@@ -6,9 +6,12 @@ embedding, positions past the first few dozen, the first denoising step at t=999
 keeps the chosen probe first (its outputs are reused) and adds, per family:
 
 - token models: the whole vocabulary in chunks (every id at least once from ``standard`` up),
-  the special tokens (bos/eos/pad/unk/cls/sep/mask), real text through the model's own
-  tokenizer, sequence lengths doubling up to the position limit, a padded batch with its
-  attention mask; encoder-decoders feed the decoder the same ids shifted right;
+  the special tokens (bos/eos/pad/unk/cls/sep/mask, added tokens, the chat template), real
+  text, sequence lengths doubling up to the position limit, padded batches with their
+  attention mask, right-padded and (decoder-only models) left-padded as ``generate`` pads
+  them; encoder-decoders feed the decoder the same ids shifted right. Special tokens, text and
+  padded batches go through the model's own tokenizer when it ships a usable one (each
+  probe records ``ids_from``), else they are made of seeded ids;
 - diffusion denoisers: timesteps across the schedule, including its first step (t=999 on the
   usual scale, sigma 1.0 for models taking t in [0, 1]), and realistic conditioning magnitudes;
 - autoencoders: larger images; vision and speech encoders: normalized-image contrast and
@@ -49,6 +52,11 @@ from precision_convert.validation.probe.inputs import (
     _signature,
     input_candidates,
     tensor_digest,
+)
+from precision_convert.validation.probe.tokenizers import (
+    ProbeTokenizer,
+    pad_rows,
+    probe_tokenizer,
 )
 from precision_convert.validation.probe.userdata import (
     CalibrationData,
@@ -157,8 +165,10 @@ VOCAB_ROW = 512
 #: Position limit assumed for models that have none (relative positions, e.g. T5): what such
 #: encoders are fed in practice (SD3/Flux use 256-512 T5 tokens).
 UNKNOWN_POSITION_LIMIT = 512
-#: Length of the synthetic padded batch: enough for four visibly different row lengths.
+#: Length of the padded batches: enough for four visibly different row lengths.
 PADDED_LENGTH = 64
+#: Row tokens per special token in the special-token probe: the token, a word, a space.
+SPECIAL_SPACING = 4
 #: Training schedule length assumed when no scheduler says otherwise (DDPM/flow-matching).
 TRAIN_TIMESTEPS = 1000
 #: Magnitude of the outlier channels in the realistic conditioning probe: CLIP text encoders'
@@ -203,6 +213,13 @@ def budget_for(level: str) -> Budget:
         ) from None
 
 
+def usable(tokenizer: Any | None) -> ProbeTokenizer | None:
+    """``tokenizer`` as a :class:`ProbeTokenizer` when it can be used, else None (its note, if
+    any, is on the layout's candidates already)."""
+    tok = probe_tokenizer(tokenizer)
+    return tok if tok is not None and tok.usable else None
+
+
 def generator(seed: int, name: str) -> torch.Generator:
     """A generator per probe and tensor name: adding a probe never changes another."""
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -232,7 +249,8 @@ def sweep(
         model: the (fp32) model the inputs are for.
         chosen: the layout :func:`~.execute.select_inputs` kept.
         level: ``quick``, ``standard`` or ``thorough`` (see :data:`BUDGETS`).
-        tokenizer: the model's own tokenizer, for real text (None: synthetic ids only).
+        tokenizer: the model's own tokenizer (a library one or a :class:`ProbeTokenizer`), for
+            real text, special tokens and padding (None or unusable: seeded ids only).
         data: user calibration data, whose probes are appended.
         component: the pipeline component this model is ("" for a single model); user data
             keys ``<component>/<argument>`` address it.
@@ -247,15 +265,17 @@ def sweep(
         if memory
         else fit_model(budget_for(level), model)
     )
+    # A tokenizer the layout found unusable (its note is there already) is not used here.
+    tok = usable(tokenizer) if (chosen.tokenizer or {}).get("usable", True) else None
     probes: list[Probe] = []
     notes: list[str] = []
     if chosen.origin != "file":
-        made, made_notes = _built(model, chosen, budget, tokenizer, train_timesteps)
+        made, made_notes = _built(model, chosen, budget, tok, train_timesteps)
         probes += made
         notes += made_notes
     if data is not None:
         probes += user_probes(
-            model, chosen, data, tokenizer=tokenizer, budget=budget, component=component
+            model, chosen, data, tokenizer=tok, budget=budget, component=component
         )
     taken = {p.name for p in chosen.probes}
     unique = []
@@ -454,7 +474,7 @@ def _built(
     model: Any,
     chosen: ModelInputs,
     budget: Budget,
-    tokenizer: Any | None,
+    tokenizer: ProbeTokenizer | None,
     train_timesteps: int | None,
 ) -> tuple[list[Probe], list[str]]:
     """The probes the budget sweeps for this model's family (none for a whole pipeline)."""
@@ -495,12 +515,17 @@ class TokenSpec:
     limit: int
     fixed: int | None  # every row exactly this long, end-of-text last (OpenCLIP)
     pad: int
+    pad_from: str  # why that id: the tokenizer's pad token, eos when it has none...
     specials: tuple[int, ...]
     mask: str | None  # the attention-mask argument that goes with ``arg``, when accepted
     batch: int  # the chosen probe's batch
     task: str
     decoder_start: int | None  # encoder-decoders: the decoder is fed the ids shifted right
     decoder_limit: int | None
+    #: Decoder-only: ``generate`` left-pads its batches, so the sweep does too.
+    causal: bool = False
+    #: The forward takes ``position_ids``: left-padded rows get them as ``generate`` makes them.
+    positions: bool = False
 
 
 def _cfg(config: Any, *keys: str, prefer: Sequence[str] = ()) -> Any:
@@ -521,7 +546,13 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
-def token_spec(model: Any, probe: Probe, tokenizer: Any | None, task: str) -> TokenSpec | None:
+#: Class-name endings of decoder-only language models (``generate`` pads them on the left).
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+def token_spec(
+    model: Any, probe: Probe, tokenizer: ProbeTokenizer | None, task: str
+) -> TokenSpec | None:
     """The token argument of ``probe`` and what bounds it; None when it takes no ids."""
     kwargs = probe.kwargs
     params = _signature(model.forward)
@@ -562,13 +593,10 @@ def token_spec(model: Any, probe: Probe, tokenizer: Any | None, task: str) -> To
         for sub in (config, _get(config, "text_config"), _get(config, "decoder")):
             specials.update(_ids(_get(sub, key)))
     if tokenizer is not None:
-        specials.update(_ids(list(getattr(tokenizer, "all_special_ids", []) or [])))
+        specials.update(token_id for _, token_id in tokenizer.special_tokens())
     if fixed is not None:  # OpenCLIP: start- and end-of-text are the two highest ids
         specials.update({vocab - 2, vocab - 1})
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    if not isinstance(pad, int):
-        pad = _cfg(config, "pad_token_id")
-    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+    pad, pad_from = _pad_id(config, tokenizer, vocab)
     template = kwargs[arg]
     return TokenSpec(
         arg=arg,
@@ -576,13 +604,32 @@ def token_spec(model: Any, probe: Probe, tokenizer: Any | None, task: str) -> To
         limit=max(1, limit),
         fixed=fixed,
         pad=pad,
+        pad_from=pad_from,
         specials=tuple(sorted(i for i in specials if 0 <= i < vocab)),
         mask=mask,
         batch=int(template.shape[0]) if template.dim() else 1,
         task=task,
         decoder_start=decoder_start,
         decoder_limit=decoder_limit,
+        causal=arg == "input_ids"
+        and decoder_start is None
+        and type(model).__name__.endswith(_CAUSAL_HEADS),
+        positions="position_ids" in params,
     )
+
+
+def _pad_id(config: Any, tokenizer: ProbeTokenizer | None, vocab: int) -> tuple[int, str]:
+    """The id padded positions hold: the tokenizer's choice (its pad token, else eos...),
+    else the config's pad or eos id, else 0. Padding is masked, so only its range matters."""
+    if tokenizer is not None:
+        pad, why = tokenizer.pad()
+        if 0 <= pad < vocab:
+            return pad, why
+    for key, why in (("pad_token_id", "the config's pad_token_id"), ("eos_token_id", "eos")):
+        found = _ids(_cfg(config, key))
+        if found and 0 <= found[0] < vocab:
+            return found[0], why
+    return 0, "id 0: neither tokenizer nor config names a pad or eos token"
 
 
 def with_tokens(
@@ -639,15 +686,25 @@ def _row_length(spec: TokenSpec) -> int:
 
 
 def _token_probes(
-    spec: TokenSpec, chosen: ModelInputs, budget: Budget, tokenizer: Any | None
+    spec: TokenSpec, chosen: ModelInputs, budget: Budget, tokenizer: ProbeTokenizer | None
 ) -> tuple[list[Probe], list[str]]:
     template = chosen.probes[0].kwargs
     seed = chosen.seed
     probes: list[Probe] = []
     notes: list[str] = []
 
-    def add(label: str, ids: torch.Tensor, mask: torch.Tensor | None, how: dict[str, Any]) -> None:
+    def add(
+        label: str,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        how: dict[str, Any],
+        *,
+        left: bool = False,
+    ) -> None:
         kwargs = with_tokens(spec, template, finish_rows(spec, ids), mask)
+        if left and spec.positions and mask is not None:
+            # As generate does: positions count real tokens only, so padding shifts nothing.
+            kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
         probes.append(
             Probe(
                 f"forward:{label}",
@@ -705,8 +762,18 @@ def _token_probes(
             },
         )
 
-    # Special tokens, amid random ids and on their own.
-    if spec.specials and not budget.memory_bound:
+    # Special and added tokens: written in text and tokenized (and a chat-template
+    # conversation), else their ids amid random ids and on their own. (Memory-bound sweeps
+    # have the special ids lead the vocabulary instead.)
+    made = (
+        special_rows(spec, tokenizer, budget)
+        if tokenizer is not None and not budget.memory_bound
+        else None
+    )
+    if made is not None:
+        ids, mask, how = made
+        add("special", ids, mask, {"kind": "special", "ids_from": "tokenizer", **how})
+    elif spec.specials and not budget.memory_bound:
         specials = torch.tensor(spec.specials, dtype=torch.long)
         length = min(spec.limit, max(16, 2 * len(specials) + 2))
         if spec.fixed is not None:
@@ -719,39 +786,42 @@ def _token_probes(
             "special",
             torch.stack([mixed, alone]),
             None,
-            {"kind": "special", "ids": list(spec.specials), "seed": seed, "length": length},
+            {
+                "kind": "special",
+                "ids_from": "seeded",
+                "ids": list(spec.specials),
+                "seed": seed,
+                "length": length,
+            },
         )
 
     # Real text through the model's own tokenizer, right-padded to the longest line.
     if tokenizer is not None:
         cap = max(8, budget.tokens_per_probe // len(TEXTS)) if budget.memory_bound else None
-        made = text_rows(spec, tokenizer, TEXTS, limit=cap)
-        if made is None:
-            notes.append("the tokenizer's ids exceed the model's vocabulary: no text probe")
-        else:
-            ids, mask = made
-            add("text", ids, mask, {"kind": "text", "lines": len(TEXTS)})
+        ids, mask = text_rows(spec, tokenizer, TEXTS, limit=cap)
+        how = {"kind": "text", "ids_from": "tokenizer", "lines": len(TEXTS), **_padding(spec)}
+        add("text", ids, mask, how)
 
-    # A padded batch: rows of different lengths, padding masked out.
+    # Padded batches: rows of different lengths, padding masked out. Right-padded, and for
+    # decoder-only models also left-padded, as ``generate`` pads a batch of prompts.
     if spec.mask and spec.fixed is None and not budget.memory_bound:
         length = min(spec.limit, PADDED_LENGTH, max(8, budget.tokens_per_probe // 4))
         lengths = sorted(
-            {length, max(1, 3 * length // 4), max(1, length // 2), max(1, length // 8)}
+            {length, max(1, 3 * length // 4), max(1, length // 2), max(1, length // 8)},
+            reverse=True,
         )
-        lengths.reverse()
-        ids = torch.randint(
-            0, spec.vocab, (len(lengths), length), generator=generator(seed, "padded")
-        )
-        mask = torch.zeros_like(ids)
-        for r, n in enumerate(lengths):
-            mask[r, :n] = 1
-        ids = ids.masked_fill(mask == 0, spec.pad)
-        add(
-            "padded",
-            ids,
-            mask,
-            {"kind": "padding", "lengths": lengths, "pad_id": spec.pad, "seed": seed},
-        )
+        rows, ids_from = padded_rows(spec, tokenizer, lengths, seed)
+        how = {
+            "kind": "padding",
+            "ids_from": ids_from,
+            "lengths": [len(row) for row in rows],
+            **_padding(spec),
+            **({"seed": seed} if ids_from == "seeded" else {}),
+        }
+        for side in ("right", "left") if spec.causal else ("right",):
+            ids, mask = pad_rows(rows, spec.pad, side=side, width=length)
+            label = "padded" if side == "right" else "padded-left"
+            add(label, ids, mask, {**how, "side": side}, left=side == "left")
 
     # Sequence lengths doubling up to the position limit (capped by the budget).
     if spec.fixed is None:
@@ -779,29 +849,77 @@ def padded_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask.bool()
 
 
+def _padding(spec: TokenSpec) -> dict[str, Any]:
+    """How a probe's batch was padded, for its record."""
+    return {"pad_id": spec.pad, "pad": spec.pad_from}
+
+
 def text_rows(
-    spec: TokenSpec, tokenizer: Any, lines: Sequence[str], limit: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    spec: TokenSpec, tokenizer: ProbeTokenizer, lines: Sequence[str], limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``lines`` tokenized one by one (truncated to the limit), right-padded into a batch.
 
     Right padding keeps every padded position after a real token, so no row of a causal
-    model attends to nothing. None when the tokenizer's ids do not fit the vocabulary.
+    model attends to nothing.
     """
     longest = spec.fixed - 1 if spec.fixed is not None else spec.limit
     limit = longest if limit is None or spec.fixed is not None else min(longest, limit)
-    encoded = []
-    for line in lines:
-        ids = tokenizer(line, truncation=True, max_length=limit)["input_ids"]
-        encoded.append(list(ids)[:limit] or [spec.pad])
-    if max(max(ids) for ids in encoded) >= spec.vocab:
+    encoded = [tokenizer.encode(line, limit) or [spec.pad] for line in lines]
+    return pad_rows(encoded, spec.pad, width=limit if spec.fixed is not None else None)
+
+
+def padded_rows(
+    spec: TokenSpec, tokenizer: ProbeTokenizer | None, lengths: Sequence[int], seed: int
+) -> tuple[list[list[int]], str]:
+    """Rows of the given lengths and where their ids come from: prefixes of real text through
+    the tokenizer, else seeded random ids."""
+    if tokenizer is not None:
+        stream = tokenizer.encode(" ".join(TEXTS), lengths[0])
+        return [stream[:n] for n in lengths], "tokenizer"
+    ids = torch.randint(
+        0, spec.vocab, (len(lengths), lengths[0]), generator=generator(seed, "padded")
+    )
+    return [ids[r, :n].tolist() for r, n in enumerate(lengths)], "seeded"
+
+
+def special_rows(
+    spec: TokenSpec, tokenizer: ProbeTokenizer, budget: Budget
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None:
+    """The tokenizer's special and added tokens written into text (each beside a word) and
+    tokenized, after a chat-template conversation when the tokenizer has a template: rows of
+    at most one probe's tokens, right-padded, and their record. None when the tokenizer has no
+    special token inside the model's vocabulary."""
+    tokens = [(text, i) for text, i in tokenizer.special_tokens() if 0 <= i < spec.vocab]
+    if not tokens:
         return None
-    width = limit if spec.fixed is not None else max(len(ids) for ids in encoded)
-    ids = torch.full((len(encoded), width), spec.pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, row in enumerate(encoded):
-        ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[r, : len(row)] = 1
-    return ids, mask
+    width = _row_length(spec)
+    most = max(1, budget.tokens_per_probe // width)
+    rows: list[list[int]] = []
+    chat = tokenizer.chat(TEXTS[:2], width)
+    if chat is not None and max(chat) < spec.vocab:
+        rows.append(chat)
+    words = TEXTS[0].split()
+    per_row = max(1, width // SPECIAL_SPACING)
+    for start in range(0, len(tokens), per_row):
+        if len(rows) >= most:
+            break
+        group = tokens[start : start + per_row]
+        text = " ".join(f"{t} {words[k % len(words)]}" for k, (t, _) in enumerate(group, start))
+        row = tokenizer.encode(text, width)
+        if row and max(row) < spec.vocab:
+            rows.append(row)
+    if not rows:
+        return None
+    seen = {i for row in rows for i in row}
+    ids, mask = pad_rows(rows, spec.pad, width=width if spec.fixed is not None else None)
+    how = {
+        "special_tokens": len(tokens),
+        "reached": sum(i in seen for _, i in tokens),
+        "chat_template": chat is not None,
+        "rows": len(rows),
+        **_padding(spec),
+    }
+    return ids, mask, how
 
 
 # --------------------------------------------------------------------------- diffusion
@@ -977,7 +1095,7 @@ def user_probes(
     chosen: ModelInputs,
     data: CalibrationData,
     *,
-    tokenizer: Any | None,
+    tokenizer: ProbeTokenizer | None,
     budget: Budget,
     component: str = "",
 ) -> list[Probe]:
@@ -996,7 +1114,7 @@ def _text_probes(
     model: Any,
     chosen: ModelInputs,
     data: CalibrationData,
-    tokenizer: Any | None,
+    tokenizer: ProbeTokenizer | None,
     budget: Budget,
     component: str,
 ) -> list[Probe]:
@@ -1018,10 +1136,12 @@ def _text_probes(
         )
     # Lines packed greedily into probes of at most tokens_per_probe (rows x longest row).
     limit = spec.fixed - 1 if spec.fixed is not None else spec.limit
-    sizes = [
-        len(tokenizer(line, truncation=True, max_length=limit)["input_ids"]) or 1
-        for line in data.texts
-    ]
+    encoded = [tokenizer.encode(line, limit) or [spec.pad] for line in data.texts]
+    if max(max(ids) for ids in encoded) >= spec.vocab:
+        raise InputError(
+            f"--calibration-data: the tokenizer's ids exceed {name}'s vocabulary", data.path
+        )
+    sizes = [len(ids) for ids in encoded]
     groups: list[list[int]] = []
     longest = 0
     for index, size in enumerate(sizes):
@@ -1033,12 +1153,8 @@ def _text_probes(
             longest = size
     probes = []
     for number, group in enumerate(groups, 1):
-        made = text_rows(spec, tokenizer, [data.texts[i] for i in group])
-        if made is None:
-            raise InputError(
-                f"--calibration-data: the tokenizer's ids exceed {name}'s vocabulary", data.path
-            )
-        ids, mask = made
+        rows = [encoded[i] for i in group]
+        ids, mask = pad_rows(rows, spec.pad, width=limit if spec.fixed is not None else None)
         kwargs = with_tokens(spec, first.kwargs, finish_rows(spec, ids), mask)
         lines = data.text_lines or tuple(range(1, len(data.texts) + 1))
         how = {
