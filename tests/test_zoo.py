@@ -191,3 +191,26 @@ def test_quick_coverage_calls_a_pipeline_at_a_small_size(
     record = next(c for c in certificate.components if c.name == "pipeline")
     call = record.inputs["probes"]["pipeline"]["args"]
     assert (call["height"], call["width"], call["num_frames"]) == (64, 64, 5)
+
+
+def test_whole_vocabulary_sweep_stays_within_what_memory_affords(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """standard covers every id of Llama-3's 128k vocabulary in probes no bigger than the
+    model's memory affords: chunks of 4008 ids (4 GB of logits a probe for a 16 MB model;
+    Gemma's took 17 GB) became more, memory-sized probes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from precision_convert.validation.probe.execute import run_probes, select_inputs
+    from precision_convert.validation.probe.inputs import input_candidates
+    from precision_convert.validation.probe.sweep import budget_for, fit_model, sweep
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b")).eval()
+    chosen, _ = select_inputs(model, input_candidates(model), run_probes)
+    probes = sweep(model, chosen, "standard", None).probes
+    vocabulary = [p for p in probes if (p.sweep or {}).get("kind") == "vocabulary"]
+    fitted = fit_model(budget_for("standard"), model)
+    assert all(p.kwargs["input_ids"].numel() <= fitted.tokens_per_probe for p in vocabulary)
+    ids = torch.cat([p.kwargs["input_ids"].flatten() for p in vocabulary])
+    assert len(ids.unique()) == model.config.vocab_size

@@ -103,6 +103,9 @@ class Budget:
     blockwise_vocabulary_probes: int = 2
     #: Set by :func:`fit_budget`: ``tokens_per_probe`` is a memory limit, not a target.
     memory_bound: bool = False
+    #: Set by :func:`fit_model`: ``tokens_per_probe`` is what the model's memory affords, so
+    #: the whole vocabulary takes more probes rather than chunks past it.
+    tokens_fit: bool = False
     #: Latents a side of a pipeline's end-to-end call (at most; the pipeline's own size when
     #: smaller). The call decodes full images, or video frames, in every load path checked.
     pipeline_latent_side: int = 32
@@ -345,7 +348,9 @@ def fit_model(budget: Budget, model: Any) -> Budget:
     allowance = ACTIVATION_SHARE * weights if weights >= FIT_ABOVE else SMALL_MODEL_ACTIVATIONS
     affordable = allowance // bytes_per_token(model)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
-    return budget if tokens == budget.tokens_per_probe else replace(budget, tokens_per_probe=tokens)
+    if tokens == budget.tokens_per_probe:
+        return budget
+    return replace(budget, tokens_per_probe=tokens, tokens_fit=True)
 
 
 def fit_budget(budget: Budget, model: Any, memory: int) -> Budget:
@@ -735,6 +740,9 @@ def _token_probes(
     elif budget.memory_bound:  # as far as memory-sized probes reach
         chunks = min(math.ceil(spec.vocab / budget.tokens_per_probe), budget.vocabulary_probes)
         size = min(budget.tokens_per_probe, math.ceil(spec.vocab / chunks))
+    elif budget.tokens_fit:  # every id, in as many probes as memory-sized chunks take
+        chunks = math.ceil(spec.vocab / budget.tokens_per_probe)
+        size = math.ceil(spec.vocab / chunks)
     else:  # every id: chunks grow past tokens_per_probe rather than exceed the probe count
         per_probe = max(budget.tokens_per_probe, math.ceil(spec.vocab / budget.vocabulary_probes))
         chunks = math.ceil(spec.vocab / per_probe)
