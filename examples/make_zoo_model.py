@@ -17,9 +17,13 @@ import zoo
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("families:", ", ".join(zoo.FAMILIES))
-        return 0 if not argv else 2
+    families = ", ".join(zoo.FAMILIES)
+    if not argv:
+        print("families:", families)
+        return 0
+    if len(argv) != 2 or argv[0] not in zoo.FAMILIES:
+        print(f"usage: make_zoo_model.py FAMILY DIR; families: {families}", file=sys.stderr)
+        return 2
     print(zoo.build(argv[0], Path(argv[1])))
     return 0
 
