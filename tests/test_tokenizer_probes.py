@@ -278,6 +278,19 @@ def test_added_tokens_and_chat_template_go_through_the_tokenizer(tmp_path: Path)
     assert set(added) <= ids and min(added) >= 599  # past the base vocabulary
 
 
+def test_tokenizer_probes_replay_from_the_certificate_record(tmp_path: Path) -> None:
+    """The record names how each probe was made; with the same tokenizer a replay rebuilds
+    every tensor to its recorded digest."""
+    from precision_convert.validation.probe.sweep import replay
+
+    tokenizer = bpe_with_added_tokens(tmp_path)
+    model = llama_for(tokenizer)
+    record = json.loads(json.dumps(swept(model, tokenizer, "standard").describe()))
+    replayed = replay(model, record, tokenizer=tokenizer)
+    assert [p.name for p in replayed.probes] == list(record["probes"])
+    assert {"forward:special", "forward:text", "forward:padded-left"} <= set(record["probes"])
+
+
 @pytest.mark.parametrize("limit", [int(1e30), 1e30], ids=["int", "float"])
 def test_model_max_length_of_1e30_is_no_limit(tmp_path: Path, limit: float) -> None:
     """transformers stores int(1e30) when a tokenizer sets no limit (a config may hold the
