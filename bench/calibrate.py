@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loader import CONFIG  # the same ~100M Llama shape as bench/loader.py
+from loader import CONFIG, llama_100m  # the same ~100M Llama as bench/loader.py
 
 HERE = Path(__file__).resolve().parent
 #: Planted overflows: module weight -> scale. Chosen from fp32 calibration runs of this seed.
@@ -48,13 +48,11 @@ CHECKPOINT_VERSION = 2
 
 def build(directory: Path) -> Path:
     """The seeded checkpoint with its planted overflows (reused when already built)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     marker = directory / f".complete-v{CHECKPOINT_VERSION}"
     if marker.exists():
         return directory
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model = llama_100m()
     state = model.state_dict()
     with torch.no_grad():
         for name, scale in SCALES.items():

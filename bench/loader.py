@@ -59,13 +59,19 @@ CONFIG = {
 FLOWING_ISLAND = "model.layers.0.mlp.down_proj"
 
 
-def _source(workdir: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_100m() -> Any:
+    """The ~100M Llama of :data:`CONFIG`, built by the tests' one definition of a Llama."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import _models
 
+    return _models.llama(**CONFIG)
+
+
+def _source(workdir: Path) -> Path:
     path = workdir / f"llama-100m-fp32-v{CHECKPOINT_VERSION}"
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
+        llama_100m().save_pretrained(path)
     return path
 
 

@@ -53,43 +53,13 @@ def _tiny(workdir: Path, name: str) -> Path:
     path = workdir / f"tiny-{name}-v{CHECKPOINT_VERSION}"
     if (path / "config.json").is_file():
         return path
-    import torch
     from transformers.utils import logging as hf_logging
 
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import _models  # the tests' tiny models: one definition of each
+
     hf_logging.disable_progress_bar()
-    torch.manual_seed(0)
-    if name == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                tie_word_embeddings=True,
-            )
-        )
-    else:
-        from transformers import T5Config, T5EncoderModel
-
-        model = T5EncoderModel(
-            T5Config(
-                vocab_size=128,
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                feed_forward_proj="gated-gelu",
-                is_encoder_decoder=False,
-                use_cache=False,
-            )
-        )
-    model.save_pretrained(path)
+    _models.make({"llama": "llama", "t5": "t5-encoder"}[name]).save_pretrained(path)
     return path
 
 

@@ -35,12 +35,14 @@ from typing import Any
 def _build(root: Path, hidden: int, layers: int, source_dtype: str) -> int:
     """Save a model and its bf16-safe conversion; return its fp32 size in bytes."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from precision_convert.api.conversion import convert
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import _models  # the tests' tiny models: one definition of each
+
     torch.manual_seed(0)
-    config = LlamaConfig(
+    model = _models.llama(
         vocab_size=8192,
         hidden_size=hidden,
         intermediate_size=hidden * 8 // 3,
@@ -49,22 +51,11 @@ def _build(root: Path, hidden: int, layers: int, source_dtype: str) -> int:
         num_key_value_heads=max(1, hidden // 256),
         max_position_embeddings=256,
         tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
+    ).eval()
     fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
     model.to(getattr(torch, source_dtype)).save_pretrained(root / "src")
     convert(root / "src", to="bf16-safe", output=root / "out", validate=False)
-    tiny = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).eval()
-    tiny.save_pretrained(root / "warm-src")
+    _models.make("llama").save_pretrained(root / "warm-src")
     convert(root / "warm-src", to="bf16-safe", output=root / "warm-out", validate=False)
     return fp32_bytes
 

@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+import _models
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -71,14 +72,8 @@ class FusedRMSNorm(nn.Module):
 
 def t5_with_fused_norm(path: Path) -> Path:
     """A T5 encoder built while ``T5LayerNorm`` is :class:`FusedRMSNorm` (caller patches it)."""
-    from transformers import T5Config, T5EncoderModel
-
     torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
-    )  # fmt: skip
-    model = T5EncoderModel(config)
+    model = _models.t5_encoder(vocab_size=96)
     with torch.no_grad():  # non-trivial norm scales, so a wrong norm dtype would show
         for module in model.modules():
             if isinstance(module, FusedRMSNorm):
@@ -89,15 +84,10 @@ def t5_with_fused_norm(path: Path) -> Path:
 
 def llama_with_overflow(path: Path, scale: float = 1e8) -> Path:
     """A Llama whose layer-0 MLP ``down_proj`` outputs exceed fp16's 65504 (weights scaled)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    model = _models.llama(
+        vocab_size=128, hidden_size=32, intermediate_size=64, tie_word_embeddings=False
+    )
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(scale)
     model.save_pretrained(path)

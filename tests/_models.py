@@ -21,52 +21,70 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import zoo  # noqa: F401 - re-exported: tests and benches reach the zoo as _models.zoo
 
+#: The minimal configs below are the one definition of each small fixture model: tests that
+#: need a variant (a bias, another vocabulary, more layers) pass only what differs.
+T5_ENCODER: dict[str, Any] = {
+    "vocab_size": 128,
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+    "use_cache": False,
+}
+LLAMA: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,  # as small Llamas ship: the tied head must survive conversion
+}
+BERT: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
+GPT2: dict[str, Any] = {
+    "vocab_size": 128,
+    "n_positions": 128,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
 
-def t5_encoder() -> Any:
+
+def t5_encoder(**overrides: Any) -> Any:
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(
-        vocab_size=128,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False,
-        use_cache=False,
-    )
-    return T5EncoderModel(cfg)
+    return T5EncoderModel(T5Config(**{**T5_ENCODER, **overrides}))
 
 
-def llama() -> Any:
+def llama(**overrides: Any) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,  # as small Llamas ship: the tied head must survive conversion
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, **overrides}))
 
 
-def bert() -> Any:
+def bert(**overrides: Any) -> Any:
     from transformers import BertConfig, BertModel
 
-    cfg = BertConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    return BertModel(cfg)
+    return BertModel(BertConfig(**{**BERT, **overrides}))
+
+
+def gpt2(**overrides: Any) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(**{**GPT2, **overrides}))
 
 
 def clip() -> Any:
@@ -167,21 +185,24 @@ def wav2vec2() -> Any:
     return Wav2Vec2Model(cfg)
 
 
-def unet() -> Any:
+UNET: dict[str, Any] = {
+    "sample_size": 16,
+    "in_channels": 4,
+    "out_channels": 4,
+    "layers_per_block": 1,
+    "block_out_channels": (16, 32),
+    "norm_num_groups": 8,
+    "cross_attention_dim": 24,
+    "attention_head_dim": 4,
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+}
+
+
+def unet(**overrides: Any) -> Any:
     from diffusers import UNet2DConditionModel
 
-    return UNet2DConditionModel(
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        norm_num_groups=8,
-        cross_attention_dim=24,
-        attention_head_dim=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    )
+    return UNet2DConditionModel(**{**UNET, **overrides})
 
 
 def autoencoder_kl() -> Any:

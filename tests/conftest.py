@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import _models
 import pytest
@@ -17,6 +18,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The skeleton-analysis cache lives in a fresh directory per run: tests never read entries left
 # by earlier runs (or other code versions) and never write into the user's home.
 os.environ.setdefault("PRECISION_CONVERT_CACHE", tempfile.mkdtemp(prefix="pc-test-cache-"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (the zoo at standard coverage) run only when asked for with
+    ``pytest -m slow``; tests/reliability decides for its own."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="long: run with pytest -m slow")
+    for item in items:
+        if "slow" in item.keywords and "reliability" not in item.path.parts:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +54,27 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
             build = builders.get(name) or (lambda path: _models.save(name, path))
             built[name] = build(root / name)
         return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zoo_converted(
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, str], Any]:
+    """``zoo_converted("gpt2", "fp16-safe")`` → the zoo family converted and certified at
+    ``quick`` coverage (a ``ConversionResult``), once per session: the certificate tests and
+    the tests of what users run after loading share one conversion."""
+    from precision_convert.api.conversion import convert
+
+    root = tmp_path_factory.mktemp("zoo-converted")
+    done: dict[tuple[str, str], Any] = {}
+
+    def get(name: str, target: str) -> Any:
+        if (name, target) not in done:
+            out = root / f"{name}-{target}"
+            done[name, target] = convert(tiny_model(name), to=target, output=out, coverage="quick")
+        return done[name, target]
 
     return get
 

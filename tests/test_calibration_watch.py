@@ -60,22 +60,8 @@ def _residual_llama(path: Path) -> Path:
     output stays below the 2x margin: channel 0 of the embedding (15k), of layer 0's attention
     output (15k) and MLP output (30k) and of layer 1's MLP output (10k) add up to 60k after
     layer 0 and 70k after layer 1, only in the stream (the residual adds are functional code)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attention_bias=True,
-        mlp_bias=True,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = _models.llama(tie_word_embeddings=False, attention_bias=True, mlp_bias=True).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 15000.0
         model.model.layers[0].self_attn.o_proj.bias[0] = 15000.0

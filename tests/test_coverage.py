@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _models
 import pytest
 import torch
 from _models import make, t5_tokenizer, unet
@@ -57,20 +58,9 @@ def rare_token_llama() -> Any:
     ordinary tokens (|x_d| <~ 4) stay below 26000. Its down-projection is scaled 1e-3, so fp32
     adds a modest ~100 to the residual.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,  # a tied head would make the spike hit every position
-    )
-    model = LlamaForCausalLM(config).eval()
+    # An untied head: a tied one would make the spike hit every position.
+    model = _models.llama(vocab_size=VOCAB, tie_word_embeddings=False).eval()
     d, j = 5, 7
     mlp = model.model.layers[0].mlp
     with torch.no_grad():
@@ -90,19 +80,8 @@ def long_position_gpt2() -> Any:
     neuron reads ``d`` with weight 10000 (80000 > 65504 there, < 40000 for ordinary tokens),
     and its output projection is scaled 1e-4.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=128,
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    model = GPT2LMHeadModel(config).eval()
+    model = _models.gpt2().eval()
     d, j = 5, 7
     mlp = model.transformer.h[0].mlp
     with torch.no_grad():
@@ -501,7 +480,6 @@ def test_probe_size_follows_the_model_so_validation_stays_near_its_size() -> Non
     model keeps the level's probes (their memory matters nowhere), and every vocabulary id is
     still swept."""
     from accelerate import init_empty_weights
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from precision_convert.validation.probe.sweep import (
         ACTIVATION_SHARE,
@@ -510,16 +488,16 @@ def test_probe_size_follows_the_model_so_validation_stays_near_its_size() -> Non
         fit_model,
     )
 
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        tie_word_embeddings=False,
-    )
     with init_empty_weights():
-        big = LlamaForCausalLM(config)
+        big = _models.llama(
+            vocab_size=8192,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            tie_word_embeddings=False,
+        )
     weights = sum(4 * p.numel() for p in big.parameters())
     standard = budget_for("standard")
     fitted = fit_model(standard, big)

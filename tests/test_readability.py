@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _models
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -54,20 +55,17 @@ def _write(model: Any, directory: Path, weights: str, overflow: dict[str, float]
 @pytest.fixture(scope="module")
 def llama80(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An 80-layer Llama (tiny widths) whose down_proj weights overflow fp16 in layers 3, 77."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        num_hidden_layers=80,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    config.architectures = ["LlamaForCausalLM"]  # what save_pretrained would record
+        model = _models.llama(
+            num_hidden_layers=80,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+            tie_word_embeddings=False,
+        )
+    model.config.architectures = ["LlamaForCausalLM"]  # what save_pretrained would record
     overflow = {f"model.layers.{i}.mlp.down_proj.weight": 1e6 for i in (3, 77)}
     return _write(model, tmp_path_factory.mktemp("llama80") / "m", "model.safetensors", overflow)
 
@@ -171,18 +169,12 @@ def test_inspect_full_and_json_list_every_module(llama80: Path) -> None:
 
 
 def test_inspect_fits_a_full_structure_unet(tmp_path: Path, width: None) -> None:
-    """Default UNet2DConditionModel blocks (tiny widths): under 100 lines, every island
-    named by its role with which instances and why."""
-    from diffusers import UNet2DConditionModel
-
+    """SD 1.5's UNet blocks (tiny widths): under 100 lines, every island named by its role
+    with which instances and why."""
+    sd15 = {k: v for k, v in _models.zoo.pipelines.SD15_UNET.items() if not k.startswith("_")}
+    tiny = {"block_out_channels": (8,) * 4, "norm_num_groups": 4, "cross_attention_dim": 8}
     with torch.device("meta"):
-        unet = UNet2DConditionModel(
-            block_out_channels=(8, 8, 8, 8),
-            norm_num_groups=4,
-            cross_attention_dim=8,
-            attention_head_dim=2,
-            sample_size=8,
-        )
+        unet = _models.unet(**{**sd15, **tiny, "attention_head_dim": 2, "sample_size": 8})
     source = _write(unet, tmp_path / "unet", "diffusion_pytorch_model.safetensors", {})
     _common.out._width = 200  # wide enough that no name is elided: every label is checkable
     text = _invoke("inspect", str(source)).stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import _models
 import pytest
 import torch
 from _loader_helpers import (
@@ -143,16 +144,10 @@ def test_openclip_bf16_outside_layernormfp32(
 
 def _masked_unet(path: Path) -> Path:
     """An inpainting-style UNet: 4 latent channels plus 1 mask channel in, 4 out."""
-    from diffusers import UNet2DConditionModel
-
     torch.manual_seed(0)
-    UNet2DConditionModel(
-        sample_size=16, in_channels=5, out_channels=4, layers_per_block=1,
-        block_out_channels=(8, 16), norm_num_groups=4, cross_attention_dim=16,
-        attention_head_dim=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    ).save_pretrained(path)  # fmt: skip
+    _models.unet(
+        in_channels=5, block_out_channels=(8, 16), norm_num_groups=4, cross_attention_dim=16
+    ).save_pretrained(path)
     return path
 
 

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import _models
 import pytest
 import torch
 import typer
@@ -302,20 +303,16 @@ _PEAK_SCRIPT = textwrap.dedent(
 
 
 def test_blockwise_peak_rss_stays_under_max_memory(tmp_path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
+    big = _models.llama(
         vocab_size=1024,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=16,
         num_attention_heads=8,
         num_key_value_heads=4,
-        max_position_embeddings=64,
         tie_word_embeddings=False,
-    )
-    big = LlamaForCausalLM(config).eval()
+    ).eval()
     fp32_bytes = sum(p.numel() for p in big.parameters()) * 4
     # A fixed ~7 MB (skeletons, allocator) plus what scales with the budget (one block, the
     # kept activations, the sweep's probes and outputs: ~0.65 of it) fit; the model is ~1.6x

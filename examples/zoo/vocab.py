@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -241,7 +241,8 @@ def wordpiece_vocab(size: int, specials: tuple[tuple[int, str], ...]) -> tuple[s
         slots[index] = token
     reserved = {token for _, token in specials}
     letters = [t for t in learned if len(t) == 1 and t.isalpha()]
-    words = (w for w in _chain(learned, _generated_words(letters)) if w not in reserved)
+    candidates = itertools.chain(learned, _generated_words(letters))
+    words = (w for w in candidates if w not in reserved)
     seen: set[str] = set(reserved)
     unused = itertools.count()
     last_special = max(index for index, _ in specials)
@@ -257,11 +258,6 @@ def wordpiece_vocab(size: int, specials: tuple[tuple[int, str], ...]) -> tuple[s
                 slots[index] = word
                 break
     return tuple(s for s in slots if s is not None)
-
-
-def _chain(*parts: Iterable[str]) -> Iterator[str]:
-    for part in parts:
-        yield from part
 
 
 def _generated_words(letters: Sequence[str]) -> Iterator[str]:

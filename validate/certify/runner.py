@@ -170,7 +170,8 @@ def validate(
             supplied_here = _inputs_for(supplied, c.name, opened)
             results.append(_validate_component(c, target_device, budget, supplied_here, sweep_for))
         if isinstance(opened, PipelineSource):
-            results.append(_validate_pipeline(opened, source, results, target_device))
+            latent_side = budget_for(coverage).pipeline_latent_side
+            results.append(_validate_pipeline(opened, source, results, target_device, latent_side))
     except CannotValidateError as exc:
         # Nothing is left half-explained: the output still gets a failing certificate and card
         # that say what is missing and how to supply it; the error still reaches the caller.
@@ -381,9 +382,14 @@ def _validate_whole(
 
 
 def _validate_pipeline(
-    opened: PipelineSource, source: SourceInfo, parts: list[ComponentResult], device: torch.device
+    opened: PipelineSource,
+    source: SourceInfo,
+    parts: list[ComponentResult],
+    device: torch.device,
+    latent_side: int,
 ) -> ComponentResult:
-    """A short seeded end-to-end run: baseline pipeline in fp32, then the converted one."""
+    """A short seeded end-to-end run (at most ``latent_side`` latents a side): baseline
+    pipeline in fp32, then the converted one."""
     task = "pipeline"
     thresholds = thresholds_for(task)
     record = ComponentRecord(
@@ -398,7 +404,7 @@ def _validate_pipeline(
         record.inputs = {"skipped": note}
         return ComponentResult(record, [], [], skipped_pipeline(opened, note))
     baseline = load_fp32(source.path).to(device)
-    inputs = pipeline_inputs(baseline, seed=SEED)
+    inputs = pipeline_inputs(baseline, seed=SEED, latent_side=latent_side)
     record.inputs = inputs.describe()
     try:
         base_out = run_probes(baseline, inputs, device)

@@ -621,11 +621,12 @@ def _open_clip_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
 PIPELINE_STEPS = 2
 
 
-def pipeline_inputs(pipe: Any, *, seed: int = 0) -> ModelInputs:
+def pipeline_inputs(pipe: Any, *, seed: int = 0, latent_side: int = LATENT_SIDE) -> ModelInputs:
     """A short seeded end-to-end call of a diffusers pipeline: prompt, 2 steps, decode.
 
-    Sizes are the pipeline's own defaults, made small: at most LATENT_SIDE latents a side and
-    two latent frames for video, so a real checkpoint runs in seconds on a GPU.
+    Sizes are the pipeline's own defaults, made small: at most ``latent_side`` latents a side
+    (the coverage level's) and two latent frames for video, so a real checkpoint runs in
+    seconds on a GPU.
     """
     params = _signature(pipe.__call__)
     kwargs: dict[str, Any] = {"num_inference_steps": PIPELINE_STEPS}
@@ -651,10 +652,10 @@ def pipeline_inputs(pipe: Any, *, seed: int = 0) -> ModelInputs:
     if denoiser is not None and scale and "height" in params and "width" in params:
         config = denoiser.config
         latent_h = _side(
-            _get(config, "sample_height") or _get(config, "sample_size"), LATENT_SIDE, LATENT_SIDE
+            _get(config, "sample_height") or _get(config, "sample_size"), latent_side, latent_side
         )
         latent_w = _side(
-            _get(config, "sample_width") or _get(config, "sample_size"), LATENT_SIDE, LATENT_SIDE
+            _get(config, "sample_width") or _get(config, "sample_size"), latent_side, latent_side
         )
         kwargs["height"], kwargs["width"] = latent_h * int(scale), latent_w * int(scale)
     text_tokens = _get(denoiser.config, "max_text_seq_length") if denoiser is not None else None
@@ -664,7 +665,7 @@ def pipeline_inputs(pipe: Any, *, seed: int = 0) -> ModelInputs:
     if "num_frames" in params and temporal:
         kwargs["num_frames"] = 1 + int(temporal) * (LATENT_FRAMES - 1)
     if "image" in params and params["image"].default is inspect.Parameter.empty:
-        side = kwargs.get("height", 8 * LATENT_SIDE)
+        side = kwargs.get("height", 8 * latent_side)
         image = _image(torch.Generator().manual_seed(seed), 1, 3, side, kwargs.get("width", side))
         kwargs["image"] = (image + 1) / 2  # pipelines take images in [0, 1]
     probe = Probe("pipeline", "__call__", kwargs, images=True)

@@ -103,6 +103,9 @@ class Budget:
     blockwise_vocabulary_probes: int = 2
     #: Set by :func:`fit_budget`: ``tokens_per_probe`` is a memory limit, not a target.
     memory_bound: bool = False
+    #: Latents a side of a pipeline's end-to-end call (at most; the pipeline's own size when
+    #: smaller). The call decodes full images, or video frames, in every load path checked.
+    pipeline_latent_side: int = 32
 
 
 BUDGETS: dict[str, Budget] = {
@@ -121,6 +124,9 @@ BUDGETS: dict[str, Budget] = {
         conditioning=False,
         max_output=1 << 20,
         blockwise_vocabulary_probes=1,
+        # 64-pixel images: a video pipeline's 5-frame decode in low precision takes minutes
+        # on a CPU at 256 pixels (the zoo's 7 MB CogVideoX: 285 s), seconds at 64.
+        pipeline_latent_side=8,
     ),
     # The default. Every vocabulary id once (a 32k vocabulary is 8 probes of 4096 tokens;
     # 128k+ ones are capped at 32 probes of bigger chunks: tens of seconds on one GPU for an
