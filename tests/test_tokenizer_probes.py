@@ -278,6 +278,19 @@ def test_added_tokens_and_chat_template_go_through_the_tokenizer(tmp_path: Path)
     assert set(added) <= ids and min(added) >= 599  # past the base vocabulary
 
 
+def test_tokenizer_probes_replay_from_the_certificate_record(tmp_path: Path) -> None:
+    """The record names how each probe was made; with the same tokenizer a replay rebuilds
+    every tensor to its recorded digest."""
+    from precision_convert.validation.probe.sweep import replay
+
+    tokenizer = bpe_with_added_tokens(tmp_path)
+    model = llama_for(tokenizer)
+    record = json.loads(json.dumps(swept(model, tokenizer, "standard").describe()))
+    replayed = replay(model, record, tokenizer=tokenizer)
+    assert [p.name for p in replayed.probes] == list(record["probes"])
+    assert {"forward:special", "forward:text", "forward:padded-left"} <= set(record["probes"])
+
+
 @pytest.mark.parametrize("limit", [int(1e30), 1e30], ids=["int", "float"])
 def test_model_max_length_of_1e30_is_no_limit(tmp_path: Path, limit: float) -> None:
     """transformers stores int(1e30) when a tokenizer sets no limit (a config may hold the
@@ -382,43 +395,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "merges.txt", "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
 
 
-def _padless(name: str, target: str) -> Any:
-    # Llama-3.2-1B's 128k vocabulary makes its fp16 candidate's logits the slowest on a CPU
-    # (about a minute); test_zoo certifies that conversion in CI, this one adds the CLI view.
-    slow = name == "llama-3.2-1b" and target == "fp16-safe"
-    return pytest.param(name, target, marks=[pytest.mark.slow] if slow else [])
-
-
-@pytest.mark.parametrize(
-    ("name", "target"),
-    [_padless(n, t) for n in zoo.PADLESS for t in ("bf16-safe", "fp16-safe")],
-)
+@pytest.mark.parametrize("target", ["bf16-safe", "fp16-safe"])
+@pytest.mark.parametrize("name", zoo.PADLESS)
 def test_padless_zoo_models_certify_through_their_own_tokenizer(
-    tiny_model: Callable[[str], Path], tmp_path: Path, name: str, target: str
+    tiny_model: Callable[[str], Path],
+    zoo_converted: Callable[[str, str], Any],
+    tmp_path: Path,
+    name: str,
+    target: str,
 ) -> None:
-    """Llama 3.2, Mistral v0.3 and GPT-2 as published ship no pad token: the main job exits 0
-    with a passing certificate, whose text, special-token and padded probes went through the
-    real tokenizer, and no tokenizer file changes."""
-    from precision_convert.cli.main import app
-
+    """Llama 3.2, Mistral v0.3 and GPT-2 as published ship no pad token: each converts with a
+    passing certificate whose text, special-token and padded probes went through the real
+    tokenizer, and no tokenizer file changes. (The conversion is test_zoo's, shared.)"""
     source = tiny_model(name)
-    shipped = [source / f for f in TOKENIZER_FILES if (source / f).is_file()]
-    assert source / "tokenizer.json" in shipped
-    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shipped}
-    whole = digest(source)
-    out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app, ["model", str(source), "--to", target, "-o", str(out), "--coverage", "quick"]
-    )
-    assert result.exit_code == 0, result.output
-    assert digest(source) == whole  # the source untouched, its tokenizer files included
-    copied = {p.name: hashlib.sha256((out / p.name).read_bytes()).hexdigest() for p in shipped}
-    assert copied == before
+    result = zoo_converted(name, target)
+    # The source, tokenizer files included, is byte for byte a fresh build of the family.
+    assert digest(source) == digest(zoo.build(name, tmp_path / "fresh"))
+    shipped = [f for f in TOKENIZER_FILES if (source / f).is_file()]
+    assert "tokenizer.json" in shipped
+    for file in shipped:  # copied into the output unchanged
+        assert (result.output / file).read_bytes() == (source / file).read_bytes()
 
-    certificate = json.loads((out / "precision_certificate.json").read_text())
-    assert certificate["verdict"] == "pass", certificate["failures"]
-    assert not [n for n in certificate["notes"] if "tokenizer" in n]
-    inputs = certificate["components"][0]["inputs"]
+    certificate = result.certificate
+    assert certificate is not None and certificate.verdict == "pass", certificate.failures
+    assert not [n for n in certificate.notes if "tokenizer" in n]
+    inputs = certificate.components[0].inputs
     config = json.loads((source / "config.json").read_text())
     assert inputs["origin"] == "tokenizer"
     assert inputs["tokenizer"]["usable"] is True
@@ -426,5 +427,21 @@ def test_padless_zoo_models_certify_through_their_own_tokenizer(
     assert inputs["tokenizer"]["pad_id"] == config["eos_token_id"]
     for probe in (*TOKENIZED, "forward:padded-left"):
         assert inputs["probes"][probe]["sweep"]["ids_from"] == "tokenizer", probe
-    passed = {m["probe"] for m in certificate["metrics"] if m["passed"]}
+    passed = {m.probe for m in certificate.metrics if m.passed}
     assert {*TOKENIZED, "forward:padded-left"} <= passed
+
+
+def test_cli_converts_a_llama_without_a_pad_token(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The reproduction: ``precision-convert model <Llama 3.2> --to bf16-safe`` ended in
+    'Asking to pad but the tokenizer does not have a padding token', exit 1."""
+    from precision_convert.cli.main import app
+
+    source = tiny_model("llama-3.2-1b")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["model", str(source), "--to", "bf16-safe", "-o", str(out), "--coverage", "quick"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "precision_certificate.json").read_text())["verdict"] == "pass"

@@ -485,7 +485,7 @@ def _resaved(
             return records
         kept = {n: baseline[n] for n in names}
         records = _check(name, _resave_ways(loaded, saved), subset, kept, thresholds, device)
-    for record in records:
+    for record in (r for r in records if r.verdict != "not-checked"):
         record.detail = f"{record.detail}; {scope}" if record.detail else scope
     return records
 

@@ -290,12 +290,11 @@ def _token_ids(ctx: _Ctx) -> tuple[dict[str, torch.Tensor], str]:
         "max_position_embeddings", "n_positions", "max_text_len", prefer=("text_config",)
     )
     length = min(TEXT_LEN, int(positions) - 2) if positions else TEXT_LEN
-    if ctx.tokenizer is not None:
+    if ctx.tokenizer is not None:  # one whose ids fit the vocabulary (input_candidates)
         width = max(length, 8)
         rows = [ctx.tokenizer.encode(sentence, width) for sentence in SENTENCES]
-        if vocab is None or max(max(row) for row in rows) < int(vocab):
-            ids, mask = pad_rows(rows, ctx.tokenizer.pad()[0], width=width)
-            return {"input_ids": ids, "attention_mask": mask}, "tokenizer"
+        ids, mask = pad_rows(rows, ctx.tokenizer.pad()[0], width=width)
+        return {"input_ids": ids, "attention_mask": mask}, "tokenizer"
     if vocab is None:
         raise CannotValidateError("the config has no vocab_size for token ids; pass --inputs")
     # Id 0 is often padding; stay clear of it so every position carries a real embedding.

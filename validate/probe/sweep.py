@@ -809,9 +809,10 @@ def _token_probes(
             },
         )
 
-    # Real text through the model's own tokenizer, right-padded to the longest line.
+    # Real text through the model's own tokenizer, right-padded to the longest line (lines cut
+    # where the probe's token budget is small: a memory bound, or a small model's wide logits).
     if tokenizer is not None:
-        cap = max(8, budget.tokens_per_probe // len(TEXTS)) if budget.memory_bound else None
+        cap = max(8, budget.tokens_per_probe // len(TEXTS))
         ids, mask = text_rows(spec, tokenizer, TEXTS, limit=cap)
         how = {"kind": "text", "ids_from": "tokenizer", "lines": len(TEXTS), **_padding(spec)}
         add("text", ids, mask, how)
@@ -907,6 +908,8 @@ def special_rows(
     if not tokens:
         return None
     width = _row_length(spec)
+    if spec.fixed is None:  # a small token budget makes shorter rows, not a bigger probe
+        width = min(width, max(16, budget.tokens_per_probe))
     most = max(1, budget.tokens_per_probe // width)
     rows: list[list[int]] = []
     chat = tokenizer.chat(TEXTS[:2], width)
