@@ -458,12 +458,15 @@ def test_validate_refuses_an_unknown_coverage_level(tmp_path: Path) -> None:
 
 
 def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
+    """An existing output is replaced only when asked, and only when this tool wrote it (a
+    folder of the user's own is refused even with ``--overwrite``: see
+    tests/reliability/test_source_safety.py)."""
     src = tiny_source(tmp_path / "src")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
-    before = tree_digest(tmp_path)
     args = ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)]
+    assert _invoke(args)[0] == 0
+    (out / "mine.txt").write_text("left in our output")
+    before = tree_digest(tmp_path)
 
     code, _, stderr = _invoke(args)
 

@@ -9,6 +9,11 @@ later rename would either fail obscurely or (with ``--overwrite``) silently repl
 output. So a run holds an exclusive lock on the target (``flock`` on a hidden ``.<name>.pc-lock``
 beside it, released by the kernel even on SIGKILL) from the moment it starts writing until its
 output is committed; a second run stops at once with a message naming the other's pid.
+
+Two rules keep a run from destroying what it did not write, both checked here for every caller
+(``model``, ``validate``, ``batch``): an output never overlaps a source (:func:`check_apart`,
+every path resolved, links included), and ``--overwrite`` replaces only an empty directory or
+one this tool wrote (:func:`written_here`).
 """
 
 from __future__ import annotations
@@ -16,16 +21,95 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from precision_convert.conversion.io.header import read_header
 from precision_convert.errors import InputError, OutputExistsError
 
 _STAGING = ".pc-staging-"
 _TRASH = ".pc-trash-"
 _LOCK = ".pc-lock"
+#: Key of the precision-convert record in configs and shard metadata (docs/format.md).
+RECORD_KEY = "precision_convert"
+#: A certificate's file name (``precision_certificate.json``, or a variant's).
+_CERTIFICATE = re.compile(r"precision_certificate(\.[A-Za-z0-9_]+)?\.json")
+
+
+def real_path(path: str | Path) -> Path:
+    """``path`` as the kernel resolves it: every link followed, ``..`` applied after the link
+    it follows (``Path.absolute`` keeps links, so a link into a source passes a plain compare).
+    The part that does not exist yet is kept as written."""
+    return Path(os.path.realpath(path))
+
+
+def overlap(output: str | Path, source: str | Path, what: str = "output") -> str | None:
+    """Why ``output`` must not be written, given ``source``: it is the source, lies inside it
+    or contains it (links resolved); None when they are apart."""
+    out, src = real_path(output), real_path(source)
+    if out == src or src in out.parents:
+        return f"{what} must not be the source directory or inside it ({src})"
+    if out in src.parents:
+        return f"{what} must not contain the source directory ({src})"
+    return None
+
+
+def check_apart(output: str | Path, sources: Sequence[str | Path], what: str = "output") -> None:
+    """Refuse an ``output`` that is, contains or lies inside one of ``sources``: writing (or
+    ``--overwrite`` replacing) it would change the source.
+
+    Raises:
+        InputError: naming ``output`` as given.
+    """
+    for source in sources:
+        problem = overlap(output, source, what)
+        if problem is not None:
+            raise InputError(problem, output)
+
+
+def written_here(directory: Path) -> bool:
+    """Whether precision-convert wrote ``directory``: a certificate at its top, or the record in
+    the metadata of a safetensors file at its top or in a component's folder (every output's
+    weights carry it, ``--no-validate`` and ``--variant`` outputs included)."""
+    folders = [directory, *(d for d in directory.iterdir() if d.is_dir() and not d.is_symlink())]
+    for folder in folders:
+        for entry in folder.iterdir():
+            if folder is directory and _CERTIFICATE.fullmatch(entry.name) and entry.is_file():
+                return True
+            if entry.name.endswith(".safetensors") and entry.is_file() and not entry.is_symlink():
+                with contextlib.suppress(InputError, OSError):  # unreadable: not ours
+                    if RECORD_KEY in read_header(entry).metadata:
+                        return True
+    return False
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse to ``--overwrite`` anything but an empty directory or one this tool wrote: a
+    file, a device node, a link, or a folder of the user's own is never removed.
+
+    Raises:
+        InputError: naming ``target``.
+    """
+    rule = "--overwrite replaces only an empty directory or one precision-convert wrote"
+    if target.is_symlink():
+        raise InputError(f"is a symbolic link; {rule} (give the directory itself)", target)
+    if not target.is_dir():
+        raise InputError(f"is not a directory; {rule}", target)
+    try:
+        empty = next(target.iterdir(), None) is None
+        ours = empty or written_here(target)
+    except OSError as exc:
+        raise InputError(f"cannot read it ({exc.strerror or exc}); {rule}", target) from None
+    if not ours:
+        raise InputError(
+            f"holds files precision-convert did not write; {rule}: remove it yourself or "
+            "choose another -o",
+            target,
+        )
 
 
 def _marker(target: Path, kind: str) -> str:
@@ -138,12 +222,23 @@ class TargetLock:
 class StagedOutput:
     """Build an output in a hidden sibling directory; ``commit()`` renames it into place.
 
+    ``sources`` are the directories the run reads: the target may not overlap any of them.
     Leaving the block without ``commit()`` (an exception) removes the staging directory.
     """
 
-    def __init__(self, target: Path, *, overwrite: bool = False) -> None:
-        self.target = target.absolute()
+    def __init__(
+        self, target: Path, *, overwrite: bool = False, sources: Sequence[Path] = ()
+    ) -> None:
+        # The folder it goes in, links resolved (its last component stays as given: a link
+        # there is refused, never followed).
+        self.given = target
+        self.target = (
+            real_path(target)
+            if target.name in ("", ".", "..")
+            else real_path(target.parent) / target.name
+        )
         self.overwrite = overwrite
+        self.sources = tuple(sources)
         self.path = self.target.parent / (
             f"{_marker(self.target, _STAGING)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
@@ -151,14 +246,17 @@ class StagedOutput:
         self._lock = TargetLock(self.target)
 
     def check(self) -> None:
-        """Refuse an existing target (unless overwriting) or one under a file; call early."""
-        if (self.target.exists() or self.target.is_symlink()) and not self.overwrite:
-            raise OutputExistsError(self.target)
+        """Refuse a target that overlaps a source, an existing one (unless overwriting, and then
+        anything but an empty directory or this tool's output), or one under a file; call
+        early."""
+        check_apart(self.given, self.sources)
+        if self.target.exists() or self.target.is_symlink():
+            if not self.overwrite:
+                raise OutputExistsError(self.given)
+            check_replaceable(self.given)
         existing = next(p for p in self.target.parents if p.exists())
         if not existing.is_dir():
-            raise InputError(
-                f"cannot create the output: {existing} is not a directory", self.target
-            )
+            raise InputError(f"cannot create the output: {existing} is not a directory", self.given)
 
     def __enter__(self) -> StagedOutput:
         self.check()
@@ -167,7 +265,7 @@ class StagedOutput:
             self._lock.acquire()
         except OSError as exc:
             raise InputError(
-                f"cannot create the output: {exc.strerror or exc}", self.target
+                f"cannot create the output: {exc.strerror or exc}", self.given
             ) from None
         try:
             self.check()  # another run may have committed this target while we planned
@@ -176,7 +274,7 @@ class StagedOutput:
         except OSError as exc:
             self._lock.release()
             raise InputError(
-                f"cannot create the output: {exc.strerror or exc}", self.target
+                f"cannot create the output: {exc.strerror or exc}", self.given
             ) from None
         except BaseException:
             self._lock.release()

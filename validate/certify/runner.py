@@ -34,6 +34,7 @@ import torch
 
 from precision_convert._version import __version__
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.io.staging import check_apart
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
@@ -159,6 +160,8 @@ def validate(
     )
     opened = open_source(root)
     source = source_info(baseline, root)
+    if source.kind == "source":  # the certificate and card are written into ``converted``
+        check_apart(root, [source.path], "the converted directory")
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
