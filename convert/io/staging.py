@@ -8,7 +8,8 @@ Two runs writing one target at once would each build a complete staging director
 later rename would either fail obscurely or (with ``--overwrite``) silently replace the other's
 output. So a run holds an exclusive lock on the target (``flock`` on a hidden ``.<name>.pc-lock``
 beside it, released by the kernel even on SIGKILL) from the moment it starts writing until its
-output is committed; a second run stops at once with a message naming the other's pid.
+output is committed; a second run stops at once with a message naming the other's pid. The lock
+is the ``filelock`` library's (the one huggingface_hub uses), held without blocking.
 
 Two rules keep a run from destroying what it did not write, both checked here for every caller
 (``model``, ``validate``, ``batch``): an output never overlaps a source (:func:`check_apart`,
@@ -19,7 +20,6 @@ one this tool wrote (:func:`written_here`).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
@@ -172,51 +172,57 @@ def _fsync_dir(path: Path) -> None:
 
 
 class TargetLock:
-    """An exclusive, non-blocking lock on writing ``target``: a ``flock`` on a hidden file
-    beside it that holds the owner's pid (for the message another run prints).
+    """An exclusive, non-blocking lock on writing ``target``: filelock's ``flock`` on a hidden
+    file beside it, which holds the owner's pid (for the message another run prints).
 
-    The file is removed on release. A run that opened it just before that removal would lock
-    a file no longer in the directory, so after locking the path is checked to still name the
-    locked file (else the lock is taken again on the new one).
+    ``flock`` is released by the kernel when its holder dies, even by SIGKILL, so a killed run
+    never leaves a stale lock (filelock's soft-lock fallback, a marker file a killed run would
+    leave behind, is turned off). The file is removed while still locked, on release: a run
+    that opened it just before then locks an unlinked file, which filelock detects; finding no
+    file at the path, that run tries once more on a fresh one.
     """
 
     def __init__(self, target: Path) -> None:
+        from filelock import FileLock
+
         self.target = target
         self.path = target.parent / _marker(target, _LOCK)
-        self._fd: int | None = None
+        self._lock = FileLock(
+            self.path, blocking=False, fallback_to_soft=False, on_acquired=_write_pid
+        )
 
     def acquire(self) -> None:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        from filelock import Timeout
+
+        for _ in range(3):
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise InputError(
-                    f"another precision-convert run (pid {owner}) is writing this output; "
-                    "wait for it to finish, or choose another output directory",
-                    self.target,
-                ) from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the previous owner removed it while we waited: lock the new one
-        self._fd = fd
-        with contextlib.suppress(OSError):  # the pid only makes the other run's message nicer
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
+                self._lock.acquire()
+                return
+            except Timeout:
+                try:
+                    owner = self.path.read_text(errors="replace").strip() or "?"
+                except FileNotFoundError:  # its owner finished and removed it: try again
+                    continue
+            raise InputError(
+                f"another precision-convert run (pid {owner}) is writing this output; "
+                "wait for it to finish, or choose another output directory",
+                self.target,
+            )
+        raise InputError("cannot lock the output: its lock file keeps vanishing", self.target)
 
     def release(self) -> None:
-        if self._fd is None:
+        if not self._lock.is_locked:
             return
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        os.close(self._fd)  # closing releases the flock
-        self._fd = None
+            self.path.unlink()  # while still locked (see the class docstring)
+        self._lock.release()
+
+
+def _write_pid(fd: int) -> None:
+    """filelock's ``on_acquired``: the holder's pid, for another run's message."""
+    with contextlib.suppress(OSError):  # the pid only makes the other run's message nicer
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
 
 
 class StagedOutput:
