@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from precision_convert import interrupts
 from precision_convert.conversion.io.header import read_header
 from precision_convert.errors import InputError, OutputExistsError
 
@@ -288,8 +289,13 @@ class StagedOutput:
         return self
 
     def commit(self) -> None:
-        """Make the staged directory durable and move it to the target path."""
+        """Make the staged directory durable and move it to the target path.
+
+        A Ctrl-C swallowed on its way up (see :mod:`precision_convert.interrupts`) stops it
+        here, before the rename: the target keeps what it held.
+        """
         _fsync_tree(self.path)
+        interrupts.check()
         if self.target.exists() or self.target.is_symlink():
             self.check()
             trash = self.target.parent / f"{_marker(self.target, _TRASH)}{os.getpid()}"
