@@ -35,6 +35,15 @@ class OutputExistsError(InputError, FileExistsError):
         super().__init__("output already exists; pass --overwrite or choose another -o", path)
 
 
+class CannotBuildModel(InputError):
+    """The model's library cannot build it from its config (a value it rejects, a class that
+    is not a model). ``field`` is the config key at fault, when it could be told."""
+
+    def __init__(self, message: str, path: str | Path, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message, path)
+
+
 class WeightsDoNotMap(InputError):
     """The stored tensors do not map one-to-one onto the model's (a library that fuses or
     renames them on load): the model must be built by the library's ``from_pretrained``."""

@@ -257,6 +257,13 @@ def convert(
     staged = StagedOutput(target_dir, overwrite=overwrite, sources=(root,))
     staged.check()
     opened = open_source(root)
+    if data is not None or supplied is not None:
+        from precision_convert.validation.probe.preflight import check_user_inputs
+
+        check_user_inputs(
+            opened, data=data, inputs=supplied, inputs_path=inputs,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
     models = _models(opened)
     if variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)

@@ -63,11 +63,18 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
-        print(f"precision-convert: {exc}", file=sys.stderr)
+        print(f"precision-convert: {one_line(str(exc))}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
         raise typer.Exit(130) from None
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python writes it: a
+    newline in a Hub id or a folder name the user typed cannot break the one-line message,
+    and a name that is not UTF-8 prints as its escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def emit_json(payload: Any) -> None:

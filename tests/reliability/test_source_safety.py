@@ -9,7 +9,6 @@ source (and of what ``--overwrite`` was pointed at) unchanged, bytes and mtimes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -17,39 +16,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _corrupt import assert_one_error_line, tiny_source
+from _corrupt import assert_one_error_line, tiny_source, tree_state
 from safetensors import safe_open
 from test_bad_input import _invoke
 
 
-def state(root: Path) -> dict[str, tuple[str, int]]:
-    """Every entry under ``root`` (and ``root`` itself): its content (a file's sha256, a
-    link's target, a folder's or a node's kind) and its mtime in nanoseconds."""
-    found: dict[str, tuple[str, int]] = {}
-    for directory, dirs, files in os.walk(root):
-        for path in [Path(directory)] * (directory == str(root)) + [
-            Path(directory, n) for n in (*dirs, *files)
-        ]:
-            info = path.lstat()
-            if stat.S_ISLNK(info.st_mode):
-                what = f"link:{os.readlink(path)}"
-            elif stat.S_ISREG(info.st_mode):
-                what = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                what = stat.filemode(info.st_mode)[0]
-            found[path.relative_to(root).as_posix()] = (what, info.st_mtime_ns)
-    return found
-
-
 def _refused(args: list[str], *watched: Path, fragments: tuple[str, ...]) -> None:
     """Exit 2 with one line holding ``fragments``; every watched tree as it was."""
-    before = {path: state(path) for path in watched}
+    before = {path: tree_state(path) for path in watched}
     code, stdout, stderr = _invoke(args)
     assert code == 2, stderr
     assert_one_error_line(stderr, *fragments)
     assert stdout == ""
     for path in watched:
-        assert state(path) == before[path], path
+        assert tree_state(path) == before[path], path
 
 
 def _model(src: Path, out: str | Path, *extra: str) -> list[str]:
@@ -168,7 +148,7 @@ def test_overwrite_replaces_an_empty_folder_or_its_own_output(kind: str, tmp_pat
     else:
         code, _, stderr = _invoke(_model(src, target))
         assert code == 0, stderr
-    before = state(src)
+    before = tree_state(src)
 
     code, _, stderr = _invoke(
         ["model", str(src), "--to", "fp16", "--no-validate", "-o", str(target), "--overwrite"]
@@ -177,7 +157,7 @@ def test_overwrite_replaces_an_empty_folder_or_its_own_output(kind: str, tmp_pat
     assert code == 0, stderr
     with safe_open(target / "model.safetensors", "pt") as written:
         assert json.loads(written.metadata()["precision_convert"])["target"] == "fp16"
-    assert state(src) == before
+    assert tree_state(src) == before
 
 
 # -- validate --------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ from precision_convert.validation.probe.inputs import (
 )
 from precision_convert.validation.probe.metrics import METRICS, Measurement, measure
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
+from precision_convert.validation.probe.preflight import check_user_inputs
 from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
@@ -165,6 +166,10 @@ def validate(
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
+    check_user_inputs(  # what the model cannot take: refused before anything runs
+        opened, data=data, inputs=supplied, trust_remote_code=trust_remote_code,
+        inputs_path=inputs if isinstance(inputs, str | Path) else None,
+    )  # fmt: skip
     components = _components(opened, source, trust_remote_code)
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []
