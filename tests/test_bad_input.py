@@ -685,11 +685,14 @@ def test_a_thousand_nested_folders(tmp_path: Path, workdir: Path) -> None:
         _unnest(src)
 
 
-def test_a_folder_name_that_is_not_utf8(tmp_path: Path, workdir: Path) -> None:
+@pytest.mark.parametrize("which", ["source", "output"])
+def test_a_folder_name_that_is_not_utf8(which: str, tmp_path: Path, workdir: Path) -> None:
     """The name would reach the card (and the Hub) as text: refused before anything runs."""
-    src = tiny_source(tmp_path / os.fsdecode(b"model-\xff"))
+    odd = os.fsdecode(b"model-\xff")
+    src = tiny_source(tmp_path / (odd if which == "source" else "src"))
+    out = tmp_path / (odd if which == "output" else "out")
     _refused_cleanly(
-        ["model", str(src), "--to", "bf16", "--coverage", "quick"],
+        ["model", str(src), "--to", "bf16", "--coverage", "quick", "-o", str(out)],
         tmp_path,
         "model-\\udcff: the name is not valid UTF-8",
     )

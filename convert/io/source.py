@@ -202,7 +202,7 @@ def check_links(root: Path) -> None:
     as text in the certificate, the model card and the Hub, so a name with bytes that are not
     UTF-8 (possible on Linux) is refused, the directory's own path included.
     """
-    _check_text(str(root.absolute()), root)
+    check_text(str(root.absolute()), root)
     base = root.resolve()
     blobs = next((a.parent / "blobs" for a in (base, *base.parents) if a.name == "snapshots"), None)
     pending = [(root, 0)]
@@ -219,14 +219,15 @@ def check_links(root: Path) -> None:
             raise InputError(f"cannot read it ({exc.strerror or exc})", directory) from None
         for found in entries:
             entry = Path(found.path)
-            _check_text(found.name, entry)
+            check_text(found.name, entry)
             if found.is_symlink():
                 _check_link(entry, base, blobs)
             elif found.is_dir(follow_symlinks=False):
                 pending.append((entry, depth + 1))
 
 
-def _check_text(name: str, path: Path) -> None:
+def check_text(name: str, path: Path) -> None:
+    """Refuse ``name`` (``path``'s, or its last component) unless it is UTF-8 text."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:

@@ -30,6 +30,7 @@ from types import TracebackType
 
 from precision_convert import interrupts
 from precision_convert.conversion.io.header import read_header
+from precision_convert.conversion.io.source import check_text
 from precision_convert.errors import InputError, OutputExistsError
 
 _STAGING = ".pc-staging-"
@@ -257,6 +258,7 @@ class StagedOutput:
         anything but an empty directory or this tool's output), or one under a file; call
         early."""
         check_apart(self.given, self.sources)
+        check_text(str(self.target), self.given)  # its card and certificate hold it as text
         if self.target.exists() or self.target.is_symlink():
             if not self.overwrite:
                 raise OutputExistsError(self.given)
