@@ -8,6 +8,7 @@ directory, no staging directory, the source byte-identical, no code from a pickl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -731,6 +732,34 @@ def test_a_200000_token_line_is_refused_at_once(
         "at most 64 positions",
     )
     assert time.monotonic() - started < 10
+
+
+def test_a_200000_token_text_line_is_cut_at_once_saying_so(
+    tmp_path: Path, tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Text is not written to fit a model: the probes cut a long line to the position limit
+    (no minutes-long forward), and a warning says which line and to how many tokens."""
+    from _models import t5_tokenizer
+
+    from precision_convert.conversion.io.source import open_source
+    from precision_convert.validation.probe.preflight import check_user_inputs
+    from precision_convert.validation.probe.userdata import read_calibration_data
+
+    src = _llama_with(tmp_path, tiny_model)
+    t5_tokenizer().save_pretrained(src)
+    data = tmp_path / "data.txt"
+    data.write_text("a short line\n" + " ".join(["the"] * 200_000) + "\n")
+    started = time.monotonic()
+
+    with caplog.at_level(logging.WARNING):
+        check_user_inputs(open_source(src), data=read_calibration_data(data))
+
+    assert time.monotonic() - started < 10
+    [record] = caplog.records
+    assert record.getMessage() == (
+        f"{data}: --calibration-data: 1 text line(s) longer than LlamaForCausalLM's 64 "
+        "positions are cut to their first 64 tokens (line 2: 200001 tokens)"
+    )
 
 
 @pytest.mark.parametrize("command", ["model", "validate"])

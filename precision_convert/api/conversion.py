@@ -262,7 +262,7 @@ def convert(
 
         check_user_inputs(
             opened, data=data, inputs=supplied, inputs_path=inputs,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=trust_remote_code, warn_of_cuts=not validate,
         )  # fmt: skip
     models = _models(opened)
     if variant is not None and any(m.library == "open_clip" for m in models.values()):

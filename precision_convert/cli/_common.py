@@ -187,6 +187,7 @@ CalibrationDataOption = Annotated[
     typer.Option(
         "--calibration-data",
         metavar="FILE",
-        help="Text lines or JSONL of model inputs, added to the probes.",
+        help="Text lines (each cut to the model's position limit, with a warning) or JSONL "
+        "of model inputs (a row longer than the limit is refused), added to the probes.",
     ),
 ]

@@ -6,7 +6,9 @@ the argument named) rather than found out by running: an argument ``forward`` do
 (``--inputs``; JSONL lines are checked by name when their probes are built), a token id outside
 the vocabulary, a sequence longer than the model's position limit. The last one matters most:
 a model with rotary positions runs a 200,000-token line rather than failing, for minutes, on
-attention whose cost grows with the square of the length.
+attention whose cost grows with the square of the length. Text lines are the exception: the
+probes cut each to the position limit with the model's tokenizer (text is not written to fit a
+model), and a warning says which lines were cut and to how many tokens.
 
 The model is only a skeleton here (parameters on the meta device), built once per component
 that the inputs address; a model that cannot be built is left for validation to report (a
@@ -16,6 +18,7 @@ refusal of its remote code, say, goes into a failing certificate).
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,10 @@ from precision_convert.conversion.runtime.builders import build_skeleton
 from precision_convert.errors import InputError
 from precision_convert.validation.probe.inputs import Probe
 from precision_convert.validation.probe.sweep import UNKNOWN_POSITION_LIMIT, token_spec
+from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, addressed, to_tensor
+
+logger = logging.getLogger(__name__)
 
 
 def check_user_inputs(
@@ -37,16 +43,16 @@ def check_user_inputs(
     inputs: Mapping[str, torch.Tensor] | None = None,
     inputs_path: str | Path | None = None,
     trust_remote_code: bool = False,
+    warn_of_cuts: bool = True,
 ) -> None:
     """Refuse ``--inputs`` tensors and JSONL ``--calibration-data`` records the model cannot
-    take (see the module docstring); text lines are cut to the position limit by the
-    tokenizer, so they need no check.
+    take, and warn about text lines the probes will cut (see the module docstring); not with
+    ``warn_of_cuts=False``, for a caller whose validation checks the same data again.
 
     Raises:
         InputError: naming the file, the line (calibration data) and the argument.
     """
-    records = data.records if data is not None else ()
-    if inputs is None and not records:
+    if inputs is None and data is None:
         return
     models = dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
     if inputs is not None and isinstance(opened, PipelineSource):
@@ -59,7 +65,9 @@ def check_user_inputs(
             )
     for name, model in models.items():
         calls = list(_calls(name, inputs, inputs_path, data))
-        if not calls:
+        texts = warn_of_cuts and data is not None and bool(data.texts)
+        tokenizer = tokenizer_for(model.root) if texts else None
+        if not calls and tokenizer is None:
             continue
         try:
             skeleton = build_skeleton(model, trust_remote_code=trust_remote_code)
@@ -67,6 +75,8 @@ def check_user_inputs(
             continue
         for where, path, arguments in calls:
             _check_call(skeleton, model, where, path, arguments, names=where == "--inputs")
+        if tokenizer is not None and data is not None:
+            _warn_of_cut_lines(skeleton, tokenizer, data)
 
 
 def _calls(
@@ -141,6 +151,27 @@ def _check_call(
                 f"({model.config_name}) takes at most {limit} positions; shorten it",
                 path,
             )
+
+
+def _warn_of_cut_lines(skeleton: Any, tokenizer: Any, data: CalibrationData) -> None:
+    """Say which text lines the probes cut to the model's position limit (they truncate as
+    :func:`~precision_convert.validation.probe.sweep.text_rows` does: the limit, specials
+    included)."""
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    spec = token_spec(skeleton, Probe("preflight", "forward", {"input_ids": ids}), tokenizer, "")
+    if spec is None:
+        return
+    lengths = [len(tokenizer(text, verbose=False)["input_ids"]) for text in data.texts]
+    lines = data.text_lines or tuple(range(1, len(data.texts) + 1))
+    cut = [(line, n) for line, n in zip(lines, lengths, strict=True) if n > spec.limit]
+    if cut:
+        shown = ", ".join(f"line {line}: {n} tokens" for line, n in cut[:3])
+        logger.warning(
+            "%s: --calibration-data: %d text line(s) longer than %s's %d positions are cut to "
+            "their first %d tokens (%s%s)",
+            data.path, len(cut), type(skeleton).__name__, spec.limit, spec.limit, shown,
+            ", …" if len(cut) > 3 else "",
+        )  # fmt: skip
 
 
 def _arguments(model: Any) -> set[str] | None:
