@@ -1,7 +1,8 @@
 """No command writes into, or replaces, what it did not write.
 
 Every path is resolved (links included) before it is compared: an output that is the source,
-lies inside it or contains it is refused by ``model``, ``validate`` and ``batch`` alike, and
+lies inside it or contains it is refused by ``model`` (``--push`` too: ``push`` itself writes
+nothing locally), ``validate`` and ``batch`` alike, and
 ``--overwrite`` replaces only an empty directory or one precision-convert wrote. Each refusal:
 exit 2, one ``precision-convert:`` line, nothing written, and every file and folder of the
 source (and of what ``--overwrite`` was pointed at) unchanged, bytes and mtimes.
@@ -71,6 +72,16 @@ def test_output_through_a_link_into_the_source_is_refused(into: str, tmp_path: P
         tmp_path,
         fragments=(f"{out}: ", "must not be the source directory or inside it"),
     )
+
+
+def test_model_push_is_refused_before_its_output_is_staged(tmp_path: Path) -> None:
+    """``push`` itself writes nothing locally; ``model --push`` stages its output as ``model``
+    does, so the same rule stops it before any Hub call."""
+    src = tiny_source(tmp_path / "src")
+    link = tmp_path / "link"
+    link.symlink_to(src, target_is_directory=True)
+    args = ["model", str(src), "--to", "bf16", "-o", str(link / "converted"), "--push", "ns/x"]
+    _refused(args, tmp_path, fragments=("must not be the source directory or inside it",))
 
 
 def test_source_given_through_a_link_is_still_the_source(tmp_path: Path) -> None:
