@@ -25,8 +25,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
+@pytest.mark.parametrize("cast", ["half", "to"])
 def test_casting_a_loaded_model_whole_is_warned_once(
-    converted: Path, caplog: pytest.LogCaptureFixture
+    cast: str, converted: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(6))
     model = pc.load(converted)
@@ -34,7 +35,7 @@ def test_casting_a_loaded_model_whole_is_warned_once(
         assert torch.isfinite(model(input_ids=ids).logits).all()
         assert not caplog.records  # as loaded: nothing to say
 
-        model.half()
+        model.half() if cast == "half" else model.to(torch.float16)
         cast = model(input_ids=ids).logits
         model(input_ids=ids)
 

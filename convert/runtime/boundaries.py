@@ -385,10 +385,13 @@ class _WarnWhenCastWhole:
     the model was cast as a whole (``.half()``, ``.to(torch.float16)``) and the values they
     kept in fp32 overflow again. Said once, at the first forward after the cast.
 
-    The cast itself is not hooked: torch offers no per-module hook on ``Module._apply``;
-    replacing ``half``/``to`` on the instance would be shared by ``copy.deepcopy`` copies (a
-    function attribute is not copied), break pickling, and sit in ``.to(device)``, which every
-    pipeline and accelerate call; swapping the instance's class changes ``type(model)``.
+    The cast itself is not hooked: torch offers no per-module hook on ``Module._apply``, and
+    a model is cast by many doors (``half``, ``to``, ``type``, ``_apply``, a pipeline's
+    ``.to`` calling each component's, accelerate's dispatch). Wrapping named methods on the
+    instance would miss some, sit in every ``.to(device)`` call, and travel oddly with
+    ``copy.deepcopy`` and pickling; swapping the instance's class changes ``type(model)``.
+    Reading the islands' dtype at the next forward sees every door, and costs one dtype read
+    per island per forward until it has spoken.
     """
 
     __slots__ = ("islands", "warned")
