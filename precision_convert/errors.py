@@ -16,12 +16,22 @@ class PrecisionConvertError(Exception):
     exit_code: int = 2
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python writes it: a
+    newline in a Hub id the user typed cannot break a one-line message, and a name that is not
+    UTF-8 shows its escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class InputError(PrecisionConvertError, ValueError):
-    """The source, a flag or a file given by the user is unusable. Nothing was written."""
+    """The source, a flag or a file given by the user is unusable. Nothing was written.
+
+    ``path`` is kept as given; the message shows it :func:`printable`.
+    """
 
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = str(path) if path is not None else None
-        super().__init__(f"{self.path}: {message}" if self.path else message)
+        super().__init__(f"{printable(self.path)}: {message}" if self.path else message)
 
 
 class UnsafeCheckpointError(InputError):

@@ -51,30 +51,25 @@ NOTHING_WRITTEN = "nothing was written"
 
 @contextmanager
 def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Iterator[None]:
-    """Turn library errors into one line on stderr and the error's exit code.
+    """Turn library errors into one line on stderr (a line per problem when the error holds
+    several) and the error's exit code.
 
     Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
     then (a conversion may have committed its output before validation was interrupted).
     """
-    from precision_convert.errors import PrecisionConvertError
+    from precision_convert.errors import PrecisionConvertError, printable
 
     try:
         yield
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
-        print(f"precision-convert: {one_line(str(exc))}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # several problems (a manifest's): a line each
+            print(f"precision-convert: {printable(line)}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
         raise typer.Exit(130) from None
-
-
-def one_line(text: str) -> str:
-    """``text`` with every character that is not printable escaped as Python writes it: a
-    newline in a Hub id or a folder name the user typed cannot break the one-line message,
-    and a name that is not UTF-8 prints as its escapes."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def emit_json(payload: Any) -> None:
