@@ -639,6 +639,29 @@ def test_configs_the_library_cannot_build(
     _refused_cleanly(args, tmp_path, f"{src}/config.json: ", fragment)
 
 
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    UNBUILDABLE,
+    ids=["heads-zero", "architecture-dunder", "unknown-model-type", "hidden-size-string"],
+)
+def test_configs_it_cannot_build_with_a_tokenizer_and_text_data(
+    changes: dict[str, object],
+    fragment: str,
+    tmp_path: Path,
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Text calibration data loads the model's tokenizer, which reads its config too: the
+    model is built first, so the refusal is the same one line."""
+    from _models import t5_tokenizer
+
+    src = _llama_with(tmp_path, tiny_model, **changes)
+    t5_tokenizer().save_pretrained(src)
+    data = tmp_path / "data.txt"
+    data.write_text("a line of text\n")
+    args = ["model", str(src), "--to", "bf16", "--coverage", "quick", "--calibration-data"]
+    _refused_cleanly([*args, str(data), "-o", str(tmp_path / "out")], tmp_path, fragment)
+
+
 def test_a_diffusers_config_it_cannot_build(
     tmp_path: Path, tiny_model: Callable[[str], Path]
 ) -> None:

@@ -65,9 +65,8 @@ def check_user_inputs(
             )
     for name, model in models.items():
         calls = list(_calls(name, inputs, inputs_path, data))
-        texts = warn_of_cuts and data is not None and bool(data.texts)
-        tokenizer = tokenizer_for(model.root) if texts else None
-        if not calls and tokenizer is None:
+        texts = data.texts if warn_of_cuts and data is not None else ()
+        if not calls and not texts:
             continue
         try:
             skeleton = build_skeleton(model, trust_remote_code=trust_remote_code)
@@ -75,6 +74,9 @@ def check_user_inputs(
             continue
         for where, path, arguments in calls:
             _check_call(skeleton, model, where, path, arguments, names=where == "--inputs")
+        # After the skeleton: loading a tokenizer reads the model's config too, and one the
+        # library rejects was left to validation above.
+        tokenizer = tokenizer_for(model.root) if texts else None
         if tokenizer is not None and data is not None:
             _warn_of_cut_lines(skeleton, tokenizer, data)
 
