@@ -75,9 +75,13 @@ def check_apart(output: str | Path, sources: Sequence[str | Path], what: str = "
 
 def written_here(directory: Path) -> bool:
     """Whether precision-convert wrote ``directory``: a certificate at its top, or the record in
-    the metadata of a safetensors file at its top or in a component's folder (every output's
-    weights carry it, ``--no-validate`` and ``--variant`` outputs included)."""
-    folders = [directory, *(d for d in directory.iterdir() if d.is_dir() and not d.is_symlink())]
+    the metadata of a safetensors file at its top or, for a pipeline (``model_index.json`` at
+    its top), in a component's folder (every output's weights carry it, ``--no-validate`` and
+    ``--variant`` outputs included). Only a pipeline's folders count: a folder that merely
+    holds an output among the user's files (``-o ~ --overwrite``) is not one."""
+    folders = [directory]
+    if (directory / "model_index.json").is_file():
+        folders += [d for d in directory.iterdir() if d.is_dir() and not d.is_symlink()]
     for folder in folders:
         for entry in folder.iterdir():
             if folder is directory and _CERTIFICATE.fullmatch(entry.name) and entry.is_file():

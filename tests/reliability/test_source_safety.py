@@ -171,6 +171,37 @@ def test_overwrite_replaces_an_empty_folder_or_its_own_output(kind: str, tmp_pat
     assert tree_state(src) == before
 
 
+def test_a_folder_that_merely_holds_an_output_is_not_replaced(tmp_path: Path) -> None:
+    """``-o ~ --overwrite``: a folder of the user's, with one of this tool's outputs among its
+    files, is not this tool's to remove."""
+    src = tiny_source(tmp_path / "src")
+    home = tmp_path / "home"
+    code, _, stderr = _invoke(_model(src, home / "converted"))
+    assert code == 0, stderr
+    (home / "notes.txt").write_text("the user's own")
+    _refused(
+        _model(src, home, "--overwrite"),
+        tmp_path,
+        fragments=(f"{home}: ", "holds files precision-convert did not write"),
+    )
+
+
+def test_overwrite_replaces_its_own_pipeline_output(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    """A pipeline's record is in its components' folders (no certificate without
+    validation): still this tool's output."""
+    src = tiny_model("sd-pipeline")
+    target = tmp_path / "out"
+    assert _invoke(_model(src, target))[0] == 0
+    before = tree_state(src)
+
+    code, _, stderr = _invoke(_model(src, target, "--overwrite"))
+
+    assert code == 0, stderr
+    assert (target / "model_index.json").is_file() and tree_state(src) == before
+
+
 # -- validate --------------------------------------------------------------------------------
 
 
