@@ -16,12 +16,22 @@ class PrecisionConvertError(Exception):
     exit_code: int = 2
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python writes it: a
+    newline in a Hub id the user typed cannot break a one-line message, and a name that is not
+    UTF-8 shows its escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class InputError(PrecisionConvertError, ValueError):
-    """The source, a flag or a file given by the user is unusable. Nothing was written."""
+    """The source, a flag or a file given by the user is unusable. Nothing was written.
+
+    ``path`` is kept as given; the message shows it :func:`printable`.
+    """
 
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = str(path) if path is not None else None
-        super().__init__(f"{self.path}: {message}" if self.path else message)
+        super().__init__(f"{printable(self.path)}: {message}" if self.path else message)
 
 
 class UnsafeCheckpointError(InputError):
@@ -33,6 +43,15 @@ class OutputExistsError(InputError, FileExistsError):
 
     def __init__(self, path: str | Path) -> None:
         super().__init__("output already exists; pass --overwrite or choose another -o", path)
+
+
+class CannotBuildModel(InputError):
+    """The model's library cannot build it from its config (a value it rejects, a class that
+    is not a model). ``field`` is the config key at fault, when it could be told."""
+
+    def __init__(self, message: str, path: str | Path, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message, path)
 
 
 class WeightsDoNotMap(InputError):

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from precision_convert import interrupts
 from precision_convert.errors import (
     HubAuthError,
     HubPermissionError,
@@ -447,6 +448,7 @@ def _commit(
         add.upload_info.sha256 = bytes.fromhex(file.sha256)
         operations.append(add)
     operations += [CommitOperationDelete(path) for path in stale]
+    interrupts.check()  # a Ctrl-C swallowed on its way up stops the push before its commit
     info = api.create_commit(
         repo_id,
         operations,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -86,6 +87,27 @@ def tree_digest(root: Path) -> dict[str, str]:
         else:
             digest[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digest
+
+
+def tree_state(root: Path) -> dict[str, tuple[str, int]]:
+    """Every entry under ``root``, and ``root`` itself: its content (a file's sha256, a link's
+    target, a folder's or a node's kind) and its mtime in nanoseconds. Walked without
+    recursion, so a tree nested a thousand levels deep is no problem."""
+    found: dict[str, tuple[str, int]] = {}
+    pending = [root]
+    while pending:
+        path = pending.pop()
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            what = f"link:{os.readlink(path)}"
+        elif stat.S_ISREG(info.st_mode):
+            what = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            what = stat.filemode(info.st_mode)[0]
+            if stat.S_ISDIR(info.st_mode):
+                pending += path.iterdir()
+        found[path.relative_to(root).as_posix()] = (what, info.st_mtime_ns)
+    return found
 
 
 def leftovers(parent: Path) -> list[str]:

@@ -8,9 +8,12 @@ directory, no staging directory, the source byte-identical, no code from a pickl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +30,10 @@ from _corrupt import (
     shard,
     tiny_source,
     tree_digest,
+    tree_state,
     write_index,
 )
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from precision_convert.cli.main import app
@@ -183,6 +188,13 @@ def index_lists_absent_tensor(src: Path) -> Path:
     return src / "model.safetensors.index.json"
 
 
+def index_names_config(src: Path) -> Path:
+    weight_map = _sharded(src)
+    weight_map["layer.weight"] = "config.json"
+    write_index(src, weight_map)
+    return src / "model.safetensors.index.json"
+
+
 def index_not_json(src: Path) -> Path:
     _sharded(src)
     (src / "model.safetensors.index.json").write_text('{"weight_map": ')
@@ -213,6 +225,10 @@ def pickle_runs_exec_in_shard(src: Path) -> Path:
     weight_map["layer.weight"] = "pytorch_model-00002-of-00002.bin"
     (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return src / "pytorch_model-00002-of-00002.bin"
+
+
+def pickle_not_a_pickle(src: Path) -> Path:
+    return _as_pickle(src, b'{"layer.weight": [1, 2]}')
 
 
 def pickle_not_a_state_dict(src: Path) -> Path:
@@ -306,10 +322,12 @@ CASES = [
     Case("index-absolute", index_absolute_path, "points outside the model directory"),
     Case("index-missing-shard", index_missing_shard, "missing shard"),
     Case("index-absent-tensor", index_lists_absent_tensor, "'ghost.weight'"),
+    Case("index-names-config", index_names_config, "not a .safetensors weight file"),
     Case("index-not-json", index_not_json, "not valid JSON"),
     Case("pickle-os-system", pickle_runs_os_system, "refusing to load"),
     Case("pickle-open-protocol-4", pickle_runs_open_protocol_4, "refusing to load"),
     Case("pickle-exec-in-shard", pickle_runs_exec_in_shard, "refusing to load"),
+    Case("pickle-not-a-pickle", pickle_not_a_pickle, "neither a zip archive nor a binary pickle"),
     Case("pickle-not-state-dict", pickle_not_a_state_dict, "not a state dict"),
     Case("pickle-sparse", pickle_sparse_tensor, "not a dense tensor"),
     Case("pickle-truncated", pickle_truncated, "cannot read PyTorch checkpoint"),
@@ -458,12 +476,15 @@ def test_validate_refuses_an_unknown_coverage_level(tmp_path: Path) -> None:
 
 
 def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
+    """An existing output is replaced only when asked, and only when this tool wrote it (a
+    folder of the user's own is refused even with ``--overwrite``: see
+    tests/reliability/test_source_safety.py)."""
     src = tiny_source(tmp_path / "src")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
-    before = tree_digest(tmp_path)
     args = ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)]
+    assert _invoke(args)[0] == 0
+    (out / "mine.txt").write_text("left in our output")
+    before = tree_digest(tmp_path)
 
     code, _, stderr = _invoke(args)
 
@@ -558,3 +579,235 @@ def test_real_process_exit_2_one_line(tmp_path: Path) -> None:
         assert stdout == "", name
     assert tree_digest(tmp_path) == before
     assert not (tmp_path / MARKER).exists()
+
+
+# -- sources and data that used to end in a traceback ----------------------------------------
+
+
+def _refused_cleanly(args: list[str], root: Path, *fragments: str) -> str:
+    """Exit 2, one line holding ``fragments``, nothing on stdout, and every entry under
+    ``root`` (the source included) as it was: bytes and mtimes. Only ``root``'s own mtime may
+    change: a staging directory beside the output may have come and gone there."""
+
+    def state() -> dict[str, tuple[str, int]]:
+        return {k: (v[0], 0) if k == "." else v for k, v in tree_state(root).items()}
+
+    before = state()
+    code, stdout, stderr = _invoke(args)
+    assert code == 2, stderr
+    line = assert_one_error_line(stderr, *fragments)
+    assert stdout == ""
+    assert state() == before
+    return line
+
+
+def _llama_with(tmp_path: Path, tiny_model: Callable[[str], Path], **changes: object) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model("llama"), src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(changes)
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+UNBUILDABLE = [
+    ({"num_attention_heads": 0}, "('num_attention_heads' = 0): ZeroDivisionError"),
+    ({"architectures": ["__class__"]}, "'architectures' names '__class__', which is not a"),
+    ({"model_type": "no-such-type"}, "('model_type' = 'no-such-type'): ValueError"),
+    ({"hidden_size": "16"}, "('hidden_size' = '16')"),
+]
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16-safe"])
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    UNBUILDABLE,
+    ids=["heads-zero", "architecture-dunder", "unknown-model-type", "hidden-size-string"],
+)
+def test_configs_the_library_cannot_build(
+    changes: dict[str, object],
+    fragment: str,
+    target: str,
+    tmp_path: Path,
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Validation (and, for fp16-safe, calibration) builds the model: what transformers raises
+    about its config is one line naming the key, and the staged output is gone."""
+    src = _llama_with(tmp_path, tiny_model, **changes)
+    out = tmp_path / "out"
+    args = ["model", str(src), "--to", target, "--coverage", "quick", "-o", str(out)]
+    _refused_cleanly(args, tmp_path, f"{src}/config.json: ", fragment)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    UNBUILDABLE,
+    ids=["heads-zero", "architecture-dunder", "unknown-model-type", "hidden-size-string"],
+)
+def test_configs_it_cannot_build_with_a_tokenizer_and_text_data(
+    changes: dict[str, object],
+    fragment: str,
+    tmp_path: Path,
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Text calibration data loads the model's tokenizer, which reads its config too: the
+    model is built first, so the refusal is the same one line."""
+    from _models import t5_tokenizer
+
+    src = _llama_with(tmp_path, tiny_model, **changes)
+    t5_tokenizer().save_pretrained(src)
+    data = tmp_path / "data.txt"
+    data.write_text("a line of text\n")
+    args = ["model", str(src), "--to", "bf16", "--coverage", "quick", "--calibration-data"]
+    _refused_cleanly([*args, str(data), "-o", str(tmp_path / "out")], tmp_path, fragment)
+
+
+def test_a_diffusers_config_it_cannot_build(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    src = tmp_path / "unet"
+    shutil.copytree(tiny_model("unet"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["down_block_types"] = ["NoSuchBlock2D"] * len(config["down_block_types"])
+    (src / "config.json").write_text(json.dumps(config))
+    args = ["model", str(src), "--to", "bf16", "--coverage", "quick", "-o", str(tmp_path / "o")]
+    _refused_cleanly(
+        args, tmp_path, f"{src}/config.json: diffusers cannot build", "'down_block_types'"
+    )
+
+
+def _nest(root: Path, depth: int) -> None:
+    """``depth`` folders inside each other under ``root`` (os.makedirs would recurse)."""
+    fd = os.open(root, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+
+
+def _unnest(root: Path) -> None:
+    """Remove what :func:`_nest` made, without recursion (shutil.rmtree recurses)."""
+    chain = [root / "d"]
+    while (chain[-1] / "d").is_dir():
+        chain.append(chain[-1] / "d")
+    for folder in reversed(chain):
+        folder.rmdir()
+
+
+def test_a_thousand_nested_folders(tmp_path: Path, workdir: Path) -> None:
+    src = tiny_source(tmp_path / "src")
+    _nest(src, 1100)
+    try:
+        _refused_cleanly(
+            ["model", str(src), "--to", "bf16", "--no-validate"],
+            tmp_path,
+            f"{src}: folders nested more than 32 levels deep",
+        )
+    finally:
+        _unnest(src)
+
+
+@pytest.mark.parametrize("which", ["source", "output"])
+def test_a_folder_name_that_is_not_utf8(which: str, tmp_path: Path, workdir: Path) -> None:
+    """The name would reach the card (and the Hub) as text: refused before anything runs."""
+    odd = os.fsdecode(b"model-\xff")
+    src = tiny_source(tmp_path / (odd if which == "source" else "src"))
+    out = tmp_path / (odd if which == "output" else "out")
+    _refused_cleanly(
+        ["model", str(src), "--to", "bf16", "--coverage", "quick", "-o", str(out)],
+        tmp_path,
+        "model-\\udcff: the name is not valid UTF-8",
+    )
+
+
+def test_a_hub_id_with_a_trailing_newline(tmp_path: Path, workdir: Path) -> None:
+    _refused_cleanly(
+        ["model", "ns/tiny\n", "--to", "bf16"], tmp_path, "ns/tiny\\n: no such directory"
+    )
+
+
+def test_calibration_token_id_beyond_64_bits(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    src = _llama_with(tmp_path, tiny_model)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": [[1, 2**70]]}) + "\n")
+    args = ["model", str(src), "--to", "bf16", "--calibration-data", str(data), "-o", "x"]
+    _refused_cleanly(args, tmp_path, f"{data}: ", "line 1", "does not fit a 64-bit integer")
+
+
+def test_a_200000_token_line_is_refused_at_once(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    """A 64-position Llama (rotary positions: it would run the line, for minutes) and one
+    JSONL line of 200,000 ids: refused within seconds, saying the limit."""
+    src = _llama_with(tmp_path, tiny_model)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": [[i % 200 for i in range(200_000)]]}) + "\n")
+    args = ["model", str(src), "--to", "bf16", "--coverage", "quick", "--calibration-data"]
+    started = time.monotonic()
+    _refused_cleanly(
+        [*args, str(data), "-o", str(tmp_path / "out")],
+        tmp_path,
+        f"{data}: --calibration-data: line 1: 'input_ids' is 200000 tokens long",
+        "at most 64 positions",
+    )
+    assert time.monotonic() - started < 10
+
+
+def test_a_200000_token_text_line_is_cut_at_once_saying_so(
+    tmp_path: Path, tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Text is not written to fit a model: the probes cut a long line to the position limit
+    (no minutes-long forward), and a warning says which line and to how many tokens."""
+    from _models import t5_tokenizer
+
+    from precision_convert.conversion.io.source import open_source
+    from precision_convert.validation.probe.preflight import check_user_inputs
+    from precision_convert.validation.probe.userdata import read_calibration_data
+
+    src = _llama_with(tmp_path, tiny_model)
+    t5_tokenizer().save_pretrained(src)
+    data = tmp_path / "data.txt"
+    data.write_text("a short line\n" + " ".join(["the"] * 200_000) + "\n")
+    started = time.monotonic()
+
+    with caplog.at_level(logging.WARNING):
+        check_user_inputs(open_source(src), data=read_calibration_data(data))
+
+    assert time.monotonic() - started < 10
+    [record] = caplog.records
+    assert record.getMessage() == (
+        f"{data}: --calibration-data: 1 text line(s) longer than LlamaForCausalLM's 64 "
+        "positions are cut to their first 64 tokens (line 2: 200001 tokens)"
+    )
+
+
+@pytest.mark.parametrize("command", ["model", "validate"])
+@pytest.mark.parametrize(
+    ("tensors", "fragment"),
+    [
+        ({"no_such_arg": torch.ones(1, 4, dtype=torch.int64)}, "no_such_arg: not an argument"),
+        ({"input_ids": torch.tensor([[1, 5000]])}, "token id 5000, outside"),
+        ({"input_ids": torch.zeros(1, 65, dtype=torch.int64)}, "65 tokens long"),
+    ],
+    ids=["unknown-argument", "outside-vocabulary", "too-long"],
+)
+def test_inputs_the_model_cannot_take(
+    tensors: dict[str, torch.Tensor],
+    fragment: str,
+    command: str,
+    tmp_path: Path,
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """``--inputs`` is checked up front as ``--calibration-data`` is: exit 2, nothing written
+    (it used to convert, then write a failing certificate)."""
+    src = _llama_with(tmp_path, tiny_model)
+    inputs = tmp_path / "inputs.safetensors"
+    save_file(tensors, inputs)
+    args = [command, str(src), "--inputs", str(inputs), "--coverage", "quick"]
+    if command == "model":
+        args += ["--to", "bf16", "-o", str(tmp_path / "out")]
+    _refused_cleanly(args, tmp_path, f"{inputs}: --inputs: ", fragment)

@@ -218,9 +218,11 @@ def test_next_run_removes_only_dead_runs_leftovers(big_source: Path, tmp_path: P
 
 
 @pytest.mark.parametrize("kind", ["file", "symlink"])
-def test_overwrite_of_a_file_or_symlink_leaves_no_trash(
+def test_overwrite_of_a_file_or_symlink_is_refused(
     kind: str, big_source: Path, tmp_path: Path
 ) -> None:
+    """``--overwrite`` replaces only an empty directory or this tool's output: a file or a
+    link stays as it was, and nothing is left beside it."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "keep.txt").write_text("not ours")
@@ -229,13 +231,26 @@ def test_overwrite_of_a_file_or_symlink_leaves_no_trash(
         target.write_text("not a model")
     else:
         target.symlink_to(elsewhere, target_is_directory=True)
+    before = tree_digest(tmp_path)
 
-    _convert([str(big_source), "-o", str(target), "--overwrite"])
+    result = runner.invoke(
+        app,
+        [
+            "model",
+            str(big_source),
+            "--to",
+            "bf16",
+            "--no-validate",
+            "-o",
+            str(target),
+            "--overwrite",
+        ],
+    )
 
-    assert target.is_dir() and not target.is_symlink()
+    assert result.exit_code == 2, result.output
+    assert "--overwrite replaces only" in result.stderr
+    assert tree_digest(tmp_path) == before
     assert leftovers(tmp_path) == []
-    assert (elsewhere / "keep.txt").read_text() == "not ours"  # the link's target is untouched
-    _assert_converted(big_source, target)
 
 
 def test_disk_full_mid_write_is_one_line_and_leaves_nothing(

@@ -128,7 +128,7 @@ def resolve(
             raise InputError("--revision applies to Hub repo ids, not local directories", path)
         return path
     text = str(source)
-    if text.startswith((".", "/", "~")) or not _REPO_ID.match(text):
+    if text.startswith((".", "/", "~")) or not _REPO_ID.fullmatch(text):
         raise InputError("no such directory", path)
     from huggingface_hub import snapshot_download
 
@@ -183,33 +183,73 @@ def open_source(path: Path, variant: str | None = None) -> Source:
     return _model(path, variant)
 
 
+#: Folders nested deeper than this under a model directory are refused. Real layouts are a
+#: few levels (a pipeline's component, a tokenizer's subfolder); a deeper tree is no model, and
+#: the standard library's tree walks and copies (``shutil.copytree``, ``os.walk`` before Python
+#: 3.12) recurse once per level into Python's recursion limit.
+MAX_DEPTH = 32
+
+
 def check_links(root: Path) -> None:
-    """Refuse a symbolic link anywhere under ``root`` that leads out of it.
+    """Refuse a symbolic link anywhere under ``root`` that leads out of it, a name that is not
+    UTF-8 text, and folders nested deeper than :data:`MAX_DEPTH`.
 
     Everything under a model directory is read or copied into the output (and from there
     pushed to the Hub), so a link to ``~/.ssh/id_rsa`` named ``tokenizer.json``, or a shard
     index entry that is a link to another model's weights, would leak or mix in files the
     user never meant to convert. The one exception is the Hub cache's own layout: a snapshot
-    (``…/snapshots/<revision>/``) holds links into its repo's ``blobs/`` folder.
+    (``…/snapshots/<revision>/``) holds links into its repo's ``blobs/`` folder. Names end up
+    as text in the certificate, the model card and the Hub, so a name with bytes that are not
+    UTF-8 (possible on Linux) is refused, the directory's own path included.
     """
+    check_text(str(root.absolute()), root)
     base = root.resolve()
     blobs = next((a.parent / "blobs" for a in (base, *base.parents) if a.name == "snapshots"), None)
-    for directory, dirs, files in os.walk(root):
-        for name in (*dirs, *files):
-            entry = Path(directory, name)
-            if not entry.is_symlink():
-                continue
-            try:
-                target = entry.resolve()
-            except (OSError, RuntimeError):  # a loop of links
-                raise InputError("is a symbolic link that leads nowhere (a loop)", entry) from None
-            inside = target == base or base in target.parents
-            if not inside and not (blobs is not None and target.parent == blobs):
-                raise InputError(
-                    f"is a symbolic link to {target}, outside the model directory "
-                    "(copy the file in instead)",
-                    entry,
-                )
+    pending = [(root, 0)]
+    while pending:  # depth first, without recursion
+        directory, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise InputError(
+                f"folders nested more than {MAX_DEPTH} levels deep: not a model directory", root
+            )
+        try:
+            with os.scandir(directory) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError as exc:
+            raise InputError(f"cannot read it ({exc.strerror or exc})", directory) from None
+        for found in entries:
+            entry = Path(found.path)
+            check_text(found.name, entry)
+            if found.is_symlink():
+                _check_link(entry, base, blobs)
+            elif found.is_dir(follow_symlinks=False):
+                pending.append((entry, depth + 1))
+
+
+def check_text(name: str, path: Path) -> None:
+    """Refuse ``name`` (``path``'s, or its last component) unless it is UTF-8 text."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            "the name is not valid UTF-8 text (the certificate, the card and the Hub keep "
+            "names as text): rename it",
+            path,
+        ) from None
+
+
+def _check_link(entry: Path, base: Path, blobs: Path | None) -> None:
+    try:
+        target = entry.resolve()
+    except (OSError, RuntimeError):  # a loop of links
+        raise InputError("is a symbolic link that leads nowhere (a loop)", entry) from None
+    inside = target == base or base in target.parents
+    if not inside and not (blobs is not None and target.parent == blobs):
+        raise InputError(
+            f"is a symbolic link to {target}, outside the model directory "
+            "(copy the file in instead)",
+            entry,
+        )
 
 
 def variant_name(name: str, variant: str | None) -> str:
@@ -378,10 +418,17 @@ def _sharded(
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError("index has no 'weight_map' object", index_path)
     shard_names: list[str] = []
+    kind = ".safetensors" if ".safetensors.index" in index_name else ".bin"
     for tensor, shard in weight_map.items():
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             raise InputError(
                 f"weight_map entry {tensor!r} points outside the model directory: {shard!r}",
+                index_path,
+            )
+        if not shard.endswith(kind):
+            raise InputError(
+                f"weight_map entry {tensor!r} names {shard!r}, which is not a {kind} weight "
+                "file like the index's others",
                 index_path,
             )
         if not (root / shard).is_file():
@@ -436,6 +483,13 @@ def _safetensors_file(path: Path, output_name: str) -> WeightFile:
     return WeightFile(path, output_name, tensors, metadata=header.metadata)
 
 
+def _magic(path: Path) -> bytes:
+    """The bytes that tell a zip archive (``PK``) from a binary pickle (``\\x80``)."""
+    with path.open("rb") as f:
+        head = f.read(2)
+    return head if head == b"PK" else head[:1]
+
+
 def _pickle_file(path: Path, output_name: str) -> WeightFile:
     """Read a legacy pickle checkpoint with ``weights_only=True``; shared tensors kept once."""
     import pickle
@@ -455,6 +509,10 @@ def _pickle_file(path: Path, output_name: str) -> WeightFile:
                 raise
             state = load(mmap=False)  # legacy (pre-zip) format cannot be memory-mapped
     except pickle.UnpicklingError as exc:
+        if _magic(path) not in (b"PK", b"\x80"):  # torch.save: a zip, or a binary pickle
+            raise InputError(
+                "not a PyTorch checkpoint (neither a zip archive nor a binary pickle)", path
+            ) from None
         reason = str(exc).strip().splitlines()
         detail = next((line for line in reason if "GLOBAL" in line or "global" in line), "")
         raise UnsafeCheckpointError(

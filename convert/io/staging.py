@@ -8,24 +8,114 @@ Two runs writing one target at once would each build a complete staging director
 later rename would either fail obscurely or (with ``--overwrite``) silently replace the other's
 output. So a run holds an exclusive lock on the target (``flock`` on a hidden ``.<name>.pc-lock``
 beside it, released by the kernel even on SIGKILL) from the moment it starts writing until its
-output is committed; a second run stops at once with a message naming the other's pid.
+output is committed; a second run stops at once with a message naming the other's pid. The lock
+is the ``filelock`` library's (the one huggingface_hub uses), held without blocking.
+
+Two rules keep a run from destroying what it did not write, both checked here for every caller
+(``model``, ``validate``, ``batch``): an output never overlaps a source (:func:`check_apart`,
+every path resolved, links included), and ``--overwrite`` replaces only an empty directory or
+one this tool wrote (:func:`written_here`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from precision_convert import interrupts
+from precision_convert.conversion.io.header import read_header
+from precision_convert.conversion.io.source import check_text
 from precision_convert.errors import InputError, OutputExistsError
 
 _STAGING = ".pc-staging-"
 _TRASH = ".pc-trash-"
 _LOCK = ".pc-lock"
+#: Key of the precision-convert record in configs and shard metadata (docs/format.md).
+RECORD_KEY = "precision_convert"
+#: A certificate's file name (``precision_certificate.json``, or a variant's).
+_CERTIFICATE = re.compile(r"precision_certificate(\.[A-Za-z0-9_]+)?\.json")
+
+
+def real_path(path: str | Path) -> Path:
+    """``path`` as the kernel resolves it: every link followed, ``..`` applied after the link
+    it follows (``Path.absolute`` keeps links, so a link into a source passes a plain compare).
+    The part that does not exist yet is kept as written."""
+    return Path(os.path.realpath(path))
+
+
+def overlap(output: str | Path, source: str | Path, what: str = "output") -> str | None:
+    """Why ``output`` must not be written, given ``source``: it is the source, lies inside it
+    or contains it (links resolved); None when they are apart."""
+    out, src = real_path(output), real_path(source)
+    if out == src or src in out.parents:
+        return f"{what} must not be the source directory or inside it ({src})"
+    if out in src.parents:
+        return f"{what} must not contain the source directory ({src})"
+    return None
+
+
+def check_apart(output: str | Path, sources: Sequence[str | Path], what: str = "output") -> None:
+    """Refuse an ``output`` that is, contains or lies inside one of ``sources``: writing (or
+    ``--overwrite`` replacing) it would change the source.
+
+    Raises:
+        InputError: naming ``output`` as given.
+    """
+    for source in sources:
+        problem = overlap(output, source, what)
+        if problem is not None:
+            raise InputError(problem, output)
+
+
+def written_here(directory: Path) -> bool:
+    """Whether precision-convert wrote ``directory``: a certificate at its top, or the record in
+    the metadata of a safetensors file at its top or, for a pipeline (``model_index.json`` at
+    its top), in a component's folder (every output's weights carry it, ``--no-validate`` and
+    ``--variant`` outputs included). Only a pipeline's folders count: a folder that merely
+    holds an output among the user's files (``-o ~ --overwrite``) is not one."""
+    folders = [directory]
+    if (directory / "model_index.json").is_file():
+        folders += [d for d in directory.iterdir() if d.is_dir() and not d.is_symlink()]
+    for folder in folders:
+        for entry in folder.iterdir():
+            if folder is directory and _CERTIFICATE.fullmatch(entry.name) and entry.is_file():
+                return True
+            if entry.name.endswith(".safetensors") and entry.is_file() and not entry.is_symlink():
+                with contextlib.suppress(InputError, OSError):  # unreadable: not ours
+                    if RECORD_KEY in read_header(entry).metadata:
+                        return True
+    return False
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse to ``--overwrite`` anything but an empty directory or one this tool wrote: a
+    file, a device node, a link, or a folder of the user's own is never removed.
+
+    Raises:
+        InputError: naming ``target``.
+    """
+    rule = "--overwrite replaces only an empty directory or one precision-convert wrote"
+    if target.is_symlink():
+        raise InputError(f"is a symbolic link; {rule} (give the directory itself)", target)
+    if not target.is_dir():
+        raise InputError(f"is not a directory; {rule}", target)
+    try:
+        empty = next(target.iterdir(), None) is None
+        ours = empty or written_here(target)
+    except OSError as exc:
+        raise InputError(f"cannot read it ({exc.strerror or exc}); {rule}", target) from None
+    if not ours:
+        raise InputError(
+            f"holds files precision-convert did not write; {rule}: remove it yourself or "
+            "choose another -o",
+            target,
+        )
 
 
 def _marker(target: Path, kind: str) -> str:
@@ -88,62 +178,79 @@ def _fsync_dir(path: Path) -> None:
 
 
 class TargetLock:
-    """An exclusive, non-blocking lock on writing ``target``: a ``flock`` on a hidden file
-    beside it that holds the owner's pid (for the message another run prints).
+    """An exclusive, non-blocking lock on writing ``target``: filelock's ``flock`` on a hidden
+    file beside it, which holds the owner's pid (for the message another run prints).
 
-    The file is removed on release. A run that opened it just before that removal would lock
-    a file no longer in the directory, so after locking the path is checked to still name the
-    locked file (else the lock is taken again on the new one).
+    ``flock`` is released by the kernel when its holder dies, even by SIGKILL, so a killed run
+    never leaves a stale lock (filelock's soft-lock fallback, a marker file a killed run would
+    leave behind, is turned off). The file is removed while still locked, on release: a run
+    that opened it just before then locks an unlinked file, which filelock detects; finding no
+    file at the path, that run tries once more on a fresh one.
     """
 
     def __init__(self, target: Path) -> None:
+        from filelock import FileLock
+
         self.target = target
         self.path = target.parent / _marker(target, _LOCK)
-        self._fd: int | None = None
+        self._lock = FileLock(
+            self.path, blocking=False, fallback_to_soft=False, on_acquired=_write_pid
+        )
 
     def acquire(self) -> None:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        from filelock import Timeout
+
+        for _ in range(3):
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise InputError(
-                    f"another precision-convert run (pid {owner}) is writing this output; "
-                    "wait for it to finish, or choose another output directory",
-                    self.target,
-                ) from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the previous owner removed it while we waited: lock the new one
-        self._fd = fd
-        with contextlib.suppress(OSError):  # the pid only makes the other run's message nicer
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
+                self._lock.acquire()
+                return
+            except Timeout:
+                try:
+                    owner = self.path.read_text(errors="replace").strip() or "?"
+                except FileNotFoundError:  # its owner finished and removed it: try again
+                    continue
+            raise InputError(
+                f"another precision-convert run (pid {owner}) is writing this output; "
+                "wait for it to finish, or choose another output directory",
+                self.target,
+            )
+        raise InputError("cannot lock the output: its lock file keeps vanishing", self.target)
 
     def release(self) -> None:
-        if self._fd is None:
+        if not self._lock.is_locked:
             return
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        os.close(self._fd)  # closing releases the flock
-        self._fd = None
+            self.path.unlink()  # while still locked (see the class docstring)
+        self._lock.release()
+
+
+def _write_pid(fd: int) -> None:
+    """filelock's ``on_acquired``: the holder's pid, for another run's message."""
+    with contextlib.suppress(OSError):  # the pid only makes the other run's message nicer
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
 
 
 class StagedOutput:
     """Build an output in a hidden sibling directory; ``commit()`` renames it into place.
 
+    ``sources`` are the directories the run reads: the target may not overlap any of them.
     Leaving the block without ``commit()`` (an exception) removes the staging directory.
     """
 
-    def __init__(self, target: Path, *, overwrite: bool = False) -> None:
-        self.target = target.absolute()
+    def __init__(
+        self, target: Path, *, overwrite: bool = False, sources: Sequence[Path] = ()
+    ) -> None:
+        # The folder it goes in, links resolved (its last component stays as given: a link
+        # there is refused, never followed).
+        self.given = target
+        self.target = (
+            real_path(target)
+            if target.name in ("", ".", "..")
+            else real_path(target.parent) / target.name
+        )
         self.overwrite = overwrite
+        self.sources = tuple(sources)
         self.path = self.target.parent / (
             f"{_marker(self.target, _STAGING)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
@@ -151,14 +258,18 @@ class StagedOutput:
         self._lock = TargetLock(self.target)
 
     def check(self) -> None:
-        """Refuse an existing target (unless overwriting) or one under a file; call early."""
-        if (self.target.exists() or self.target.is_symlink()) and not self.overwrite:
-            raise OutputExistsError(self.target)
+        """Refuse a target that overlaps a source, an existing one (unless overwriting, and then
+        anything but an empty directory or this tool's output), or one under a file; call
+        early."""
+        check_apart(self.given, self.sources)
+        check_text(str(self.target), self.given)  # its card and certificate hold it as text
+        if self.target.exists() or self.target.is_symlink():
+            if not self.overwrite:
+                raise OutputExistsError(self.given)
+            check_replaceable(self.given)
         existing = next(p for p in self.target.parents if p.exists())
         if not existing.is_dir():
-            raise InputError(
-                f"cannot create the output: {existing} is not a directory", self.target
-            )
+            raise InputError(f"cannot create the output: {existing} is not a directory", self.given)
 
     def __enter__(self) -> StagedOutput:
         self.check()
@@ -167,7 +278,7 @@ class StagedOutput:
             self._lock.acquire()
         except OSError as exc:
             raise InputError(
-                f"cannot create the output: {exc.strerror or exc}", self.target
+                f"cannot create the output: {exc.strerror or exc}", self.given
             ) from None
         try:
             self.check()  # another run may have committed this target while we planned
@@ -176,7 +287,7 @@ class StagedOutput:
         except OSError as exc:
             self._lock.release()
             raise InputError(
-                f"cannot create the output: {exc.strerror or exc}", self.target
+                f"cannot create the output: {exc.strerror or exc}", self.given
             ) from None
         except BaseException:
             self._lock.release()
@@ -184,8 +295,13 @@ class StagedOutput:
         return self
 
     def commit(self) -> None:
-        """Make the staged directory durable and move it to the target path."""
+        """Make the staged directory durable and move it to the target path.
+
+        A Ctrl-C swallowed on its way up (see :mod:`precision_convert.interrupts`) stops it
+        here, before the rename: the target keeps what it held.
+        """
         _fsync_tree(self.path)
+        interrupts.check()
         if self.target.exists() or self.target.is_symlink():
             self.check()
             trash = self.target.parent / f"{_marker(self.target, _TRASH)}{os.getpid()}"

@@ -29,6 +29,7 @@ removal.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ REGISTRY_ATTR = "_precision_convert_hooks"
 CAST_INPUTS = "precision_convert.cast_inputs"
 CAST_OUTPUTS = "precision_convert.cast_outputs"
 PROMOTE_MIXED = "precision_convert.promote_mixed"
+CAST_CHECK = "precision_convert.cast_check"
 #: Dtypes a boundary converts between; fp8 and integer tensors are always left alone.
 _CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 #: Functions that refuse mixed floating dtypes instead of promoting them. ``cat`` and the
@@ -77,6 +79,8 @@ _NO_PROMOTION: frozenset[Callable[..., Any]] = frozenset(
 )
 #: Island kinds whose fp32 output must not be cast back (docs/format.md).
 PRECISION = "precision"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -376,6 +380,43 @@ class _PromoteDuring:
             self.active.pop().__exit__(None, None, None)
 
 
+class _WarnWhenCastWhole:
+    """Forward pre-hook on the root of a model with flowing islands: once they hold float16,
+    the model was cast as a whole (``.half()``, ``.to(torch.float16)``) and the values they
+    kept in fp32 overflow again. Said once, at the first forward after the cast.
+
+    The cast itself is not hooked: torch offers no per-module hook on ``Module._apply``, and
+    a model is cast by many doors (``half``, ``to``, ``type``, ``_apply``, a pipeline's
+    ``.to`` calling each component's, accelerate's dispatch). Wrapping named methods on the
+    instance would miss some, sit in every ``.to(device)`` call, and travel oddly with
+    ``copy.deepcopy`` and pickling; swapping the instance's class changes ``type(model)``.
+    Reading the islands' dtype at the next forward sees every door, and costs one dtype read
+    per island per forward until it has spoken.
+    """
+
+    __slots__ = ("islands", "warned")
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        self.islands = {name: _DtypeOf(model.get_submodule(name)) for name in names}
+        self.warned = False
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.warned:
+            return
+        cast = [name for name, dtype in self.islands.items() if dtype() == torch.float16]
+        if cast:
+            self.warned = True
+            logger.warning(
+                "%d fp32 island(s) kept for fp16's range (%s%s) now hold float16: the model "
+                "was cast as a whole (.half(), .to(torch.float16)), and their outputs can "
+                "overflow 65504 again (inf/NaN). Use the model as precision_convert.load "
+                "returns it; move it with .to(device) only.",
+                len(cast),
+                cast[0],
+                ", …" if len(cast) > 1 else "",
+            )
+
+
 # --- registry ----------------------------------------------------------------------------
 
 
@@ -449,6 +490,9 @@ def install(model: nn.Module, boundaries: Boundaries | None = None) -> Boundarie
         island = _DtypeOf(module)
         attach(module, CAST_INPUTS, pre=_CastInputs(island))
         attach(module, CAST_OUTPUTS, post=_CastOutputs(island, compute))
+    if found.flowing_islands:
+        warn = _WarnWhenCastWhole(model, found.flowing_islands)
+        attach(model, CAST_CHECK, pre=warn, pre_with_kwargs=False)
     for name in found.promote:
         during = _PromoteDuring()
         attach(

@@ -8,21 +8,31 @@ checkpoint names onto state-dict keys; :func:`read_tensor` reads one stored tens
 
 Skeletons have parameters on the meta device and real buffers: non-persistent buffers (rotary
 frequencies, causal masks) are computed at construction and are not in the checkpoint.
+
+Whatever a library raises while building from a config it rejects (``num_attention_heads: 0``
+is a ZeroDivisionError, ``hidden_size: "16"`` a validation error, an unknown ``model_type`` a
+ValueError) leaves here as one :class:`~precision_convert.errors.CannotBuildModel` naming the
+config key at fault when it can be told: a source that cannot be built is bad input.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable, Mapping
+import linecache
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.io.staging import RECORD_KEY
 from precision_convert.dtypes import DType
-from precision_convert.errors import InputError
+from precision_convert.errors import CannotBuildModel, InputError, PrecisionConvertError
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +40,6 @@ if TYPE_CHECKING:
 
 #: Maps a tensor name in the weight files to the model's state-dict key (None: no such key).
 KeyMap = Callable[[str], str | None]
-#: Key of the precision-convert record in configs and shard metadata (docs/format.md).
-RECORD_KEY = "precision_convert"
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> type
         InputError: no class can be found, remote code is needed but not allowed, or the
             library is not installed.
     """
-    return adapter(source).model_class(source, trust_remote_code)
+    with library_errors(source):
+        return adapter(source).model_class(source, trust_remote_code)
 
 
 def uses_remote_code(source: ModelSource, *, trust_remote_code: bool) -> bool:
@@ -77,8 +86,8 @@ def build_skeleton(
     from accelerate import init_empty_weights
 
     chosen = adapter(source)
-    cls = cls or chosen.model_class(source, trust_remote_code)
-    with init_empty_weights(include_buffers=False):
+    cls = cls or model_class(source, trust_remote_code=trust_remote_code)
+    with library_errors(source, cls), init_empty_weights(include_buffers=False):
         model = chosen.skeleton(source, cls, trust_remote_code)
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
@@ -95,8 +104,9 @@ def build_pretrained(
     """``source`` loaded by its library's own ``from_pretrained`` with every tensor in
     ``dtype`` (OpenCLIP: its skeleton filled from the files)."""
     chosen = adapter(source)
-    cls = cls or chosen.model_class(source, trust_remote_code)
-    return chosen.pretrained(source, cls, dtype, trust_remote_code)
+    cls = cls or model_class(source, trust_remote_code=trust_remote_code)
+    with library_errors(source, cls):
+        return chosen.pretrained(source, cls, dtype, trust_remote_code)
 
 
 def key_map(model: nn.Module, source: ModelSource) -> KeyMap:
@@ -128,6 +138,84 @@ def build_filled(
     return model
 
 
+@contextmanager
+def library_errors(source: ModelSource, cls: type | None = None) -> Iterator[None]:
+    """What the library raises while building ``source`` as one :class:`CannotBuildModel`.
+
+    Only this project's own errors and running out of memory pass through unchanged (the
+    first say what is wrong already, the second is not the source's fault).
+    """
+    try:
+        yield
+    except (PrecisionConvertError, MemoryError):
+        raise
+    except Exception as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
+            raise
+        field = _field_at_fault(exc, source.config)
+        what = f"{cls.__name__} " if cls is not None else ""
+        at_fault = f" ({field!r} = {source.config[field]!r})" if field else ""
+        raise CannotBuildModel(
+            f"{source.library} cannot build the model {what}from it{at_fault}: "
+            f"{type(exc).__name__}: {_first_words(exc)}",
+            source.root / source.config_name,
+            field,
+        ) from exc
+
+
+def _first_words(exc: BaseException) -> str:
+    """The first line of the message (with the next, when it only introduces it), cut short."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines or [""])[0]
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _field_at_fault(exc: BaseException, config: Mapping[str, Any]) -> str | None:
+    """The config key a library error is about, when the error tells.
+
+    A key named in quotes in the message (``Validation error for field 'hidden_size'``); a
+    value the message quotes or, when long enough not to match by chance, names
+    (``model type `no-such-type```, ``NoSuchBlock2D does not exist``); for a division by zero,
+    a key whose value is 0 that the failing code reads (``hidden_size % self.
+    num_attention_heads``), searched from the innermost frame outwards.
+    """
+    message = str(exc)
+    keys = [k for k in config if isinstance(k, str) and k != RECORD_KEY]
+    for key in keys:
+        if re.search(rf"[`'\"]{re.escape(key)}[`'\"]", message):
+            return key
+    for key in keys:
+        for text in _strings(config[key]):
+            quoted = rf"[`'\"]{re.escape(text)}[`'\"]"
+            named = rf"\b{re.escape(text)}\b" if len(text) >= 6 else quoted
+            if len(text) > 1 and re.search(f"{quoted}|{named}", message):
+                return key
+    if isinstance(exc, ZeroDivisionError):
+        zero = [k for k in keys if config[k] == 0 and not isinstance(config[k], bool)]
+        for line in _lines_outwards(exc.__traceback__):
+            found = next((k for k in zero if re.search(rf"\b{re.escape(k)}\b", line)), None)
+            if found:
+                return found
+    return None
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
+def _lines_outwards(tb: TracebackType | None) -> list[str]:
+    """The source line of each frame of a traceback, innermost first."""
+    lines = []
+    while tb is not None:
+        lines.append(linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return lines[::-1]
+
+
 def variant_keyword(source: ModelSource) -> dict[str, str]:
     """``variant=`` for the library's ``from_pretrained`` when the weights are a variant's."""
     return {"variant": source.variant} if source.variant else {}
@@ -151,12 +239,26 @@ def _native_transformers_class(source: ModelSource) -> type | None:
     if not isinstance(architecture, str):
         return None
     native = getattr(transformers, architecture, None)
-    if isinstance(native, type):
-        return native
+    if native is not None:  # not a model class: the model's own code (auto_map) names it
+        return native if _model_like(native, architecture) else None
     entry = _model_index(source.root.parent).get(source.root.name)
     if isinstance(entry, list) and len(entry) == 2 and entry[1] == architecture:
         return component_class(str(entry[0]), architecture)
     return None
+
+
+def _model_like(found: object, architecture: str) -> bool:
+    """Whether ``found``, transformers' attribute named ``architecture``, is a model class."""
+    import transformers
+
+    return (
+        isinstance(found, type)
+        and not architecture.startswith("_")
+        and (
+            issubclass(found, transformers.PreTrainedModel)
+            or found.__name__.startswith("AutoModel")
+        )
+    )
 
 
 def _model_index(directory: Path) -> dict[str, Any]:
@@ -173,8 +275,16 @@ def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
     import transformers
 
     architecture = (source.config.get("architectures") or [None])[0]
-    native = _native_transformers_class(source)
     auto_map = source.config.get("auto_map") or {}
+    named = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
+    if named is not None and not auto_map and not _model_like(named, architecture):
+        # ``__class__`` is an attribute of transformers, but not a model
+        raise CannotBuildModel(
+            f"'architectures' names {architecture!r}, which is not a transformers model class",
+            source.root / source.config_name,
+            "architectures",
+        )
+    native = _native_transformers_class(source)
     if uses_remote_code(source, trust_remote_code=trust_remote_code):
         if not trust_remote_code:
             raise InputError(

@@ -78,6 +78,8 @@ def load(
         A transformers ``PreTrainedModel``, a diffusers ``ModelMixin`` or ``DiffusionPipeline``,
         or an OpenCLIP model, in eval mode, with boundary hooks installed
         (:func:`precision_convert.conversion.runtime.boundaries.remove` takes them off).
+        Move it with ``.to(device)`` only: cast as a whole to float16 (``.half()``), the
+        range islands overflow again, and the hooks log a warning at its next forward.
 
     Raises:
         InputError: the directory is not a model, the weights contradict their record, a module

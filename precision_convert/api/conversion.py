@@ -254,11 +254,16 @@ def convert(
         supplied = read_inputs(inputs)
     root = resolve(source, revision, timeout=hub_timeout)
     target_dir = Path(output) if output is not None else default_output(source, to)
-    staged = StagedOutput(target_dir, overwrite=overwrite)
+    staged = StagedOutput(target_dir, overwrite=overwrite, sources=(root,))
     staged.check()
-    if target_dir.absolute() == root.absolute() or root.absolute() in target_dir.absolute().parents:
-        raise InputError("output must not be the source directory or inside it", target_dir)
     opened = open_source(root)
+    if data is not None or supplied is not None:
+        from precision_convert.validation.probe.preflight import check_user_inputs
+
+        check_user_inputs(
+            opened, data=data, inputs=supplied, inputs_path=inputs,
+            trust_remote_code=trust_remote_code, warn_of_cuts=not validate,
+        )  # fmt: skip
     models = _models(opened)
     if variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)

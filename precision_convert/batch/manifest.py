@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert._version import __version__
+from precision_convert.conversion.io.staging import overlap
 from precision_convert.errors import InputError
 from precision_convert.recipes import TARGETS
 
@@ -287,6 +288,7 @@ def read_manifest(path: str | Path) -> Manifest:
     for index, entry in enumerate(entries):
         jobs += _jobs(reader, defaults, entry, index, output_dir.absolute(), len(jobs))
     _check_unique(reader, jobs)
+    _check_apart(reader, output_dir, jobs)
     return Manifest(path.absolute(), output_dir.absolute(), tuple(jobs))
 
 
@@ -376,6 +378,16 @@ def _push(
     if not _REPO_ID.match(repo_id):
         raise reader.fail(f"push: {repo_id!r} is not a Hub repo id", "model", index, "push")
     return repo_id
+
+
+def _check_apart(reader: _Reader, output_dir: Path, jobs: list[Job]) -> None:
+    """``output_dir`` (the outputs, the report, the resume state) never overlaps a local
+    source, links resolved."""
+    for job in jobs:
+        local = Path(job.source).is_absolute()  # else a Hub id
+        problem = overlap(output_dir, job.source, "output_dir") if local else None
+        if problem is not None:
+            raise reader.fail(problem, "defaults", 0, "output_dir")
 
 
 def _check_unique(reader: _Reader, jobs: list[Job]) -> None:

@@ -51,19 +51,21 @@ NOTHING_WRITTEN = "nothing was written"
 
 @contextmanager
 def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Iterator[None]:
-    """Turn library errors into one line on stderr and the error's exit code.
+    """Turn library errors into one line on stderr (a line per problem when the error holds
+    several) and the error's exit code.
 
     Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
     then (a conversion may have committed its output before validation was interrupted).
     """
-    from precision_convert.errors import PrecisionConvertError
+    from precision_convert.errors import PrecisionConvertError, printable
 
     try:
         yield
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
-        print(f"precision-convert: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # several problems (a manifest's): a line each
+            print(f"precision-convert: {printable(line)}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
@@ -180,6 +182,7 @@ CalibrationDataOption = Annotated[
     typer.Option(
         "--calibration-data",
         metavar="FILE",
-        help="Text lines or JSONL of model inputs, added to the probes.",
+        help="Text lines (each cut to the model's position limit, with a warning) or JSONL "
+        "of model inputs (a row longer than the limit is refused), added to the probes.",
     ),
 ]

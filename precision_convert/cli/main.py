@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from precision_convert import interrupts
 from precision_convert.cli import batch as batch_cmd
 from precision_convert.cli import inspect as inspect_cmd
 from precision_convert.cli import model as model_cmd
@@ -98,4 +99,8 @@ def run() -> None:
     # for a checkpoint we reject; the command owns its process, so it filters them here.
     warnings.filterwarnings("ignore", module=r"torch\.(serialization|_weights_only_unpickler)")
     _bound_hub_requests()
+    # Every Ctrl-C is recorded as well as raised: one that something swallows on its way up
+    # (seen while torch imports numpy) still stops the run before it renames an output into
+    # place or commits to the Hub (see precision_convert.interrupts).
+    interrupts.watch()
     app()

@@ -293,6 +293,7 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
         f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and {verdict} "
         f"against the source upcast to fp32 on {certificate.device.get('type')}.",
         "",
+        *_cast_warning(certificate),
     ]
     if certificate.failures:
         lines += ["## Why it failed", "", *(f"- {f}" for f in certificate.failures), ""]
@@ -330,6 +331,22 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _cast_warning(certificate: Certificate) -> list[str]:
+    """At the top when loading in float16 throughout fails: fp32 islands that fp16's range
+    needs must not be cast away (``pc.load`` logs the same when a loaded model is cast)."""
+    failed = any(p.way == "compute" and p.verdict == "fail" for p in certificate.load_paths)
+    if certificate.compute_dtype != "float16" or not failed:
+        return []
+    return [
+        "> **Do not cast this model to float16 as a whole.** It keeps fp32 islands where fp16 "
+        "overflows: `model.half()`, `model.to(torch.float16)` and "
+        "`from_pretrained(..., dtype=torch.float16)` turn them back into fp16, and the outputs "
+        "fail against fp32 (see Loading). `pc.load` keeps them; move the model with "
+        "`.to(device)` only.",
+        "",
+    ]
 
 
 def _loading(certificate: Certificate) -> list[str]:

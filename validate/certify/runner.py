@@ -34,6 +34,7 @@ import torch
 
 from precision_convert._version import __version__
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.io.staging import check_apart
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
@@ -81,6 +82,7 @@ from precision_convert.validation.probe.inputs import (
 )
 from precision_convert.validation.probe.metrics import METRICS, Measurement, measure
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
+from precision_convert.validation.probe.preflight import check_user_inputs
 from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
@@ -159,9 +161,15 @@ def validate(
     )
     opened = open_source(root)
     source = source_info(baseline, root)
+    if source.kind == "source":  # the certificate and card are written into ``converted``
+        check_apart(root, [source.path], "the converted directory")
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
+    check_user_inputs(  # what the model cannot take: refused before anything runs
+        opened, data=data, inputs=supplied, trust_remote_code=trust_remote_code,
+        inputs_path=inputs if isinstance(inputs, str | Path) else None,
+    )  # fmt: skip
     components = _components(opened, source, trust_remote_code)
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []

@@ -32,6 +32,9 @@ from precision_convert.errors import InputError
 
 #: Files larger than this are refused: calibration data is a handful of samples, not a corpus.
 MAX_BYTES = 64 << 20
+#: What :func:`to_tensor` turns integers and floats into.
+_INT64 = torch.iinfo(torch.int64)
+_FLOAT32 = torch.finfo(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,10 @@ def _check_array(value: Any, path: Path, line: int, key: str) -> None:
         if isinstance(item, bool | int | float):
             if isinstance(item, float) and not math.isfinite(item):
                 raise ValueError("not finite")
+            if isinstance(item, int) and not _INT64.min <= item <= _INT64.max:
+                raise ValueError(f"{item} does not fit a 64-bit integer")
+            if isinstance(item, float) and abs(item) > _FLOAT32.max:
+                raise ValueError(f"{item} does not fit a 32-bit float")
             return ()
         if isinstance(item, list) and item:
             shapes = {shape(x) for x in item}
