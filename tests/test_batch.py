@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -248,6 +250,30 @@ source = "{parked}"
     assert TOKEN not in resumed.stdout + resumed.stderr
     for path in out.rglob("*"):
         assert not path.is_file() or TOKEN.encode() not in path.read_bytes()
+
+
+def test_a_silent_hub_fails_the_job_instead_of_hanging_its_worker(tmp_path: Path) -> None:
+    """A Hub that accepts the connection and never answers: huggingface_hub's own client would
+    wait forever; batch workers get the command's bounded client, so the job fails quickly."""
+    (tmp_path / "batch.toml").write_text(
+        '[defaults]\nto = ["bf16"]\noutput_dir = "out"\n\n[[model]]\nsource = "ns/silent"\n'
+    )
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # handshakes complete; nobody ever answers
+        env = {
+            "HF_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "HF_HUB_OFFLINE": "0",
+            "HF_HOME": str(tmp_path / ".hf-home"),
+            "PRECISION_CONVERT_HUB_TIMEOUT": "2",
+        }
+        started = time.monotonic()
+        done = run(tmp_path, env=env)
+        elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    reason = done.results()["silent-bf16"]["reason"]
+    assert reason.startswith("download: ns/silent: ") and "Timeout" in reason, reason
+    assert elapsed < 60, f"took {elapsed:.0f} s to give up on a silent Hub"
 
 
 # --------------------------------------------------------------------------- Hub etiquette

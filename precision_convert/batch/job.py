@@ -271,7 +271,8 @@ def fp32_share(components: list[ComponentResult]) -> float:
 
 def own_process(threads: int) -> None:
     """For a worker that owns its process: a fixed torch thread count (the same on every
-    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars.
+    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars,
+    and the command's bounded Hub client (a silent Hub fails the job instead of hanging it).
 
     Workers share the terminal with the driver's progress display, and everything a job has
     to say reaches the report through its outcome; library warnings and bars would only
@@ -279,8 +280,11 @@ def own_process(threads: int) -> None:
     import os
     import warnings
 
+    from precision_convert.hub_client import bound_hub_requests
+
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")
+    bound_hub_requests()
     import torch
 
     torch.set_num_threads(threads)
