@@ -276,6 +276,48 @@ def test_a_silent_hub_fails_the_job_instead_of_hanging_its_worker(tmp_path: Path
     assert elapsed < 60, f"took {elapsed:.0f} s to give up on a silent Hub"
 
 
+_ORPHAN = """
+import os, subprocess, sys
+worker = (
+    "import os, sys, time; sys.platform = 'darwin'  # no PR_SET_PDEATHSIG: the watchdog runs\\n"
+    "from precision_convert.batch.local import _die_with_the_driver\\n"
+    "_die_with_the_driver(os.getppid()); print('ready', flush=True); time.sleep(120)"
+)
+child = subprocess.Popen(
+    [sys.executable, "-c", worker], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+)
+child.stdout.readline()
+print(child.pid, flush=True)
+os._exit(0)  # the driver dies without stopping its worker
+"""
+
+
+def test_a_worker_without_pdeathsig_watches_its_driver(tmp_path: Path) -> None:
+    """Off Linux there is no PR_SET_PDEATHSIG: a worker's watchdog thread ends it within a
+    second or two of its driver's death."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _ORPHAN], capture_output=True, text=True, timeout=60, check=True
+    )
+    worker = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(worker):
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the worker outlived its driver")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------- Hub etiquette
 
 
