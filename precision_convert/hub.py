@@ -2,7 +2,9 @@
 
 :func:`push` (``pc.push``, ``precision-convert push``, ``model … --push``) runs in two stages:
 
-1. **The gate** (:func:`check`), local and offline. It reads the certificate
+1. **The gate** (:func:`check`: the one verifier,
+   :func:`~precision_convert.validation.certify.verify.verify`, that ``batch --resume`` and
+   ``validate --verify`` use too), local and offline. It reads the certificate
    (``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
    written with ``--variant``), hashes every file it is about to upload — the bytes, never a
    name such as a Hub-cache blob's — and refuses (:class:`~precision_convert.errors.PushRefused`,
@@ -36,11 +38,8 @@ complete the push) — each one line.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,20 +54,18 @@ from precision_convert.errors import (
     PushFailed,
     PushRefused,
 )
-from precision_convert.validation.certify.card import CHART_NAME, base_model_id, render
-from precision_convert.validation.certify.certificate import (
-    CARD_NAME,
-    CERTIFICATE_FILE,
-    CERTIFICATE_NAME,
-    Certificate,
+from precision_convert.validation.certify.card import base_model_id
+from precision_convert.validation.certify.certificate import CARD_NAME
+from precision_convert.validation.certify.verify import (
+    HashedFile,
+    Verified,
+    is_variant_file,
+    verify,
 )
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-#: Files up to this size are read whole: the bytes hashed are then the very bytes sent.
-_IN_MEMORY_BYTES = 8 * 1024 * 1024
-_HASH_THREADS = min(8, os.cpu_count() or 1)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: Remote files a new-repo push replaces when its output lacks them: whatever decides what
 #: loads (weights, shard indexes, certificates). Documentation and other files are left alone.
@@ -79,34 +76,6 @@ _LOAD_BEARING = re.compile(
 )
 #: A branch may be named with or without this prefix.
 _HEADS = "refs/heads/"
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    """One file of the converted directory, hashed from its bytes."""
-
-    path: str  # relative POSIX path, the path in the repo
-    location: Path
-    sha256: str
-    size: int
-    data: bytes | None  # the content for small files: what was hashed is what is sent
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What passed the gate: the certificate, its variant and every file, hashed."""
-
-    directory: Path
-    certificate: Certificate
-    certificate_name: str
-    variant: str | None
-    files: dict[str, LocalFile]
-    card: str  # the card text (README.md, or rendered when a variant output has none)
-
-    def variant_paths(self) -> list[str]:
-        """The variant-named weight files and index, plus the variant's certificate."""
-        found = [p for p in self.files if self.variant and is_variant_file(p, self.variant)]
-        return sorted({*found, self.certificate_name})
 
 
 @dataclass(frozen=True)
@@ -124,129 +93,24 @@ class PushResult:
     changed: bool = True  # False: the branch or PR already held exactly these files
 
 
-def is_variant_file(path: str, variant: str) -> bool:
-    """``model.<v>.safetensors``, ``model.<v>-00001-of-00002.safetensors``,
-    ``model.safetensors.index.<v>.json`` (and the same for diffusers' names, in any folder)."""
-    name = path.rsplit("/", 1)[-1]
-    v = re.escape(variant)
-    return bool(
-        re.fullmatch(rf".+\.{v}(-\d+-of-\d+)?\.safetensors", name)
-        or re.fullmatch(rf".+\.safetensors\.index\.{v}\.json", name)
-    )
-
-
 # --------------------------------------------------------------------------- the gate
 
 
-def check(converted: str | Path) -> Checked:
-    """The certificate gate: hash every file and compare it with the certificate; offline.
+def check(converted: str | Path) -> Verified:
+    """The certificate gate (the one verifier, keeping what the upload needs); offline.
 
     Raises:
         InputError: ``converted`` is not a directory.
-        NotAsCertified: no certificate, a verdict other than ``pass``, a changed, missing or
-            extra file, or a card that is not the one the certificate renders.
+        NotAsCertified: see :func:`~precision_convert.validation.certify.verify.verify`.
     """
-    directory = Path(converted)
-    if not directory.is_dir():
-        raise InputError("no such directory: push takes a converted model directory", directory)
-    paths = _listing(directory)
-    names = [p for p in paths if "/" not in p and CERTIFICATE_FILE.fullmatch(p)]
-    if not names:
-        raise NotAsCertified(
-            directory,
-            [f"{CERTIFICATE_NAME}: missing (certify the output first: precision-convert validate)"],
-        )
-    if len(names) > 1:
-        raise NotAsCertified(directory, [f"more than one certificate ({', '.join(sorted(names))})"])
-    certificate_name = names[0]
-    variant = CERTIFICATE_FILE.fullmatch(certificate_name)["variant"]  # type: ignore[index]
-    try:
-        certificate = Certificate.from_dict(
-            json.loads((directory / certificate_name).read_text(encoding="utf-8"))
-        )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise NotAsCertified(directory, [f"{certificate_name}: unreadable ({detail})"]) from None
-
-    problems: list[str] = []
-    recorded = certificate.source.get("variant")
-    if recorded != variant:
-        problems.append(
-            f"{certificate_name}: records variant {recorded!r} but is named for {variant!r}"
-        )
-    if not certificate.passed:
-        first = certificate.failures[0] if certificate.failures else "no reason recorded"
-        problems.append(
-            f"{certificate_name}: verdict {certificate.verdict!r}, not 'pass' ({first})"
-        )
-
-    files = _hash(directory, paths)
-    covered = {p: f for p, f in files.items() if p not in (certificate_name, CARD_NAME)}
-    for name in sorted(covered):
-        expected = certificate.files.get(name)
-        if expected is None:
-            problems.append(f"{name}: not covered by the certificate")
-        elif expected != covered[name].sha256:
-            problems.append(f"{name}: changed since certification")
-    problems += [
-        f"{name}: missing" for name in sorted(set(certificate.files) - set(covered) - {CARD_NAME})
-    ]
-    if variant is not None and not any(is_variant_file(p, variant) for p in covered):
-        problems.append(f"{certificate_name}: no {variant!r}-variant weight file beside it")
-
-    expected_card = render_card(certificate, directory)
-    card_file = files.get(CARD_NAME)
-    if card_file is None:
-        if variant is None:  # a variant PR never uploads the card; a new repo needs it
-            problems.append(f"{CARD_NAME}: missing (it is written with the certificate)")
-        card = expected_card
-    else:
-        card = _content(card_file).decode("utf-8", errors="replace")
-        if card != expected_card:
-            problems.append(f"{CARD_NAME}: differs from the card the certificate renders")
-    if problems:
-        raise NotAsCertified(directory, problems)
-    return Checked(directory, certificate, certificate_name, variant, files, card)
+    return verify(converted, blocks=True)
 
 
-def render_card(certificate: Certificate, directory: Path) -> str:
-    """The card :func:`~precision_convert.validation.certify.card.write_card` writes for
-    ``certificate`` into ``directory`` (a pure function of both), without writing it."""
-    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
-    return render(certificate, charts=charts)
-
-
-def _listing(directory: Path) -> list[str]:
-    """Every file under ``directory`` (relative POSIX paths), minus hidden paths (``.cache``,
-    ``.git``), which are neither certified nor uploaded."""
-    found = []
-    for root, dirs, names in os.walk(directory, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            if not name.startswith(".") and os.path.isfile(os.path.join(root, name)):
-                found.append(Path(root, name).relative_to(directory).as_posix())
-    return found
-
-
-def _hash(directory: Path, paths: list[str]) -> dict[str, LocalFile]:
-    """sha256 of each file's bytes (in parallel: hashlib releases the GIL)."""
-
-    def one(path: str) -> LocalFile:
-        location = directory / path
-        with location.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size <= _IN_MEMORY_BYTES:
-                data = f.read()
-                return LocalFile(path, location, hashlib.sha256(data).hexdigest(), len(data), data)
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        return LocalFile(path, location, digest, size, None)
-
-    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-        return {f.path: f for f in pool.map(one, paths)}
-
-
-def _content(file: LocalFile) -> bytes:
-    return file.data if file.data is not None else file.location.read_bytes()
+def _variant_paths(checked: Verified) -> list[str]:
+    """The variant-named weight files and index, plus the variant's certificate."""
+    assert checked.variant is not None
+    found = [p for p in checked.files if is_variant_file(p, checked.variant)]
+    return sorted({*found, checked.certificate_name})
 
 
 # --------------------------------------------------------------------------- the upload
@@ -344,7 +208,7 @@ def _branch(revision: str | None) -> str:
 
 def _new_repo(
     api: HfApi,
-    checked: Checked,
+    checked: Verified,
     repo_id: str,
     branch: str,
     user: str,
@@ -366,10 +230,10 @@ def _new_repo(
     return _commit(api, checked, repo_id, plan, title, description, paths, stale, "new-repo")
 
 
-def _variant_pr(api: HfApi, checked: Checked, repo_id: str, branch: str, user: str) -> PushResult:
+def _variant_pr(api: HfApi, checked: Verified, repo_id: str, branch: str, user: str) -> PushResult:
     assert checked.variant is not None
     title = _title(checked, branch, True, variant_pr=True)
-    paths = checked.variant_paths()
+    paths = _variant_paths(checked)
     plan = _target(api, repo_id, branch, user, title, True)
     remote = {
         entry.path: entry
@@ -427,7 +291,7 @@ def _target(
 
 def _commit(
     api: HfApi,
-    checked: Checked,
+    checked: Verified,
     repo_id: str,
     target: _Target,
     title: str,
@@ -472,16 +336,16 @@ def _commit(
     )
 
 
-def _same(file: LocalFile, remote: Any) -> bool:
+def _same(file: HashedFile, remote: Any) -> bool:
     """Whether a local file equals a Hub tree entry (LFS: sha256; git: blob sha1)."""
     lfs = getattr(remote, "lfs", None)
     if lfs is not None:
         return bool(lfs.sha256 == file.sha256)
-    data = _content(file)
+    data = file.data if file.data is not None else file.location.read_bytes()
     return bool(remote.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
 
 
-def _title(checked: Checked, branch: str, pull_request: bool, *, variant_pr: bool) -> str:
+def _title(checked: Verified, branch: str, pull_request: bool, *, variant_pr: bool) -> str:
     """The commit summary, which is also the PR's title: stable for the same conversion, so a
     second push finds the PR the first one opened."""
     cert = checked.certificate
@@ -494,7 +358,7 @@ def _title(checked: Checked, branch: str, pull_request: bool, *, variant_pr: boo
     return f"{title} into {branch}" if pull_request and branch != "main" else title
 
 
-def _summary(checked: Checked, paths: list[str]) -> str:
+def _summary(checked: Verified, paths: list[str]) -> str:
     """The parity summary for the commit (and PR) description."""
     cert = checked.certificate
     failed = sum(not m.passed for m in cert.metrics)

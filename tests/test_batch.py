@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 
 from precision_convert.batch.state import exclusive
 from precision_convert.cli.main import app
-from precision_convert.hub import check
+from precision_convert.validation.certify.verify import verify
 
 TOKEN = "hf_FAKEbatchTokenDoNotLeak42"
 USER = "ns"
@@ -120,7 +120,7 @@ def test_good_jobs_are_certified_and_the_broken_one_is_reported(family: Run) -> 
         assert result["key_metric"]["metric"] == "rel_l2"
         assert result["key_metric"]["value"] < result["key_metric"]["threshold"]
         assert set(result["timings"]) == {"download", "convert", "validate"}
-        checked = check(family.output_dir / key)  # the push gate: pass, files match
+        checked = verify(family.output_dir / key)  # the push gate: pass, files match
         assert checked.certificate.target == result["target"]
     assert results["llama-bf16"]["fp32_share"] == 0.0  # a plain cast keeps nothing in fp32
     assert results["llama-bf16-safe"]["fp32_share"] > 0.0  # the norms stay fp32
@@ -218,7 +218,7 @@ source = "{parked}"
     commits = [r for r in hub.requests if r[1] == "/api/models/ns/llama-bf16/commit/main"]
     assert len(commits) == 2  # refused once with 429, then accepted
     pushed = hub.files("ns/llama-bf16")
-    assert set(pushed) - {".gitattributes"} == set(check(out / "llama-bf16").files)
+    assert set(pushed) - {".gitattributes"} == set(verify(out / "llama-bf16").files)
     (pr,) = [d for d in hub.repos[SOURCE_REPO].discussions if d.is_pull_request]
     assert "model.bf16.safetensors" in hub.files(SOURCE_REPO, f"refs/pr/{pr.num}")
     finished = {key: stamps(out / key) for key in ("tiny-bf16-safe", "llama-bf16")}
@@ -244,7 +244,7 @@ source = "{parked}"
     missing = results["does-not-exist-bf16"]
     assert missing["reason"].startswith("download: ns/does-not-exist: ")
     assert "no such model repo" in missing["reason"]
-    assert check(out / "parked-bf16").certificate.source["id"] == PARKED_REPO
+    assert verify(out / "parked-bf16").certificate.source["id"] == PARKED_REPO
 
     # The token is nowhere in what the runs wrote or printed.
     assert TOKEN not in resumed.stdout + resumed.stderr

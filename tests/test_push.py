@@ -380,7 +380,7 @@ def test_gate_refuses_and_uploads_nothing(
     served: Served, hub: FakeHub, tmp_path: Path, tamper: Callable[[Path], str]
 ) -> None:
     """Each change after certification is caught by ``push`` (nothing sent) and by
-    ``validate --verify``, both naming the file."""
+    ``validate --verify``, both naming the file: one verifier, the same problems."""
     out = _copy(served, tmp_path)
     verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])
     assert verified.exit_code == 0 and "verified:" in verified.stdout, verified.output
@@ -392,7 +392,9 @@ def test_gate_refuses_and_uploads_nothing(
     assert hub.requests == []  # the gate runs before anything talks to the Hub
     assert "ns/refused" not in hub.repos
     verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])
-    _one_line_error(verified, 1, culprit, "not as certified")
+    verify_line = _one_line_error(verified, 1, culprit, "not as certified")
+    problems = line.split("push refused, nothing uploaded: ", 1)[1]
+    assert verify_line.split("not as certified: ", 1)[1] == problems
 
 
 def test_gate_hashes_bytes_not_names(served: Served, hub: FakeHub, tmp_path: Path) -> None:

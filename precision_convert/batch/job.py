@@ -165,8 +165,8 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
     """Certify the output against the source in fp32 (on ``device``; None: CUDA if present)."""
     if outcome.failed:
         return outcome
-    from precision_convert.hub import check
     from precision_convert.validation.certify.runner import validate
+    from precision_convert.validation.certify.verify import verify
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
     options = job.options
@@ -184,7 +184,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
         if not certificate.passed:
             first = certificate.failures[0] if certificate.failures else "no metric was judged"
             raise CheckFailed(f"not certified ({len(certificate.failures)} problems): {first}")
-        checked = check(job.output)  # what --resume and push will check: it must pass now
+        checked = verify(job.output)  # what --resume and push will check: it must pass now
         state = settings.store.read(job.key) or JobState(job.key, job.digest)
         state.certificate = checked.files[checked.certificate_name].sha256
         settings.store.write(state)

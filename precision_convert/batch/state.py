@@ -3,8 +3,9 @@
 Each job's state file records what its output is known to be: the digest of the job that
 wrote it, the sha256 of its passing certificate, and what was pushed (repo, URL, the pull
 request's number) for which certificate. ``--resume`` trusts none of it on its own: an output
-is finished only when the certificate gate (:func:`precision_convert.hub.check`) passes on the
-files as they are now *and* the state says the same certificate was produced (and pushed) by
+is finished only when the one verifier
+(:func:`precision_convert.validation.certify.verify.verify`, the push's gate) passes on the files
+as they are now *and* the state says the same certificate was produced (and pushed) by
 the same job. Anything less is redone: a push alone when only the push is missing.
 
 The folder is hidden, so neither the certificate's hashing nor ``push`` ever sees it.
@@ -87,13 +88,13 @@ class Start:
 def resume_point(job: Job, store: StateStore) -> Start:
     """How much of ``job`` a ``--resume`` run can keep (see the module docstring)."""
     from precision_convert.errors import PrecisionConvertError
-    from precision_convert.hub import check
+    from precision_convert.validation.certify.verify import verify
 
     state = store.read(job.key)
     if state is None or state.digest != job.digest or state.certificate is None:
         return Start(Resume.CONVERT)
     try:
-        checked = check(job.output)
+        checked = verify(job.output)
     except PrecisionConvertError:
         return Start(Resume.CONVERT)
     if checked.files[checked.certificate_name].sha256 != state.certificate:
