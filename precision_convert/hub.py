@@ -20,6 +20,13 @@
      ``precision_certificate.<variant>.json`` (the source's own weights, configs and card are
      never touched), with the parity summary and the card in its description.
 
+   What is uploaded is exactly what the gate hashed: files up to a block (8 MiB) are read once
+   and sent from memory; larger ones are read again through :class:`CertifiedReader`, which
+   checks every block against the digest the gate took of it before handing it to the client,
+   so a file changed in between is refused (nothing committed, its new bytes never sent).
+   Streams take the Hub's HTTP (LFS) upload path rather than Xet's, which would read the file
+   itself, outside this check.
+
    The commit names the branch head it was built on (``parent_commit``), so a branch that moves
    meanwhile is an error rather than an overwrite. An open pull request with the same title by
    the same user is updated instead of opening another. Uploads go through huggingface_hub's
@@ -38,12 +45,13 @@ complete the push) — each one line.
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from precision_convert.errors import (
     HubAuthError,
@@ -57,6 +65,7 @@ from precision_convert.errors import (
 from precision_convert.validation.certify.card import base_model_id
 from precision_convert.validation.certify.certificate import CARD_NAME
 from precision_convert.validation.certify.verify import (
+    BLOCK_BYTES,
     HashedFile,
     Verified,
     is_variant_file,
@@ -64,7 +73,7 @@ from precision_convert.validation.certify.verify import (
 )
 
 if TYPE_CHECKING:
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: Remote files a new-repo push replaces when its output lacks them: whatever decides what
@@ -300,26 +309,29 @@ def _commit(
     stale: list[str],
     shape: str,
 ) -> PushResult:
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub import CommitOperationDelete
 
-    operations: list[CommitOperationAdd | CommitOperationDelete] = []
-    for path in paths:
-        file = checked.files[path]
-        add = CommitOperationAdd(path, file.data if file.data is not None else file.location)
-        # The certified hash of these very bytes: the client uses it as the LFS object id
-        # (the Hub checks content against it) instead of reading the file once more.
-        add.upload_info.sha256 = bytes.fromhex(file.sha256)
-        operations.append(add)
-    operations += [CommitOperationDelete(path) for path in stale]
-    info = api.create_commit(
-        repo_id,
-        operations,
-        commit_message=title,
-        commit_description=description,
-        revision=target.revision,
-        create_pr=target.create_pr,
-        parent_commit=target.parent,
-    )
+    try:
+        with ExitStack() as readers:  # large files' streams, closed once the commit is made
+            operations: list[CommitOperationAdd | CommitOperationDelete] = [
+                _addition(checked.files[path], readers) for path in paths
+            ]
+            operations += [CommitOperationDelete(path) for path in stale]
+            info = api.create_commit(
+                repo_id,
+                operations,
+                commit_message=title,
+                commit_description=description,
+                revision=target.revision,
+                create_pr=target.create_pr,
+                parent_commit=target.parent,
+            )
+    except Exception as exc:
+        culprit = _changed_file(exc)
+        if culprit is None:
+            raise
+        problem = f"{culprit}: changed since certification (found while uploading it)"
+        raise PushRefused(checked.directory, [problem]) from None
     changed = info.oid != target.parent
     number = info.pr_num if info.pr_url else target.pull_request
     url = info.pr_url or target.pull_request_url or info.commit_url
@@ -334,6 +346,110 @@ def _commit(
         deleted=stale,
         changed=changed,
     )
+
+
+def _addition(file: HashedFile, readers: ExitStack) -> CommitOperationAdd:
+    """The commit operation for ``file``: its bytes as the gate read them, with the certified
+    sha256 as the LFS object id (the client never hashes the file again)."""
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.lfs import UploadInfo
+
+    if file.data is not None:  # small: the very bytes that were hashed
+        return CommitOperationAdd(file.path, file.data)
+    # Built on the path (which reads nothing), then given the certified stream and upload info:
+    # a file object passed in directly would be read whole once more just to hash it.
+    add = CommitOperationAdd(file.path, file.location)
+    add.path_or_fileobj = readers.enter_context(CertifiedReader(file))
+    # The sample (read from the path) only tells text from binary; it is not uploaded.
+    add.upload_info = UploadInfo(file.size, add.upload_info.sample, bytes.fromhex(file.sha256))
+    return add
+
+
+class CertifiedReader(io.BufferedIOBase):
+    """A large file as the gate hashed it: every block read to upload is checked against the
+    digest the gate took of it before any byte of it is handed out, so what is sent is exactly
+    what was certified. A changed block raises :class:`ChangedSinceCertified` instead (the
+    upload fails, the commit is never made). Reads may come in any order and more than once
+    (multipart uploads, retries): each is checked. At most one block is kept in memory, and
+    none once the client seeks elsewhere (it rewinds the stream when its upload ends)."""
+
+    def __init__(self, file: HashedFile) -> None:
+        super().__init__()
+        self.file = file
+        self._handle: BinaryIO | None = None
+        self._position = 0
+        self._index = -1  # the block in memory
+        self._block = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.file.size}[whence]
+        self._position = max(0, base + offset)
+        if self._position // BLOCK_BYTES != self._index:  # the client rewinds after an upload:
+            self._block, self._index = b"", -1  # the block is not kept while others upload
+        return self._position
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = self.file.size - self._position if size is None or size < 0 else size
+        pieces = []
+        while left > 0 and self._position < self.file.size:
+            index, offset = divmod(self._position, BLOCK_BYTES)
+            piece = self._load(index)[offset : offset + left]
+            pieces.append(piece)
+            self._position += len(piece)
+            left -= len(piece)
+        return b"".join(pieces)
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size)
+
+    def _load(self, index: int) -> bytes:
+        if index != self._index:
+            if self._handle is None:
+                self._handle = self.file.location.open("rb")
+            self._handle.seek(index * BLOCK_BYTES)
+            block = self._handle.read(BLOCK_BYTES)
+            expected = self.file.blocks[index] if index < len(self.file.blocks) else b""
+            if hashlib.sha256(block).digest() != expected:
+                raise ChangedSinceCertified(self.file.path)
+            self._block, self._index = block, index
+        return self._block
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self._block = b""
+        super().close()
+
+
+class ChangedSinceCertified(Exception):
+    """A file's bytes changed between the gate and its upload (raised inside the client)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: changed since certification")
+
+
+def _changed_file(exc: BaseException) -> str | None:
+    """The file named by a :class:`ChangedSinceCertified` somewhere in ``exc``'s chain (the
+    client wraps what a read raises: "Error while uploading ...")."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ChangedSinceCertified):
+            return current.path
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _same(file: HashedFile, remote: Any) -> bool:

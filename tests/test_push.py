@@ -36,6 +36,7 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
+from precision_convert.validation.certify.verify import BLOCK_BYTES
 
 SOURCE_REPO = "ns/tiny"
 VARIANT = "bf16"
@@ -413,6 +414,76 @@ def test_gate_hashes_bytes_not_names(served: Served, hub: FakeHub, tmp_path: Pat
     done = _push(str(out), "ns/refused")
     _one_line_error(done, 1, shard.name, "changed since certification")
     assert hub.requests == []
+
+
+def _with_a_large_file(served: Served, tmp_path: Path) -> Path:
+    """A certified copy of the output holding one more file, larger than a block (so the push
+    re-reads it to upload instead of keeping it in memory), covered by the certificate."""
+    out = _copy(served, tmp_path)
+    large = out / "large.safetensors"
+    large.write_bytes(os.urandom(2 * BLOCK_BYTES + 1000))
+    certificate = Certificate.read(out)
+    certificate.files[large.name] = _sha256(large.read_bytes())
+    (out / CERTIFICATE_NAME).write_text(json.dumps(certificate.to_dict(), indent=2) + "\n")
+    write_card(certificate, out)
+    return out
+
+
+@pytest.mark.parametrize("offset", [0, 2 * BLOCK_BYTES + 500], ids=["first-block", "last-block"])
+def test_a_file_changed_between_gate_and_upload_is_never_sent(
+    served: Served, hub: FakeHub, tmp_path: Path, offset: int
+) -> None:
+    """The gate hashes a large shard; it changes in place (a tool saving over it) before the
+    client uploads it: the push is refused naming it, its changed bytes never leave the machine,
+    nothing is committed and nothing is stored under the certified object id."""
+    out = _with_a_large_file(served, tmp_path)
+    large = out / "large.safetensors"
+    certified = _sha256(large.read_bytes())
+    marker = b"changed after the gate" * 4
+
+    def change_it() -> None:
+        with large.open("r+b") as f:
+            f.seek(offset)
+            f.write(marker)
+
+    repo_id = f"ns/changed-{offset}"
+    hub.inject(r"\.git/info/lfs/objects/batch$", before=change_it, times=1)
+    done = _push(str(out), repo_id)
+    _one_line_error(done, 1, "large.safetensors: changed since certification", "push refused")
+    assert marker in large.read_bytes()  # it really changed under the push
+    assert not any(marker in body for body in hub.bodies)
+    assert certified not in hub._blobs and (repo_id, certified) not in hub.uploads
+    assert set(hub.files(repo_id)) == {".gitattributes"}  # no commit
+
+
+def test_a_large_file_read_again_for_a_retry_is_checked_again(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """The client retries a failed upload by rewinding the stream: the second read is checked
+    block by block too, and what the Hub stores is the certified file."""
+    out = _with_a_large_file(served, tmp_path)
+    certified = (out / "large.safetensors").read_bytes()
+    hub.inject(rf"^/upload/{_sha256(certified)}/", status=503, times=1)
+    done = _push(str(out), "ns/large-retried")
+    assert done.exit_code == 0, done.output
+    uploads = [p for m, p in hub.requests if m == "PUT" and _sha256(certified) in p]
+    assert len(uploads) == 2  # refused once, then sent again
+    assert hub.files("ns/large-retried")["large.safetensors"] == certified
+
+
+def test_a_small_file_changed_after_the_gate_goes_up_as_certified(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """Files up to a block are read once, hashed and kept: a change after the gate does not
+    reach the Hub, which stores the bytes that were certified."""
+    out = _copy(served, tmp_path)
+    shard = out / "model-00001-of-00003.safetensors"
+    certified = shard.read_bytes()
+    hub.inject(r"/preupload/", before=lambda: shard.write_bytes(b"changed"), times=1)
+    done = _push(str(out), "ns/small-changed")
+    assert done.exit_code == 0, done.output
+    assert shard.read_bytes() == b"changed"
+    assert hub.files("ns/small-changed")[shard.name] == certified
 
 
 def test_source_repo_is_not_overwritten(served: Served, hub: FakeHub) -> None:
