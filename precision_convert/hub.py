@@ -47,9 +47,11 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -85,6 +87,8 @@ _LOAD_BEARING = re.compile(
 )
 #: A branch may be named with or without this prefix.
 _HEADS = "refs/heads/"
+#: ``--revision refs/pr/N``: an open pull request, as huggingface_hub names its ref.
+_PULL_REQUEST = re.compile(r"refs/pr/([1-9][0-9]*)")
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class PushResult:
     uploaded: list[str]  # paths in the commit (unchanged files are skipped by the Hub client)
     deleted: list[str] = field(default_factory=list)
     changed: bool = True  # False: the branch or PR already held exactly these files
+    proposed: bool = False  # a pull request was asked for (or pushed into)
 
 
 # --------------------------------------------------------------------------- the gate
@@ -134,6 +139,7 @@ def push(
     *,
     token: str | None = None,
     endpoint: str | None = None,
+    commit_message: str | None = None,
 ) -> str:
     """Publish a certified directory to the Hub; returns the URL of the commit or the PR.
 
@@ -145,9 +151,12 @@ def push(
         create_pr: open a pull request instead of committing to the branch (an open PR of the
             same title by the same user is updated instead). Always on for a variant PR.
         private: create the repo private (ignored when it exists already).
-        revision: the branch to commit to, or to open the PR against (default ``main``).
+        revision: the branch to commit to, or to open the PR against (default ``main``); or
+            an open pull request to push into, ``refs/pr/N`` (as huggingface_hub takes it).
         token: a Hub token; default ``HF_TOKEN`` or the saved login.
         endpoint: the Hub's URL; default huggingface_hub's (``HF_ENDPOINT``).
+        commit_message: the commit's summary (and a new PR's title); default one naming the
+            conversion and its verdict.
 
     Raises:
         PushRefused: the certificate gate refused (see :func:`check`); nothing was sent.
@@ -161,6 +170,7 @@ def push(
         revision=revision,
         token=token,
         endpoint=endpoint,
+        commit_message=commit_message,
     ).url
 
 
@@ -173,18 +183,26 @@ def publish(
     revision: str | None = None,
     token: str | None = None,
     endpoint: str | None = None,
+    commit_message: str | None = None,
 ) -> PushResult:
     """:func:`push`, returning what was done (for the command's report)."""
     if not _REPO_ID.match(repo_id):
         raise InputError(f"{repo_id!r} is not a Hub repo id (namespace/name)")
-    branch = _branch(revision)
+    branch, pull_request = _revision(revision)
+    if pull_request is not None and create_pr:
+        raise InputError(
+            f"--revision {revision} pushes into that pull request; --create-pr would open "
+            "another: drop one of them"
+        )
+    if commit_message is not None and not commit_message.strip():
+        raise InputError("--commit-message is empty")
     try:
         checked = check(converted)
     except NotAsCertified as exc:
         raise PushRefused(exc.path, exc.problems) from None
     source_id = base_model_id(checked.certificate)
     variant_pr = checked.variant is not None and repo_id == checked.certificate.source.get("id")
-    if not variant_pr and repo_id == source_id and not create_pr:
+    if not variant_pr and repo_id == source_id and not create_pr and pull_request is None:
         raise InputError(
             f"{repo_id} is the source repo of this conversion: committing would replace its "
             "weights; push to a new repo, pass --create-pr, or convert with --variant to add "
@@ -201,34 +219,65 @@ def publish(
             "can write"
         )
     api = HfApi(endpoint=endpoint, token=secret)
-    with _hub_errors(repo_id, branch, secret):
-        user = str(api.whoami()["name"])
+    where = revision or "main"
+    with _hub_errors(repo_id, where, secret) as errors:
+        identity = api.whoami()
+        request = _Request(
+            api,
+            checked,
+            repo_id,
+            branch,
+            pull_request,
+            str(identity["name"]),
+            create_pr or variant_pr,
+            commit_message.strip() if commit_message else None,
+        )
+        errors.request, errors.identity = request, identity
         if variant_pr:
-            return _variant_pr(api, checked, repo_id, branch, user)
-        return _new_repo(api, checked, repo_id, branch, user, create_pr, private)
+            return _variant_pr(request)
+        errors.creating = True
+        api.create_repo(repo_id, exist_ok=True, private=private)
+        errors.creating = False
+        return _new_repo(request)
 
 
-def _branch(revision: str | None) -> str:
+@dataclass(frozen=True)
+class _Request:
+    """One push, as asked: where to, by whom, how."""
+
+    api: HfApi
+    checked: Verified
+    repo_id: str
+    branch: str  # the branch to commit to or open the PR against ("" for an existing PR)
+    pull_request: int | None  # --revision refs/pr/N: the open PR to push into
+    user: str
+    create_pr: bool
+    message: str | None  # --commit-message
+
+    def title(self, *, variant_pr: bool) -> str:
+        return self.message or _title(
+            self.checked, self.branch, self.create_pr, variant_pr=variant_pr
+        )
+
+
+def _revision(revision: str | None) -> tuple[str, int | None]:
+    """(branch, None) for a branch name (``refs/heads/`` optional), ("", N) for ``refs/pr/N``."""
     name = (revision or "main").removeprefix(_HEADS)
+    if match := _PULL_REQUEST.fullmatch(name):
+        return "", int(match[1])
     if not name or name.startswith("refs/"):
-        raise InputError(f"--revision {revision!r} is not a branch name")
-    return name
+        raise InputError(
+            f"--revision {revision!r} is neither a branch name nor a pull request (refs/pr/N)"
+        )
+    return name, None
 
 
-def _new_repo(
-    api: HfApi,
-    checked: Verified,
-    repo_id: str,
-    branch: str,
-    user: str,
-    create_pr: bool,
-    private: bool | None,
-) -> PushResult:
-    api.create_repo(repo_id, exist_ok=True, private=private)
-    title = _title(checked, branch, create_pr, variant_pr=False)
+def _new_repo(request: _Request) -> PushResult:
+    api, checked = request.api, request.checked
+    title = request.title(variant_pr=False)
     paths = sorted(checked.files)
-    plan = _target(api, repo_id, branch, user, title, create_pr)
-    remote = set(api.list_repo_files(repo_id, revision=plan.parent))
+    plan = _target(request, title)
+    remote = set(api.list_repo_files(request.repo_id, revision=plan.parent))
     stale = sorted(
         p for p in remote - set(paths) if _LOAD_BEARING.search(p) and p != ".gitattributes"
     )
@@ -236,14 +285,15 @@ def _new_repo(
     if stale:
         removed = ", ".join(f"`{p}`" for p in stale)
         description += f"\n- removed: {removed} (what loads is exactly what was certified)"
-    return _commit(api, checked, repo_id, plan, title, description, paths, stale, "new-repo")
+    return _commit(request, plan, title, description, paths, stale, "new-repo")
 
 
-def _variant_pr(api: HfApi, checked: Verified, repo_id: str, branch: str, user: str) -> PushResult:
+def _variant_pr(request: _Request) -> PushResult:
+    api, checked, repo_id = request.api, request.checked, request.repo_id
     assert checked.variant is not None
-    title = _title(checked, branch, True, variant_pr=True)
+    title = request.title(variant_pr=True)
     paths = _variant_paths(checked)
-    plan = _target(api, repo_id, branch, user, title, True)
+    plan = _target(request, title)
     remote = {
         entry.path: entry
         for entry in api.list_repo_tree(repo_id, revision=plan.parent, recursive=True)
@@ -261,7 +311,7 @@ def _variant_pr(api: HfApi, checked: Verified, repo_id: str, branch: str, user: 
     variant = checked.variant
     stale = sorted(p for p in remote if is_variant_file(p, variant) and p not in paths)
     description = "\n\n".join([_summary(checked, paths), "---", _card_body(checked.card)])
-    return _commit(api, checked, repo_id, plan, title, description, paths, stale, "variant-pr")
+    return _commit(request, plan, title, description, paths, stale, "variant-pr")
 
 
 @dataclass(frozen=True)
@@ -276,32 +326,48 @@ class _Target:
     pull_request_url: str | None
 
 
-def _target(
-    api: HfApi, repo_id: str, branch: str, user: str, title: str, create_pr: bool
-) -> _Target:
+def _target(request: _Request, title: str) -> _Target:
+    api, repo_id = request.api, request.repo_id
     refs = api.list_repo_refs(repo_id, include_pull_requests=True)
+    prs = {r.ref: r.target_commit for r in refs.pull_requests or []}
+    if request.pull_request is not None:
+        return _into_pull_request(request, prs)
     heads = {ref.name: ref.target_commit for ref in refs.branches}
+    branch = request.branch
     if branch not in heads:
         raise InputError(
             f"{repo_id}: {branch!r} is not a branch (branches: {', '.join(sorted(heads))}); "
-            "--revision takes a branch name"
+            "--revision takes a branch name or refs/pr/N"
         )
-    if create_pr:
+    if request.create_pr:
         for discussion in api.get_repo_discussions(
-            repo_id, author=user, discussion_type="pull_request", discussion_status="open"
+            repo_id, author=request.user, discussion_type="pull_request", discussion_status="open"
         ):
             if discussion.title == title:
                 ref = f"refs/pr/{discussion.num}"
-                prs = {r.ref: r.target_commit for r in refs.pull_requests or []}
                 if ref in prs:
                     return _Target(ref, branch, prs[ref], False, discussion.num, discussion.url)
-    return _Target(branch, branch, heads[branch], create_pr, None, None)
+    return _Target(branch, branch, heads[branch], request.create_pr, None, None)
+
+
+def _into_pull_request(request: _Request, prs: dict[str, str]) -> _Target:
+    """``--revision refs/pr/N``: the open pull request N, whoever opened it."""
+    number = request.pull_request
+    ref = f"refs/pr/{number}"
+    if ref not in prs:
+        raise InputError(f"{request.repo_id}: no pull request #{number} (--revision {ref})")
+    details = request.api.get_discussion_details(request.repo_id, number)
+    if not details.is_pull_request or details.status != "open":
+        raise InputError(
+            f"{request.repo_id}: pull request #{number} is {details.status}, not open; push to "
+            "a branch, or --create-pr to open another"
+        )
+    branch = (details.target_branch or "main").removeprefix(_HEADS)
+    return _Target(ref, branch, prs[ref], False, number, details.url)
 
 
 def _commit(
-    api: HfApi,
-    checked: Verified,
-    repo_id: str,
+    request: _Request,
     target: _Target,
     title: str,
     description: str,
@@ -311,6 +377,7 @@ def _commit(
 ) -> PushResult:
     from huggingface_hub import CommitOperationDelete
 
+    api, checked, repo_id = request.api, request.checked, request.repo_id
     try:
         with ExitStack() as readers:  # large files' streams, closed once the commit is made
             operations: list[CommitOperationAdd | CommitOperationDelete] = [
@@ -345,6 +412,7 @@ def _commit(
         uploaded=paths,
         deleted=stale,
         changed=changed,
+        proposed=request.create_pr or request.pull_request is not None,
     )
 
 
@@ -506,19 +574,52 @@ def _card_body(card: str) -> str:
 # --------------------------------------------------------------------------- errors
 
 
+@dataclass
+class _Errors:
+    """What :func:`_translate` needs to word an error: the repo, the revision asked for, the
+    token to scrub, and for a 403 what the push was doing and for whom (set as it goes on)."""
+
+    repo_id: str
+    revision: str
+    token: str
+    request: _Request | None = None  # once the token's user is known
+    identity: Mapping[str, Any] = field(default_factory=dict)  # whoami's answer
+    creating: bool = False  # the request in flight creates the repo
+
+
 @contextmanager
-def _hub_errors(repo_id: str, branch: str, token: str) -> Iterator[None]:
+def _hub_errors(repo_id: str, revision: str, token: str) -> Iterator[_Errors]:
     """Turn whatever huggingface_hub or its HTTP client raises into one of our errors: one
     line, naming the repo, never the token."""
+    errors = _Errors(repo_id, revision, token)
     try:
-        yield
+        yield errors
     except PrecisionConvertError:
         raise
     except Exception as exc:
-        raise _translate(exc, repo_id, branch, token) from None
+        raise _translate(exc, errors) from None
 
 
-def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> PrecisionConvertError:
+def _forbidden_hint(request: _Request, identity: Mapping[str, Any], *, creating: bool) -> str:
+    """What to do about a 403 on this push: it depends on the token, the namespace and the
+    step (--create-pr helps only where the repo exists: a pull request needs no write access
+    to the repo's namespace, creating a repo does)."""
+    role = identity.get("auth", {}).get("accessToken", {}).get("role")
+    if role == "read":
+        return "this token is read-only: use one with write access (HF_TOKEN, or hf auth login)"
+    namespace, name = request.repo_id.split("/", 1)
+    orgs = [o.get("name") for o in identity.get("orgs", []) if isinstance(o, dict)]
+    if namespace in {request.user, *orgs}:
+        return f"use a token with write access to {namespace}"
+    foreign = f"{namespace} is neither {request.user} nor one of {request.user}'s organizations"
+    if creating:
+        return f"{foreign}: push to {request.user}/{name} instead"
+    if request.create_pr or request.pull_request is not None:
+        return f"{foreign}, and its pull requests are closed to {request.user}"
+    return f"{foreign}: --create-pr proposes the files as a pull request instead"
+
+
+def _translate(exc: Exception, errors: _Errors) -> PrecisionConvertError:
     from huggingface_hub.errors import (
         HfHubHTTPError,
         LocalTokenNotFoundError,
@@ -526,6 +627,7 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
         RevisionNotFoundError,
     )
 
+    repo_id, branch, token = errors.repo_id, errors.revision, errors.token
     # The client wraps a failed LFS upload ("Error while uploading 'x'"): the cause says why.
     where = ""
     if isinstance(exc, RuntimeError) and exc.__cause__ is not None:
@@ -544,22 +646,27 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
     if isinstance(exc, LocalTokenNotFoundError):
         return HubAuthError("no Hugging Face token: set HF_TOKEN or log in (hf auth login)")
     if isinstance(exc, RevisionNotFoundError):
-        return InputError(f"{repo_id}: {branch!r} is not a branch; --revision takes a branch name")
+        return InputError(
+            f"{repo_id}: {branch!r} is not a branch; --revision takes a branch name or refs/pr/N"
+        )
     if isinstance(exc, RepositoryNotFoundError):
         return InputError(f"{repo_id}: no such model repo on the Hub, or this token cannot see it")
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
-        after = str(exc.response.headers.get("Retry-After", ""))
-        answered = {"status": status, "retry_after": float(after) if after.isdigit() else None}
+        after = _retry_after(exc.response.headers.get("Retry-After"))
+        answered = {"status": status, "retry_after": after}
         if status == 401:
             return HubAuthError(
                 "the Hub rejected the token (401 Unauthorized): set HF_TOKEN to a valid token "
                 "or log in again (hf auth login)"
             )
         if status == 403:
+            refused = "the Hub would not create it" if errors.creating else "cannot write to it"
+            hint = "use a token with write access to it"
+            if errors.request is not None:
+                hint = _forbidden_hint(errors.request, errors.identity, creating=errors.creating)
             return HubPermissionError(
-                f"{repo_id}: this token may not write to it (403 Forbidden: "
-                f"{first_line(exc)}); use a write token of the repo's namespace, or --create-pr"
+                f"{repo_id}: {refused} (403 Forbidden: {first_line(exc)}); {hint}"
             )
         if status in (409, 412):
             return PushFailed(
@@ -586,3 +693,19 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
         f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {first_line(exc)}); "
         "run push again to resume"
     )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: a number of seconds or an HTTP date."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())

@@ -38,7 +38,8 @@ Write side (what ``create_repo`` / ``create_commit`` / ``get_repo_discussions`` 
   (else ``412``); ``?create_pr=1`` opens a pull request on ``refs/pr/N`` and answers with
   ``pullRequestUrl``; committing to ``refs/pr/N`` updates that PR. ``rev`` must be a branch.
 - ``GET /api/models/{repo_id}/discussions``: the repo's discussions and PRs, filtered by
-  ``type``, ``status`` and ``author``, paginated like the Hub's.
+  ``type``, ``status`` and ``author``, paginated like the Hub's; ``…/discussions/{num}``: one
+  with its details (a PR's base branch).
 
 Everything pushed stays downloadable through the read side (``snapshot_download`` of a branch
 or of ``refs/pr/N``). ``requests`` logs every ``(method, path)``, ``uploads`` every LFS upload
@@ -685,6 +686,31 @@ class FakeHub:
             "numClosedDiscussions": sum(d.status == "closed" for d in repo.discussions),
         }
 
+    def discussion(self, repo_id: str, user: Token | None, num: int) -> dict[str, Any]:
+        """One discussion with its details (``get_discussion_details``): a PR's base branch."""
+        repo = self.repo(repo_id, user)
+        with self._lock:
+            found = next((d for d in repo.discussions if d.num == num), None)
+        if found is None:
+            raise HubError(404, None, f"Discussion #{num} not found")
+        details: dict[str, Any] = {
+            "num": found.num,
+            "title": found.title,
+            "status": found.status,
+            "isPullRequest": found.is_pull_request,
+            "createdAt": found.created_at,
+            "author": {"name": found.author},
+            "repo": {"name": repo_id, "type": "model"},
+            "events": [],
+            "pinned": False,
+            "locked": False,
+        }
+        if found.is_pull_request:
+            details["changes"] = {"base": f"refs/heads/{found.target_branch}"}
+            details["filesWithConflicts"] = []
+            details["diff"] = ""
+        return details
+
 
 def require_write(user: Token | None, repo_id: str, *, pull_request: bool = False) -> None:
     """Writes need a token with write access; committing to a branch also needs the namespace
@@ -803,6 +829,7 @@ ROUTES: list[Route] = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/{_SEGMENT}(?P<path>/.*)?$"), "_route_tree"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/refs$"), "_route_refs"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/discussions$"), "_route_discussions"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/discussions/(?P<num>\d+)$"), "_route_discussion"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "_route_model_info"),
     ("GET", re.compile(rf"^/{_REPO}/resolve/{_SEGMENT}/(?P<path>.+)$"), "_route_resolve"),
     ("GET", re.compile(r"^/api/agent-harnesses$"), "_route_agent_harnesses"),
@@ -1011,6 +1038,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route_discussions(self, repo: str, query: dict[str, list[str]], **_: Any) -> Answer:
         return Answer.json(self.hub.discussions(repo, self.user, query))
+
+    def _route_discussion(self, repo: str, num: str, **_: Any) -> Answer:
+        return Answer.json(self.hub.discussion(repo, self.user, int(num)))
 
     def _route_resolve(self, repo: str, rev: str, path: str, **_: Any) -> Answer:
         sha, files = self.hub.repo(repo, self.user).resolve(rev)

@@ -307,6 +307,73 @@ def test_revision_must_be_a_branch(served: Served, hub: FakeHub, revision: str) 
     assert not [w for w in _writes(hub) if w[1] != "/api/repos/create"]
 
 
+def test_revision_refs_pr_pushes_into_that_pull_request(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """``--revision refs/pr/N`` (as huggingface_hub takes it): the commit goes into open PR N,
+    whatever its title, and main is untouched."""
+    repo_id = "ns/tiny-into-pr"
+    main = hub.add_commit(repo_id, {"README.md": b"# my model\n"})
+    first = _push(str(served.variant_output), repo_id, "--create-pr")
+    assert first.exit_code == 0, first.output
+    repo = hub.repos[repo_id]
+    [pr] = repo.discussions
+    done = _push(str(served.output), repo_id, "--revision", f"refs/pr/{pr.num}")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == f"{hub.endpoint}/{repo_id}/discussions/{pr.num}"
+    assert f"updated pull request #{pr.num} on {repo_id} (into main)" in done.stderr
+    assert len(repo.discussions) == 1 and repo.refs["main"] == main
+    pushed = _local_files(_download(repo_id, tmp_path / "cache", revision=f"refs/pr/{pr.num}"))
+    assert pushed == _local_files(served.output)  # the variant weights it held are gone
+
+
+def test_revision_refs_pr_must_be_an_open_pull_request(served: Served, hub: FakeHub) -> None:
+    repo_id = "ns/tiny-closed-pr"
+    hub.add_commit(repo_id, {"README.md": b"# my model\n"})
+    assert _push(str(served.output), repo_id, "--create-pr").exit_code == 0
+    missing = _push(str(served.output), repo_id, "--revision", "refs/pr/7")
+    _one_line_error(missing, 2, repo_id, "no pull request #7")
+    both = _push(str(served.output), repo_id, "--revision", "refs/pr/1", "--create-pr")
+    _one_line_error(both, 2, "refs/pr/1", "drop one of them")
+    tag = _push(str(served.output), repo_id, "--revision", "refs/tags/v1")
+    _one_line_error(tag, 2, "neither a branch name nor a pull request (refs/pr/N)")
+    hub.repos[repo_id].discussions[0].status = "closed"
+    hub.requests.clear()
+    closed = _push(str(served.output), repo_id, "--revision", "refs/pr/1")
+    _one_line_error(closed, 2, repo_id, "pull request #1 is closed")
+    assert [w for w in _writes(hub) if w[1] != "/api/repos/create"] == []
+
+
+def test_token_and_commit_message_options(
+    served: Served, hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``push --token`` and ``--commit-message``, as ``hf upload`` users expect."""
+    monkeypatch.delenv("HF_TOKEN")
+    repo_id = "ns/tiny-token-option"
+    message = "bf16-safe copy, certified"
+    done = _push(str(served.output), repo_id, "--token", TOKEN, "--commit-message", message)
+    assert done.exit_code == 0, done.output
+    repo = hub.repos[repo_id]
+    title, body = repo.messages[repo.refs["main"]]
+    assert title == message and "verdict **pass**" in body
+    _assert_no_secret(done.output, roots=(tmp_path, served.home))
+    wrong = _push(str(served.output), repo_id, "--token", WRONG_TOKEN)
+    _one_line_error(wrong, 2, "rejected the token")
+    _assert_no_secret(wrong.output)
+
+
+def test_create_pr_when_the_branch_already_holds_the_files_says_why(
+    served: Served, hub: FakeHub
+) -> None:
+    repo_id = "ns/tiny-already-there"
+    assert _push(str(served.output), repo_id).exit_code == 0
+    done = _push(str(served.output), repo_id, "--create-pr")
+    assert done.exit_code == 0, done.output
+    assert "no pull request opened" in done.stderr and "nothing to propose" in done.stderr
+    assert f"{repo_id}@main already holds these" in done.stderr
+    assert hub.repos[repo_id].discussions == []
+
+
 # --------------------------------------------------------------------------- the gate
 
 
@@ -516,19 +583,38 @@ def test_missing_token_is_one_line(
 
 
 @pytest.mark.parametrize(
-    ("token", "repo_id"),
-    [(READ_TOKEN, "ns/read-only"), (TOKEN, "someone-else/model")],
+    ("token", "repo_id", "hint"),
+    [
+        (READ_TOKEN, "ns/read-only", "this token is read-only: use one with write access"),
+        (TOKEN, "someone-else/model", "push to ns/model instead"),
+    ],
     ids=["read-only-token", "foreign-namespace"],
 )
 def test_no_write_permission_names_the_repo(
-    served: Served, hub: FakeHub, monkeypatch: pytest.MonkeyPatch, token: str, repo_id: str
+    served: Served,
+    hub: FakeHub,
+    monkeypatch: pytest.MonkeyPatch,
+    token: str,
+    repo_id: str,
+    hint: str,
 ) -> None:
+    """A 403 says what would help: never --create-pr where it cannot (a read-only token, a
+    repo that cannot be created in someone else's namespace)."""
     monkeypatch.setenv("HF_TOKEN", token)
     done = _push(str(served.output), repo_id)
-    _one_line_error(done, 2, repo_id, "403")
+    line = _one_line_error(done, 2, repo_id, "403", hint)
+    assert "--create-pr" not in line
     assert repo_id not in hub.repos
     assert [w for w in _writes(hub) if w[1] != "/api/repos/create"] == []
     _assert_no_secret(done.output)
+
+
+def test_a_403_on_someone_elses_repo_suggests_a_pull_request(served: Served, hub: FakeHub) -> None:
+    repo_id = "someone-else/existing"
+    main = hub.add_commit(repo_id, {"README.md": b"# theirs\n"})
+    done = _push(str(served.output), repo_id)
+    _one_line_error(done, 2, repo_id, "403", "--create-pr proposes the files as a pull request")
+    assert hub.repos[repo_id].refs["main"] == main
 
 
 def test_a_pr_needs_no_write_access_to_the_namespace(served: Served, hub: FakeHub) -> None:
@@ -800,6 +886,20 @@ def test_model_push_converts_validates_and_publishes(
         app, ["model", SOURCE_REPO, "--to", "bf16", "--no-validate", "--push", repo_id]
     )
     _one_line_error(refused, 2, "--push needs a certificate")
+
+
+def test_model_push_of_a_variant_pr_prints_its_url(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    source = "ns/tiny-variant-source"
+    hub.add_commit(source, served.source)
+    args = ["model", source, "--to", "bf16", "--variant", VARIANT, "-o", str(tmp_path / "v")]
+    done = CliRunner().invoke(app, [*args, "--push", source])
+    assert done.exit_code == 0, done.output
+    [pr] = hub.repos[source].discussions
+    url = f"{hub.endpoint}/{source}/discussions/{pr.num}"
+    assert f"opened variant pull request #{pr.num} on {source} (into main)" in done.stderr
+    assert done.stderr.rstrip().endswith(url)
 
 
 @pytest.mark.parametrize("kind", ["unet", "pipeline"])
