@@ -47,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -239,6 +239,54 @@ def publish(
         api.create_repo(repo_id, exist_ok=True, private=private)
         errors.creating = False
         return _new_repo(request)
+
+
+def check_write_access(
+    pushes: Iterable[tuple[str, bool]], *, token: str | None = None, endpoint: str | None = None
+) -> str:
+    """Before a batch runs anything that would end in these pushes: a token the Hub accepts,
+    with write access, and for each push that is not a pull request a namespace its user may
+    create repos in. ``pushes``: ``(repo_id, opens a pull request)``. Returns the user.
+
+    Raises:
+        HubAuthError: no token, or the Hub rejected it.
+        HubPermissionError: a read-only token, or repos in namespaces the user does not own.
+    """
+    from huggingface_hub import HfApi, get_token
+
+    targets = list(pushes)
+    secret = token or get_token()
+    if not secret:
+        raise HubAuthError(
+            f"the manifest pushes ({targets[0][0]}…) and there is no Hugging Face token: set "
+            "HF_TOKEN or log in (hf auth login) with a token that can write"
+        )
+    with _hub_errors(targets[0][0], "main", secret):
+        identity = HfApi(endpoint=endpoint, token=secret).whoami()
+    user = str(identity["name"])
+    if _role(identity) == "read":
+        raise HubPermissionError(
+            "the manifest pushes and this token is read-only: use one with write access "
+            "(HF_TOKEN, or hf auth login); nothing was run"
+        )
+    mine = {user, *_organizations(identity)}
+    foreign = sorted({r for r, proposes in targets if not proposes and r.split("/")[0] not in mine})
+    if foreign:
+        raise HubPermissionError(
+            f"{', '.join(foreign)}: {user} may create repos only in {', '.join(sorted(mine))}; "
+            "push there, or set create_pr = true to propose the files to an existing repo; "
+            "nothing was run"
+        )
+    return user
+
+
+def _role(identity: Mapping[str, Any]) -> str | None:
+    """The token's role from whoami: ``read``, ``write`` or ``fineGrained``."""
+    return identity.get("auth", {}).get("accessToken", {}).get("role")
+
+
+def _organizations(identity: Mapping[str, Any]) -> list[str]:
+    return [o["name"] for o in identity.get("orgs", []) if isinstance(o, dict) and "name" in o]
 
 
 @dataclass(frozen=True)
@@ -604,12 +652,10 @@ def _forbidden_hint(request: _Request, identity: Mapping[str, Any], *, creating:
     """What to do about a 403 on this push: it depends on the token, the namespace and the
     step (--create-pr helps only where the repo exists: a pull request needs no write access
     to the repo's namespace, creating a repo does)."""
-    role = identity.get("auth", {}).get("accessToken", {}).get("role")
-    if role == "read":
+    if _role(identity) == "read":
         return "this token is read-only: use one with write access (HF_TOKEN, or hf auth login)"
     namespace, name = request.repo_id.split("/", 1)
-    orgs = [o.get("name") for o in identity.get("orgs", []) if isinstance(o, dict)]
-    if namespace in {request.user, *orgs}:
+    if namespace in {request.user, *_organizations(identity)}:
         return f"use a token with write access to {namespace}"
     foreign = f"{namespace} is neither {request.user} nor one of {request.user}'s organizations"
     if creating:

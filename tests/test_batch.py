@@ -34,6 +34,7 @@ from precision_convert.cli.main import app
 from precision_convert.validation.certify.verify import verify
 
 TOKEN = "hf_FAKEbatchTokenDoNotLeak42"
+READ_TOKEN = "hf_FAKEbatchReadOnlyDoNotLeak7"
 USER = "ns"
 SOURCE_REPO = "ns/tiny"
 PARKED_REPO = "ns/parked"
@@ -82,11 +83,38 @@ def test_a_bad_manifest_names_its_line_and_runs_nothing(
     manifest.write_text(_MANIFEST.format(source=source, line10=line10))
     done = CliRunner().invoke(app, ["batch", str(manifest)])
     assert done.exit_code == 2, done.output
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.output, done.stderr
-    assert lines[0].startswith(f"precision-convert: {manifest}:{line}: [[model]] #2: "), lines[0]
-    assert fragment in lines[0]
+    assert "Traceback" not in done.output, done.stderr
+    lines = done.stderr.strip().splitlines()  # one per problem (entry #2 may also clash with #1)
+    assert all(line.startswith(f"precision-convert: {manifest}:") for line in lines), lines
+    [found] = [line for line in lines if fragment in line]
+    assert found.startswith(f"precision-convert: {manifest}:{line}: [[model]] #2: "), found
     assert not (tmp_path / "out").exists()  # nothing ran, not even the lock was taken
+
+
+def test_every_problem_of_a_manifest_is_reported_with_what_was_meant(tmp_path: Path) -> None:
+    """Not only the first problem: each on its own line, in the text's order, and a
+    misspelled key, target or table gets the likely intended word."""
+    (tmp_path / "m").mkdir()
+    manifest = tmp_path / "batch.toml"
+    manifest.write_text(
+        '[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncalbrate = true\n\n'
+        '[[model]]\nsource = "./m"\nto = ["bf61"]\n\n'
+        '[[model]]\nsource = "./missing"\n\n'
+        '[modle]\nsource = "./m"\n'
+    )
+    done = CliRunner().invoke(app, ["batch", str(manifest)])
+    assert done.exit_code == 2 and "Traceback" not in done.output, done.output
+    assert done.stderr.splitlines() == [
+        f"precision-convert: {manifest}:4: [defaults]: unknown key 'calbrate' (did you mean "
+        "'calibrate'?) (known: calibrate, calibration_data, coverage, create_pr, device, inputs, "
+        "keep_fp32, output_dir, private, push, recipe, revision, to, trust_remote_code, variant)",
+        f"precision-convert: {manifest}:8: [[model]] #1: unknown target 'bf61' (did you mean "
+        "'bf16'?); choose one of bf16-safe, fp16-safe, bf16, fp16",
+        f"precision-convert: {manifest}:11: [[model]] #2: source './missing': no such directory",
+        f"precision-convert: {manifest}:13: unknown table or key 'modle' (did you mean 'model'?) "
+        "(a manifest has [defaults] and [[model]] entries)",
+    ]
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unknown_table_or_no_manifest_is_refused(tmp_path: Path) -> None:
@@ -128,11 +156,18 @@ def test_good_jobs_are_certified_and_the_broken_one_is_reported(family: Run) -> 
     assert broken["status"] == "failed" and broken["verdict"] is None
     assert broken["reason"].startswith("convert: ") and "model.safetensors" in broken["reason"]
     assert not (family.output_dir / BROKEN_JOB).exists()
-    # The table (stdout) lists every job; the reason is on stderr.
-    for key in [*GOOD_JOBS, BROKEN_JOB]:
-        assert key in family.stdout
-    assert f"✗ {BROKEN_JOB}: convert: " in family.stderr
+    # The report on stdout lists every job in the JSON's words, and says why one failed.
+    table = {line.split("│")[1].strip(): line for line in family.stdout.splitlines() if "│" in line}
+    for key in GOOD_JOBS:
+        assert "│ done " in table[key], table[key]
+    assert "│ failed " in table[BROKEN_JOB]
+    assert "batch: 4 done, 0 skipped, 1 failed in " in family.stdout
+    assert f"✗ {BROKEN_JOB}: {broken['reason']}" in family.stdout
     assert "Traceback" not in family.stderr
+    # This run's report is kept under its start time; batch_report.json is the latest run's.
+    [kept] = (family.output_dir / "batch_reports").iterdir()
+    assert json.loads(kept.read_text()) == report
+    assert f"report: {kept} (latest: {family.output_dir / 'batch_report.json'})" in family.stderr
 
 
 def test_a_second_run_on_a_busy_output_dir_stops(family: Run) -> None:
@@ -141,6 +176,56 @@ def test_a_second_run_on_a_busy_output_dir_stops(family: Run) -> None:
     assert done.exit_code == 2
     assert "another batch run (pid " in done.stderr and "is writing here" in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+def test_a_killed_job_leaves_nothing_and_outputs_are_replaced_only_when_asked(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    """A job validates in its staging folder: killed meanwhile, its target holds nothing (not
+    a complete but uncertified output). The next run does it; the one after stops before
+    anything runs, naming the output (``model``'s rule: replacing needs --overwrite);
+    ``--overwrite`` redoes it. Each run's report is kept."""
+    llama = tiny_model("llama")
+    (tmp_path / "batch.toml").write_text(
+        '[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n\n'
+        f'[[model]]\nsource = "{llama}"\n'
+    )
+    out = tmp_path / "out"
+    target = out / "llama-bf16"
+    staging = out / ".precision-convert-batch" / "staging"
+    process = spawn(tmp_path)
+    deadline = time.monotonic() + 120
+    while not (staging / target.name / "model.safetensors").is_file():  # validating it now
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+    assert not target.exists() and not target.is_symlink()
+
+    first = run(tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert verify(target).certificate.passed
+    assert not staging.exists() or not any(staging.iterdir())
+    assert [p.name for p in out.iterdir() if ".pc-" in p.name] == []
+    before = stamps(target)
+
+    again = run(tmp_path)
+    assert again.returncode == 2 and again.stdout == "", again.stderr
+    assert again.stderr.strip() == (
+        f"precision-convert: an output exists already ({target}): --resume keeps finished "
+        "jobs and redoes the rest, --overwrite redoes every job"
+    )
+    assert stamps(target) == before
+    assert len(list((out / "batch_reports").iterdir())) == 1
+
+    redone = run(tmp_path, "--overwrite")
+    assert redone.returncode == 0, redone.stderr
+    after = stamps(target)
+    assert after.keys() == before.keys() and after != before  # written again
+    assert verify(target).certificate.passed
+    reports = sorted((out / "batch_reports").iterdir())
+    assert len(reports) == 2 and reports[-1].read_text() == (out / "batch_report.json").read_text()
+    assert json.loads(reports[-1].read_text())["overwrite"] is True
 
 
 # --------------------------------------------------------------------------- the Hub
@@ -152,6 +237,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     _models.save("t5-encoder", source)
     with FakeHub() as server:
         server.add_token(TOKEN, USER)
+        server.add_token(READ_TOKEN, USER, write=False)
         server.add_commit(SOURCE_REPO, source)
         server.add_commit(PARKED_REPO, source)
         yield server
@@ -171,6 +257,39 @@ def _manifest(root: Path, tiny_model: Callable[[str], Path], entries: str, extra
     text = f'[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n{extra}\n'
     text += entries.format(llama=tiny_model("llama"), source=SOURCE_REPO, parked=PARKED_REPO)
     (root / "batch.toml").write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("token", "push", "fragment"),
+    [
+        (None, "ns/{name}-{target}", "no Hugging Face token"),
+        ("hf_FAKEwrongBatchToken99", "ns/{name}-{target}", "rejected the token (401"),
+        (READ_TOKEN, "ns/{name}-{target}", "this token is read-only"),
+        (TOKEN, "someone-else/{name}-{target}", "someone-else/llama-bf16: ns may create"),
+    ],
+    ids=["no-token", "wrong-token", "read-only", "foreign-namespace"],
+)
+def test_pushes_the_token_cannot_make_stop_the_run_before_it_starts(
+    tmp_path: Path,
+    tiny_model: Callable[[str], Path],
+    hub: FakeHub,
+    token: str | None,
+    push: str,
+    fragment: str,
+) -> None:
+    """A bad token used to be found after every conversion and validation: now it is one
+    line, exit 2, nothing run."""
+    _manifest(tmp_path, tiny_model, '\n[[model]]\nsource = "{llama}"\n', f'push = "{push}"')
+    env = {**_hub_env(hub, tmp_path), "HF_TOKEN": token or ""}
+    done = run(tmp_path, env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("precision-convert: "), done.stderr
+    assert fragment in lines[0]
+    assert not (tmp_path / "out" / "llama-bf16").exists()
+    assert not (tmp_path / "out" / "batch_report.json").exists()
+    for secret in (TOKEN, READ_TOKEN, "hf_FAKEwrongBatchToken99"):
+        assert secret not in done.stderr
 
 
 def test_killed_resumed_and_pushed_once(

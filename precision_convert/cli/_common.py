@@ -63,7 +63,8 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
-        print(f"precision-convert: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # several problems: a line each
+            print(f"precision-convert: {line}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
