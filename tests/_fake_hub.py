@@ -154,7 +154,8 @@ class Fault:
     (or :data:`HOLD_TIMEOUT_S`), then drop it: the client (or the test, by killing it) decides
     what happens meanwhile. ``before``: run this callable, then handle the request normally (a
     concurrent change on the server). ``method`` limits the fault to one HTTP method, ``skip``
-    lets that many matching requests through first, ``times`` fires it at most that often.
+    lets that many matching requests through first, ``times`` fires it at most that often;
+    ``headers`` go with a ``status`` answer (a ``Retry-After``).
     """
 
     path: str
@@ -166,6 +167,7 @@ class Fault:
     method: str | None = None
     skip: int = 0
     times: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
     reached: threading.Event = field(default_factory=threading.Event, compare=False)
     release: threading.Event = field(default_factory=threading.Event, compare=False)
 
@@ -173,11 +175,19 @@ class Fault:
 class HubError(Exception):
     """An error answer in the Hub's format: status, ``X-Error-Code`` and a message."""
 
-    def __init__(self, status: int, code: str | None, message: str, **extra: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str | None,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = dict(headers or {})  # more headers of the answer
         self.extra = extra  # more fields of the JSON body
 
 
@@ -392,10 +402,13 @@ class FakeHub:
         method: str | None = None,
         skip: int = 0,
         times: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Fault:
         """Make requests matching ``path`` misbehave (see :class:`Fault`) until ``faults`` is
         cleared."""
-        fault = Fault(path, status, truncate, drop, hold, before, method, skip, times)
+        fault = Fault(
+            path, status, truncate, drop, hold, before, method, skip, times, dict(headers or {})
+        )
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -913,7 +926,7 @@ class _Handler(BaseHTTPRequestHandler):
             if body is None:
                 raise HubError(413, None, f"request body over {MAX_BODY_BYTES} bytes")
             if fault is not None and fault.status is not None:
-                raise HubError(fault.status, None, "injected fault")
+                raise HubError(fault.status, None, "injected fault", fault.headers)
             self.user = self._authenticate() if self.server.role == "hub" else None  # type: ignore[attr-defined]
             for route_method, pattern, name in routes:
                 if route_method != method and not (method == "HEAD" and route_method == "GET"):
@@ -972,7 +985,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.rfile.readline()
 
     def _error(self, error: HubError) -> Answer:
-        headers = {"X-Error-Message": error.message}
+        headers = {"X-Error-Message": error.message, **error.headers}
         if error.code:
             headers["X-Error-Code"] = error.code
         return Answer.json({"error": error.message, **error.extra}, error.status, **headers)

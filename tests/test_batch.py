@@ -479,9 +479,10 @@ def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
         )
 
     assert push("ns/x") == "pushed"
-    # 429: the Hub's Retry-After; 503: the backoff (2 s) doubled for a second retry; and each
-    # retry waits for its repo's turn.
-    assert [round(w) for w in waits[::2]] == [3, 4] and all(55 < w < 61 for w in waits[1::2])
+    # 429: the Hub's Retry-After; 503: the backoff (2 s) doubled for a second retry, plus up to
+    # 2 s of jitter; and each retry waits for its repo's turn.
+    assert waits[0] == 3.0 and 4.0 <= waits[2] <= 6.0, waits
+    assert len(waits) == 4 and all(55 < w < 61 for w in waits[1::2]), waits
     waits.clear()
     answers.append("again")
     assert push("ns/x") == "again"

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -635,6 +636,25 @@ def test_transient_hub_errors_are_retried(served: Served, hub: FakeHub) -> None:
     done = _push(str(served.output), repo_id)
     assert done.exit_code == 0, done.output
     assert [p for _, p in hub.requests].count(f"/api/models/{repo_id}/preupload/main") == 2
+
+
+@pytest.mark.parametrize("form", ["seconds", "http-date"])
+def test_retry_after_is_read_as_seconds_or_an_http_date(
+    served: Served, hub: FakeHub, form: str
+) -> None:
+    """A 429's ``Retry-After`` reaches the caller that retries (batch), in either form the
+    HTTP standard allows."""
+    from email.utils import formatdate
+
+    from precision_convert.errors import PushFailed
+    from precision_convert.hub import publish
+
+    value = "30" if form == "seconds" else formatdate(time.time() + 30, usegmt=True)
+    hub.inject(r"/commit/", status=429, headers={"Retry-After": value})
+    with pytest.raises(PushFailed) as refused:
+        publish(served.output, f"ns/tiny-429-{form}")
+    assert refused.value.status == 429
+    assert refused.value.retry_after is not None and 28 <= refused.value.retry_after <= 30
 
 
 def test_failed_commit_is_one_line_and_a_rerun_completes(served: Served, hub: FakeHub) -> None:
