@@ -657,7 +657,9 @@ def _forbidden_hint(request: _Request, identity: Mapping[str, Any], *, creating:
     namespace, name = request.repo_id.split("/", 1)
     if namespace in {request.user, *_organizations(identity)}:
         return f"use a token with write access to {namespace}"
-    foreign = f"{namespace} is neither {request.user} nor one of {request.user}'s organizations"
+    foreign = (
+        f"{namespace} is neither your namespace ({request.user}) nor one of your organizations"
+    )
     if creating:
         return f"{foreign}: push to {request.user}/{name} instead"
     if request.create_pr or request.pull_request is not None:
