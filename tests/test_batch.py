@@ -117,6 +117,18 @@ def test_every_problem_of_a_manifest_is_reported_with_what_was_meant(tmp_path: P
     assert not (tmp_path / "out").exists()
 
 
+def test_resume_and_overwrite_together_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    manifest = tmp_path / "batch.toml"
+    manifest.write_text('[defaults]\nto = "bf16"\n\n[[model]]\nsource = "./m"\n')
+    done = CliRunner().invoke(app, ["batch", str(manifest), "--resume", "--overwrite"])
+    assert done.exit_code == 2
+    assert done.stderr == (
+        "precision-convert: --resume keeps finished jobs, --overwrite redoes them: choose one\n"
+    )
+    assert not (tmp_path / "converted").exists()
+
+
 def test_an_unknown_table_or_no_manifest_is_refused(tmp_path: Path) -> None:
     manifest = tmp_path / "batch.toml"
     manifest.write_text('[defaults]\nto = "bf16"\n\n[models]\nsource = "x"\n')

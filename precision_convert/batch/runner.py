@@ -116,6 +116,8 @@ def run_batch(
         raise InputError(f"--executor {executor!r}: choose local or ray")
     if jobs < 1:
         raise InputError(f"--jobs {jobs}: at least 1")
+    if resume and overwrite:
+        raise InputError("--resume keeps finished jobs, --overwrite redoes them: choose one")
     if executor == "ray":
         from precision_convert.batch.ray_cluster import require_ray
 
