@@ -112,16 +112,7 @@ def run_batch(
             rejected, read-only or cannot write where a push goes. Nothing has run then.
         Job failures are never raised: they are in the report.
     """
-    if executor not in EXECUTORS:
-        raise InputError(f"--executor {executor!r}: choose local or ray")
-    if jobs < 1:
-        raise InputError(f"--jobs {jobs}: at least 1")
-    if resume and overwrite:
-        raise InputError("--resume keeps finished jobs, --overwrite redoes them: choose one")
-    if executor == "ray":
-        from precision_convert.batch.ray_cluster import require_ray
-
-        require_ray()
+    _check_run(executor, jobs, resume=resume, overwrite=overwrite)
     listener = on_event or _ignore
     threads = max(1, (os.cpu_count() or 1) // min(jobs, len(manifest.jobs)))
     settings = Settings.for_run(manifest.output_dir, threads, **(etiquette or {}))
@@ -139,14 +130,13 @@ def run_batch(
     with exclusive(manifest.output_dir):
         starts = _starts(manifest, settings, resume=resume, overwrite=overwrite)
         tasks = []
-        for job in manifest.jobs:
+        for job in manifest.jobs:  # kept jobs are reported now, the others run
             start = starts[job.key]
             if start.point is Resume.DONE:
                 _finish(report, recorded(job, start, SKIPPED), listener)
-            elif start.point is Resume.PUSH:
-                tasks.append(Task(job, recorded(job, start, RUNNING)))
             else:
-                tasks.append(Task(job))
+                ran = recorded(job, start, RUNNING) if start.point is Resume.PUSH else None
+                tasks.append(Task(job, ran))
         if executor == "ray":
             from precision_convert.batch.ray_cluster import run_ray
 
@@ -161,6 +151,20 @@ def run_batch(
         report.seconds = round(time.perf_counter() - began, 3)
         report.file = write_report(report)
     return report
+
+
+def _check_run(executor: str, jobs: int, *, resume: bool, overwrite: bool) -> None:
+    """The run's own arguments, before anything else."""
+    if executor not in EXECUTORS:
+        raise InputError(f"--executor {executor!r}: choose local or ray")
+    if jobs < 1:
+        raise InputError(f"--jobs {jobs}: at least 1")
+    if resume and overwrite:
+        raise InputError("--resume keeps finished jobs, --overwrite redoes them: choose one")
+    if executor == "ray":
+        from precision_convert.batch.ray_cluster import require_ray
+
+        require_ray()
 
 
 def _starts(
