@@ -29,7 +29,8 @@
 
    The commit names the branch head it was built on (``parent_commit``), so a branch that moves
    meanwhile is an error rather than an overwrite. An open pull request with the same title by
-   the same user is updated instead of opening another. Uploads go through huggingface_hub's
+   the same user is updated instead of opening another; ``revision="refs/pr/N"`` commits into
+   open pull request N, as huggingface_hub takes it. Uploads go through huggingface_hub's
    preupload and LFS machinery: the Hub reports the objects it already holds and the client
    skips them, so a push that was interrupted uploads only what is missing when run again; the
    client retries 429 and 5xx answers itself.
@@ -37,9 +38,11 @@
 The token comes from the ``token`` argument, ``HF_TOKEN`` or the user's login, is handed only to
 ``HfApi``, and is scrubbed from every message this module produces. Errors surface as this
 project's: :class:`~precision_convert.errors.HubAuthError` (missing or rejected token),
-:class:`~precision_convert.errors.HubPermissionError` (403), ``InputError`` (bad repo id, a
-revision that is no branch), :class:`~precision_convert.errors.PushFailed` (the Hub did not
-complete the push) — each one line.
+:class:`~precision_convert.errors.HubPermissionError` (403, with the hint that fits the token,
+the namespace and the step), ``InputError`` (bad repo id, a revision that is neither a branch
+nor an open pull request), :class:`~precision_convert.errors.PushFailed` (the Hub did not
+complete the push) — each one line. :func:`check_write_access` asks the same of a token before
+a batch runs anything that would end in pushes.
 """
 
 from __future__ import annotations
