@@ -2,7 +2,9 @@
 
 :func:`push` (``pc.push``, ``precision-convert push``, ``model … --push``) runs in two stages:
 
-1. **The gate** (:func:`check`), local and offline. It reads the certificate
+1. **The gate** (:func:`check`: the one verifier,
+   :func:`~precision_convert.validation.certify.verify.verify`, that ``batch --resume`` and
+   ``validate --verify`` use too), local and offline. It reads the certificate
    (``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
    written with ``--variant``), hashes every file it is about to upload — the bytes, never a
    name such as a Hub-cache blob's — and refuses (:class:`~precision_convert.errors.PushRefused`,
@@ -18,9 +20,17 @@
      ``precision_certificate.<variant>.json`` (the source's own weights, configs and card are
      never touched), with the parity summary and the card in its description.
 
+   What is uploaded is exactly what the gate hashed: files up to a block (8 MiB) are read once
+   and sent from memory; larger ones are read again through :class:`CertifiedReader`, which
+   checks every block against the digest the gate took of it before handing it to the client,
+   so a file changed in between is refused (nothing committed, its new bytes never sent).
+   Streams take the Hub's HTTP (LFS) upload path rather than Xet's, which would read the file
+   itself, outside this check.
+
    The commit names the branch head it was built on (``parent_commit``), so a branch that moves
    meanwhile is an error rather than an overwrite. An open pull request with the same title by
-   the same user is updated instead of opening another. Uploads go through huggingface_hub's
+   the same user is updated instead of opening another; ``revision="refs/pr/N"`` commits into
+   open pull request N, as huggingface_hub takes it. Uploads go through huggingface_hub's
    preupload and LFS machinery: the Hub reports the objects it already holds and the client
    skips them, so a push that was interrupted uploads only what is missing when run again; the
    client retries 429 and 5xx answers itself.
@@ -28,23 +38,25 @@
 The token comes from the ``token`` argument, ``HF_TOKEN`` or the user's login, is handed only to
 ``HfApi``, and is scrubbed from every message this module produces. Errors surface as this
 project's: :class:`~precision_convert.errors.HubAuthError` (missing or rejected token),
-:class:`~precision_convert.errors.HubPermissionError` (403), ``InputError`` (bad repo id, a
-revision that is no branch), :class:`~precision_convert.errors.PushFailed` (the Hub did not
-complete the push) — each one line.
+:class:`~precision_convert.errors.HubPermissionError` (403, with the hint that fits the token,
+the namespace and the step), ``InputError`` (bad repo id, a revision that is neither a branch
+nor an open pull request), :class:`~precision_convert.errors.PushFailed` (the Hub did not
+complete the push) — each one line. :func:`check_write_access` asks the same of a token before
+a batch runs anything that would end in pushes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
+import io
 import re
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from precision_convert import interrupts
 from precision_convert.errors import (
@@ -56,20 +68,19 @@ from precision_convert.errors import (
     PushFailed,
     PushRefused,
 )
-from precision_convert.validation.certify.card import CHART_NAME, base_model_id, render
-from precision_convert.validation.certify.certificate import (
-    CARD_NAME,
-    CERTIFICATE_FILE,
-    CERTIFICATE_NAME,
-    Certificate,
+from precision_convert.validation.certify.card import base_model_id
+from precision_convert.validation.certify.certificate import CARD_NAME
+from precision_convert.validation.certify.verify import (
+    BLOCK_BYTES,
+    HashedFile,
+    Verified,
+    is_variant_file,
+    verify,
 )
 
 if TYPE_CHECKING:
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
-#: Files up to this size are read whole: the bytes hashed are then the very bytes sent.
-_IN_MEMORY_BYTES = 8 * 1024 * 1024
-_HASH_THREADS = min(8, os.cpu_count() or 1)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: Remote files a new-repo push replaces when its output lacks them: whatever decides what
 #: loads (weights, shard indexes, certificates). Documentation and other files are left alone.
@@ -80,34 +91,8 @@ _LOAD_BEARING = re.compile(
 )
 #: A branch may be named with or without this prefix.
 _HEADS = "refs/heads/"
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    """One file of the converted directory, hashed from its bytes."""
-
-    path: str  # relative POSIX path, the path in the repo
-    location: Path
-    sha256: str
-    size: int
-    data: bytes | None  # the content for small files: what was hashed is what is sent
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What passed the gate: the certificate, its variant and every file, hashed."""
-
-    directory: Path
-    certificate: Certificate
-    certificate_name: str
-    variant: str | None
-    files: dict[str, LocalFile]
-    card: str  # the card text (README.md, or rendered when a variant output has none)
-
-    def variant_paths(self) -> list[str]:
-        """The variant-named weight files and index, plus the variant's certificate."""
-        found = [p for p in self.files if self.variant and is_variant_file(p, self.variant)]
-        return sorted({*found, self.certificate_name})
+#: ``--revision refs/pr/N``: an open pull request, as huggingface_hub names its ref.
+_PULL_REQUEST = re.compile(r"refs/pr/([1-9][0-9]*)")
 
 
 @dataclass(frozen=True)
@@ -123,131 +108,27 @@ class PushResult:
     uploaded: list[str]  # paths in the commit (unchanged files are skipped by the Hub client)
     deleted: list[str] = field(default_factory=list)
     changed: bool = True  # False: the branch or PR already held exactly these files
-
-
-def is_variant_file(path: str, variant: str) -> bool:
-    """``model.<v>.safetensors``, ``model.<v>-00001-of-00002.safetensors``,
-    ``model.safetensors.index.<v>.json`` (and the same for diffusers' names, in any folder)."""
-    name = path.rsplit("/", 1)[-1]
-    v = re.escape(variant)
-    return bool(
-        re.fullmatch(rf".+\.{v}(-\d+-of-\d+)?\.safetensors", name)
-        or re.fullmatch(rf".+\.safetensors\.index\.{v}\.json", name)
-    )
+    proposed: bool = False  # a pull request was asked for (or pushed into)
 
 
 # --------------------------------------------------------------------------- the gate
 
 
-def check(converted: str | Path) -> Checked:
-    """The certificate gate: hash every file and compare it with the certificate; offline.
+def check(converted: str | Path) -> Verified:
+    """The certificate gate (the one verifier, keeping what the upload needs); offline.
 
     Raises:
         InputError: ``converted`` is not a directory.
-        NotAsCertified: no certificate, a verdict other than ``pass``, a changed, missing or
-            extra file, or a card that is not the one the certificate renders.
+        NotAsCertified: see :func:`~precision_convert.validation.certify.verify.verify`.
     """
-    directory = Path(converted)
-    if not directory.is_dir():
-        raise InputError("no such directory: push takes a converted model directory", directory)
-    paths = _listing(directory)
-    names = [p for p in paths if "/" not in p and CERTIFICATE_FILE.fullmatch(p)]
-    if not names:
-        raise NotAsCertified(
-            directory,
-            [f"{CERTIFICATE_NAME}: missing (certify the output first: precision-convert validate)"],
-        )
-    if len(names) > 1:
-        raise NotAsCertified(directory, [f"more than one certificate ({', '.join(sorted(names))})"])
-    certificate_name = names[0]
-    variant = CERTIFICATE_FILE.fullmatch(certificate_name)["variant"]  # type: ignore[index]
-    try:
-        certificate = Certificate.from_dict(
-            json.loads((directory / certificate_name).read_text(encoding="utf-8"))
-        )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise NotAsCertified(directory, [f"{certificate_name}: unreadable ({detail})"]) from None
-
-    problems: list[str] = []
-    recorded = certificate.source.get("variant")
-    if recorded != variant:
-        problems.append(
-            f"{certificate_name}: records variant {recorded!r} but is named for {variant!r}"
-        )
-    if not certificate.passed:
-        first = certificate.failures[0] if certificate.failures else "no reason recorded"
-        problems.append(
-            f"{certificate_name}: verdict {certificate.verdict!r}, not 'pass' ({first})"
-        )
-
-    files = _hash(directory, paths)
-    covered = {p: f for p, f in files.items() if p not in (certificate_name, CARD_NAME)}
-    for name in sorted(covered):
-        expected = certificate.files.get(name)
-        if expected is None:
-            problems.append(f"{name}: not covered by the certificate")
-        elif expected != covered[name].sha256:
-            problems.append(f"{name}: changed since certification")
-    problems += [
-        f"{name}: missing" for name in sorted(set(certificate.files) - set(covered) - {CARD_NAME})
-    ]
-    if variant is not None and not any(is_variant_file(p, variant) for p in covered):
-        problems.append(f"{certificate_name}: no {variant!r}-variant weight file beside it")
-
-    expected_card = render_card(certificate, directory)
-    card_file = files.get(CARD_NAME)
-    if card_file is None:
-        if variant is None:  # a variant PR never uploads the card; a new repo needs it
-            problems.append(f"{CARD_NAME}: missing (it is written with the certificate)")
-        card = expected_card
-    else:
-        card = _content(card_file).decode("utf-8", errors="replace")
-        if card != expected_card:
-            problems.append(f"{CARD_NAME}: differs from the card the certificate renders")
-    if problems:
-        raise NotAsCertified(directory, problems)
-    return Checked(directory, certificate, certificate_name, variant, files, card)
+    return verify(converted, blocks=True)
 
 
-def render_card(certificate: Certificate, directory: Path) -> str:
-    """The card :func:`~precision_convert.validation.certify.card.write_card` writes for
-    ``certificate`` into ``directory`` (a pure function of both), without writing it."""
-    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
-    return render(certificate, charts=charts)
-
-
-def _listing(directory: Path) -> list[str]:
-    """Every file under ``directory`` (relative POSIX paths), minus hidden paths (``.cache``,
-    ``.git``), which are neither certified nor uploaded."""
-    found = []
-    for root, dirs, names in os.walk(directory, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            if not name.startswith(".") and os.path.isfile(os.path.join(root, name)):
-                found.append(Path(root, name).relative_to(directory).as_posix())
-    return found
-
-
-def _hash(directory: Path, paths: list[str]) -> dict[str, LocalFile]:
-    """sha256 of each file's bytes (in parallel: hashlib releases the GIL)."""
-
-    def one(path: str) -> LocalFile:
-        location = directory / path
-        with location.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size <= _IN_MEMORY_BYTES:
-                data = f.read()
-                return LocalFile(path, location, hashlib.sha256(data).hexdigest(), len(data), data)
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        return LocalFile(path, location, digest, size, None)
-
-    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-        return {f.path: f for f in pool.map(one, paths)}
-
-
-def _content(file: LocalFile) -> bytes:
-    return file.data if file.data is not None else file.location.read_bytes()
+def _variant_paths(checked: Verified) -> list[str]:
+    """The variant-named weight files and index, plus the variant's certificate."""
+    assert checked.variant is not None
+    found = [p for p in checked.files if is_variant_file(p, checked.variant)]
+    return sorted({*found, checked.certificate_name})
 
 
 # --------------------------------------------------------------------------- the upload
@@ -262,6 +143,7 @@ def push(
     *,
     token: str | None = None,
     endpoint: str | None = None,
+    commit_message: str | None = None,
 ) -> str:
     """Publish a certified directory to the Hub; returns the URL of the commit or the PR.
 
@@ -273,9 +155,12 @@ def push(
         create_pr: open a pull request instead of committing to the branch (an open PR of the
             same title by the same user is updated instead). Always on for a variant PR.
         private: create the repo private (ignored when it exists already).
-        revision: the branch to commit to, or to open the PR against (default ``main``).
+        revision: the branch to commit to, or to open the PR against (default ``main``); or
+            an open pull request to push into, ``refs/pr/N`` (as huggingface_hub takes it).
         token: a Hub token; default ``HF_TOKEN`` or the saved login.
         endpoint: the Hub's URL; default huggingface_hub's (``HF_ENDPOINT``).
+        commit_message: the commit's summary (and a new PR's title); default one naming the
+            conversion and its verdict.
 
     Raises:
         PushRefused: the certificate gate refused (see :func:`check`); nothing was sent.
@@ -289,6 +174,7 @@ def push(
         revision=revision,
         token=token,
         endpoint=endpoint,
+        commit_message=commit_message,
     ).url
 
 
@@ -301,18 +187,26 @@ def publish(
     revision: str | None = None,
     token: str | None = None,
     endpoint: str | None = None,
+    commit_message: str | None = None,
 ) -> PushResult:
     """:func:`push`, returning what was done (for the command's report)."""
     if not _REPO_ID.match(repo_id):
         raise InputError(f"{repo_id!r} is not a Hub repo id (namespace/name)")
-    branch = _branch(revision)
+    branch, pull_request = _revision(revision)
+    if pull_request is not None and create_pr:
+        raise InputError(
+            f"--revision {revision} pushes into that pull request; --create-pr would open "
+            "another: drop one of them"
+        )
+    if commit_message is not None and not commit_message.strip():
+        raise InputError("--commit-message is empty")
     try:
         checked = check(converted)
     except NotAsCertified as exc:
         raise PushRefused(exc.path, exc.problems) from None
     source_id = base_model_id(checked.certificate)
     variant_pr = checked.variant is not None and repo_id == checked.certificate.source.get("id")
-    if not variant_pr and repo_id == source_id and not create_pr:
+    if not variant_pr and repo_id == source_id and not create_pr and pull_request is None:
         raise InputError(
             f"{repo_id} is the source repo of this conversion: committing would replace its "
             "weights; push to a new repo, pass --create-pr, or convert with --variant to add "
@@ -329,34 +223,113 @@ def publish(
             "can write"
         )
     api = HfApi(endpoint=endpoint, token=secret)
-    with _hub_errors(repo_id, branch, secret):
-        user = str(api.whoami()["name"])
+    where = revision or "main"
+    with _hub_errors(repo_id, where, secret) as errors:
+        identity = api.whoami()
+        request = _Request(
+            api,
+            checked,
+            repo_id,
+            branch,
+            pull_request,
+            str(identity["name"]),
+            create_pr or variant_pr,
+            commit_message.strip() if commit_message else None,
+        )
+        errors.request, errors.identity = request, identity
         if variant_pr:
-            return _variant_pr(api, checked, repo_id, branch, user)
-        return _new_repo(api, checked, repo_id, branch, user, create_pr, private)
+            return _variant_pr(request)
+        errors.creating = True
+        api.create_repo(repo_id, exist_ok=True, private=private)
+        errors.creating = False
+        return _new_repo(request)
 
 
-def _branch(revision: str | None) -> str:
+def check_write_access(
+    pushes: Iterable[tuple[str, bool]], *, token: str | None = None, endpoint: str | None = None
+) -> str:
+    """Before a batch runs anything that would end in these pushes: a token the Hub accepts,
+    with write access, and for each push that is not a pull request a namespace its user may
+    create repos in. ``pushes``: ``(repo_id, opens a pull request)``. Returns the user.
+
+    Raises:
+        HubAuthError: no token, or the Hub rejected it.
+        HubPermissionError: a read-only token, or repos in namespaces the user does not own.
+    """
+    from huggingface_hub import HfApi, get_token
+
+    targets = list(pushes)
+    secret = token or get_token()
+    if not secret:
+        raise HubAuthError(
+            f"the manifest pushes ({targets[0][0]}…) and there is no Hugging Face token: set "
+            "HF_TOKEN or log in (hf auth login) with a token that can write"
+        )
+    with _hub_errors(targets[0][0], "main", secret):
+        identity = HfApi(endpoint=endpoint, token=secret).whoami()
+    user = str(identity["name"])
+    if _role(identity) == "read":
+        raise HubPermissionError(
+            "the manifest pushes and this token is read-only: use one with write access "
+            "(HF_TOKEN, or hf auth login); nothing was run"
+        )
+    mine = {user, *_organizations(identity)}
+    foreign = sorted({r for r, proposes in targets if not proposes and r.split("/")[0] not in mine})
+    if foreign:
+        raise HubPermissionError(
+            f"{', '.join(foreign)}: {user} may create repos only in {', '.join(sorted(mine))}; "
+            "push there, or set create_pr = true to propose the files to an existing repo; "
+            "nothing was run"
+        )
+    return user
+
+
+def _role(identity: Mapping[str, Any]) -> str | None:
+    """The token's role from whoami: ``read``, ``write`` or ``fineGrained``."""
+    return identity.get("auth", {}).get("accessToken", {}).get("role")
+
+
+def _organizations(identity: Mapping[str, Any]) -> list[str]:
+    return [o["name"] for o in identity.get("orgs", []) if isinstance(o, dict) and "name" in o]
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One push, as asked: where to, by whom, how."""
+
+    api: HfApi
+    checked: Verified
+    repo_id: str
+    branch: str  # the branch to commit to or open the PR against ("" for an existing PR)
+    pull_request: int | None  # --revision refs/pr/N: the open PR to push into
+    user: str
+    create_pr: bool
+    message: str | None  # --commit-message
+
+    def title(self, *, variant_pr: bool) -> str:
+        return self.message or _title(
+            self.checked, self.branch, self.create_pr, variant_pr=variant_pr
+        )
+
+
+def _revision(revision: str | None) -> tuple[str, int | None]:
+    """(branch, None) for a branch name (``refs/heads/`` optional), ("", N) for ``refs/pr/N``."""
     name = (revision or "main").removeprefix(_HEADS)
+    if match := _PULL_REQUEST.fullmatch(name):
+        return "", int(match[1])
     if not name or name.startswith("refs/"):
-        raise InputError(f"--revision {revision!r} is not a branch name")
-    return name
+        raise InputError(
+            f"--revision {revision!r} is neither a branch name nor a pull request (refs/pr/N)"
+        )
+    return name, None
 
 
-def _new_repo(
-    api: HfApi,
-    checked: Checked,
-    repo_id: str,
-    branch: str,
-    user: str,
-    create_pr: bool,
-    private: bool | None,
-) -> PushResult:
-    api.create_repo(repo_id, exist_ok=True, private=private)
-    title = _title(checked, branch, create_pr, variant_pr=False)
+def _new_repo(request: _Request) -> PushResult:
+    api, checked = request.api, request.checked
+    title = request.title(variant_pr=False)
     paths = sorted(checked.files)
-    plan = _target(api, repo_id, branch, user, title, create_pr)
-    remote = set(api.list_repo_files(repo_id, revision=plan.parent))
+    plan = _target(request, title)
+    remote = set(api.list_repo_files(request.repo_id, revision=plan.parent))
     stale = sorted(
         p for p in remote - set(paths) if _LOAD_BEARING.search(p) and p != ".gitattributes"
     )
@@ -364,14 +337,15 @@ def _new_repo(
     if stale:
         removed = ", ".join(f"`{p}`" for p in stale)
         description += f"\n- removed: {removed} (what loads is exactly what was certified)"
-    return _commit(api, checked, repo_id, plan, title, description, paths, stale, "new-repo")
+    return _commit(request, plan, title, description, paths, stale, "new-repo")
 
 
-def _variant_pr(api: HfApi, checked: Checked, repo_id: str, branch: str, user: str) -> PushResult:
+def _variant_pr(request: _Request) -> PushResult:
+    api, checked, repo_id = request.api, request.checked, request.repo_id
     assert checked.variant is not None
-    title = _title(checked, branch, True, variant_pr=True)
-    paths = checked.variant_paths()
-    plan = _target(api, repo_id, branch, user, title, True)
+    title = request.title(variant_pr=True)
+    paths = _variant_paths(checked)
+    plan = _target(request, title)
     remote = {
         entry.path: entry
         for entry in api.list_repo_tree(repo_id, revision=plan.parent, recursive=True)
@@ -389,7 +363,7 @@ def _variant_pr(api: HfApi, checked: Checked, repo_id: str, branch: str, user: s
     variant = checked.variant
     stale = sorted(p for p in remote if is_variant_file(p, variant) and p not in paths)
     description = "\n\n".join([_summary(checked, paths), "---", _card_body(checked.card)])
-    return _commit(api, checked, repo_id, plan, title, description, paths, stale, "variant-pr")
+    return _commit(request, plan, title, description, paths, stale, "variant-pr")
 
 
 @dataclass(frozen=True)
@@ -404,32 +378,48 @@ class _Target:
     pull_request_url: str | None
 
 
-def _target(
-    api: HfApi, repo_id: str, branch: str, user: str, title: str, create_pr: bool
-) -> _Target:
+def _target(request: _Request, title: str) -> _Target:
+    api, repo_id = request.api, request.repo_id
     refs = api.list_repo_refs(repo_id, include_pull_requests=True)
+    prs = {r.ref: r.target_commit for r in refs.pull_requests or []}
+    if request.pull_request is not None:
+        return _into_pull_request(request, prs)
     heads = {ref.name: ref.target_commit for ref in refs.branches}
+    branch = request.branch
     if branch not in heads:
         raise InputError(
             f"{repo_id}: {branch!r} is not a branch (branches: {', '.join(sorted(heads))}); "
-            "--revision takes a branch name"
+            "--revision takes a branch name or refs/pr/N"
         )
-    if create_pr:
+    if request.create_pr:
         for discussion in api.get_repo_discussions(
-            repo_id, author=user, discussion_type="pull_request", discussion_status="open"
+            repo_id, author=request.user, discussion_type="pull_request", discussion_status="open"
         ):
             if discussion.title == title:
                 ref = f"refs/pr/{discussion.num}"
-                prs = {r.ref: r.target_commit for r in refs.pull_requests or []}
                 if ref in prs:
                     return _Target(ref, branch, prs[ref], False, discussion.num, discussion.url)
-    return _Target(branch, branch, heads[branch], create_pr, None, None)
+    return _Target(branch, branch, heads[branch], request.create_pr, None, None)
+
+
+def _into_pull_request(request: _Request, prs: dict[str, str]) -> _Target:
+    """``--revision refs/pr/N``: the open pull request N, whoever opened it."""
+    number = request.pull_request
+    ref = f"refs/pr/{number}"
+    if ref not in prs:
+        raise InputError(f"{request.repo_id}: no pull request #{number} (--revision {ref})")
+    details = request.api.get_discussion_details(request.repo_id, number)
+    if not details.is_pull_request or details.status != "open":
+        raise InputError(
+            f"{request.repo_id}: pull request #{number} is {details.status}, not open; push to "
+            "a branch, or --create-pr to open another"
+        )
+    branch = (details.target_branch or "main").removeprefix(_HEADS)
+    return _Target(ref, branch, prs[ref], False, number, details.url)
 
 
 def _commit(
-    api: HfApi,
-    checked: Checked,
-    repo_id: str,
+    request: _Request,
     target: _Target,
     title: str,
     description: str,
@@ -437,27 +427,32 @@ def _commit(
     stale: list[str],
     shape: str,
 ) -> PushResult:
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub import CommitOperationDelete
 
-    operations: list[CommitOperationAdd | CommitOperationDelete] = []
-    for path in paths:
-        file = checked.files[path]
-        add = CommitOperationAdd(path, file.data if file.data is not None else file.location)
-        # The certified hash of these very bytes: the client uses it as the LFS object id
-        # (the Hub checks content against it) instead of reading the file once more.
-        add.upload_info.sha256 = bytes.fromhex(file.sha256)
-        operations.append(add)
-    operations += [CommitOperationDelete(path) for path in stale]
-    interrupts.check()  # a Ctrl-C swallowed on its way up stops the push before its commit
-    info = api.create_commit(
-        repo_id,
-        operations,
-        commit_message=title,
-        commit_description=description,
-        revision=target.revision,
-        create_pr=target.create_pr,
-        parent_commit=target.parent,
-    )
+    api, checked, repo_id = request.api, request.checked, request.repo_id
+    try:
+        with ExitStack() as readers:  # large files' streams, closed once the commit is made
+            operations: list[CommitOperationAdd | CommitOperationDelete] = [
+                _addition(checked.files[path], readers) for path in paths
+            ]
+            operations += [CommitOperationDelete(path) for path in stale]
+            # A Ctrl-C swallowed on its way up stops the push before its commit.
+            interrupts.check()
+            info = api.create_commit(
+                repo_id,
+                operations,
+                commit_message=title,
+                commit_description=description,
+                revision=target.revision,
+                create_pr=target.create_pr,
+                parent_commit=target.parent,
+            )
+    except Exception as exc:
+        culprit = _changed_file(exc)
+        if culprit is None:
+            raise
+        problem = f"{culprit}: changed since certification (found while uploading it)"
+        raise PushRefused(checked.directory, [problem]) from None
     changed = info.oid != target.parent
     number = info.pr_num if info.pr_url else target.pull_request
     url = info.pr_url or target.pull_request_url or info.commit_url
@@ -471,19 +466,124 @@ def _commit(
         uploaded=paths,
         deleted=stale,
         changed=changed,
+        proposed=request.create_pr or request.pull_request is not None,
     )
 
 
-def _same(file: LocalFile, remote: Any) -> bool:
+def _addition(file: HashedFile, readers: ExitStack) -> CommitOperationAdd:
+    """The commit operation for ``file``: its bytes as the gate read them, with the certified
+    sha256 as the LFS object id (the client never hashes the file again)."""
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.lfs import UploadInfo
+
+    if file.data is not None:  # small: the very bytes that were hashed
+        return CommitOperationAdd(file.path, file.data)
+    # Built on the path (which reads nothing), then given the certified stream and upload info:
+    # a file object passed in directly would be read whole once more just to hash it.
+    add = CommitOperationAdd(file.path, file.location)
+    add.path_or_fileobj = readers.enter_context(CertifiedReader(file))
+    # The sample (read from the path) only tells text from binary; it is not uploaded.
+    add.upload_info = UploadInfo(file.size, add.upload_info.sample, bytes.fromhex(file.sha256))
+    return add
+
+
+class CertifiedReader(io.BufferedIOBase):
+    """A large file as the gate hashed it: every block read to upload is checked against the
+    digest the gate took of it before any byte of it is handed out, so what is sent is exactly
+    what was certified. A changed block raises :class:`ChangedSinceCertified` instead (the
+    upload fails, the commit is never made). Reads may come in any order and more than once
+    (multipart uploads, retries): each is checked. At most one block is kept in memory, and
+    none once the client seeks elsewhere (it rewinds the stream when its upload ends)."""
+
+    def __init__(self, file: HashedFile) -> None:
+        super().__init__()
+        self.file = file
+        self._handle: BinaryIO | None = None
+        self._position = 0
+        self._index = -1  # the block in memory
+        self._block = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.file.size}[whence]
+        self._position = max(0, base + offset)
+        if self._position // BLOCK_BYTES != self._index:  # the client rewinds after an upload:
+            self._block, self._index = b"", -1  # the block is not kept while others upload
+        return self._position
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = self.file.size - self._position if size is None or size < 0 else size
+        pieces = []
+        while left > 0 and self._position < self.file.size:
+            index, offset = divmod(self._position, BLOCK_BYTES)
+            piece = self._load(index)[offset : offset + left]
+            pieces.append(piece)
+            self._position += len(piece)
+            left -= len(piece)
+        return b"".join(pieces)
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size)
+
+    def _load(self, index: int) -> bytes:
+        if index != self._index:
+            if self._handle is None:
+                self._handle = self.file.location.open("rb")
+            self._handle.seek(index * BLOCK_BYTES)
+            block = self._handle.read(BLOCK_BYTES)
+            expected = self.file.blocks[index] if index < len(self.file.blocks) else b""
+            if hashlib.sha256(block).digest() != expected:
+                raise ChangedSinceCertified(self.file.path)
+            self._block, self._index = block, index
+        return self._block
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self._block = b""
+        super().close()
+
+
+class ChangedSinceCertified(Exception):
+    """A file's bytes changed between the gate and its upload (raised inside the client)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: changed since certification")
+
+
+def _changed_file(exc: BaseException) -> str | None:
+    """The file named by a :class:`ChangedSinceCertified` somewhere in ``exc``'s chain (the
+    client wraps what a read raises: "Error while uploading ...")."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ChangedSinceCertified):
+            return current.path
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _same(file: HashedFile, remote: Any) -> bool:
     """Whether a local file equals a Hub tree entry (LFS: sha256; git: blob sha1)."""
     lfs = getattr(remote, "lfs", None)
     if lfs is not None:
         return bool(lfs.sha256 == file.sha256)
-    data = _content(file)
+    data = file.data if file.data is not None else file.location.read_bytes()
     return bool(remote.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
 
 
-def _title(checked: Checked, branch: str, pull_request: bool, *, variant_pr: bool) -> str:
+def _title(checked: Verified, branch: str, pull_request: bool, *, variant_pr: bool) -> str:
     """The commit summary, which is also the PR's title: stable for the same conversion, so a
     second push finds the PR the first one opened."""
     cert = checked.certificate
@@ -496,7 +596,7 @@ def _title(checked: Checked, branch: str, pull_request: bool, *, variant_pr: boo
     return f"{title} into {branch}" if pull_request and branch != "main" else title
 
 
-def _summary(checked: Checked, paths: list[str]) -> str:
+def _summary(checked: Verified, paths: list[str]) -> str:
     """The parity summary for the commit (and PR) description."""
     cert = checked.certificate
     failed = sum(not m.passed for m in cert.metrics)
@@ -528,19 +628,52 @@ def _card_body(card: str) -> str:
 # --------------------------------------------------------------------------- errors
 
 
+@dataclass
+class _Errors:
+    """What :func:`_translate` needs to word an error: the repo, the revision asked for, the
+    token to scrub, and for a 403 what the push was doing and for whom (set as it goes on)."""
+
+    repo_id: str
+    revision: str
+    token: str
+    request: _Request | None = None  # once the token's user is known
+    identity: Mapping[str, Any] = field(default_factory=dict)  # whoami's answer
+    creating: bool = False  # the request in flight creates the repo
+
+
 @contextmanager
-def _hub_errors(repo_id: str, branch: str, token: str) -> Iterator[None]:
+def _hub_errors(repo_id: str, revision: str, token: str) -> Iterator[_Errors]:
     """Turn whatever huggingface_hub or its HTTP client raises into one of our errors: one
     line, naming the repo, never the token."""
+    errors = _Errors(repo_id, revision, token)
     try:
-        yield
+        yield errors
     except PrecisionConvertError:
         raise
     except Exception as exc:
-        raise _translate(exc, repo_id, branch, token) from None
+        raise _translate(exc, errors) from None
 
 
-def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> PrecisionConvertError:
+def _forbidden_hint(request: _Request, identity: Mapping[str, Any], *, creating: bool) -> str:
+    """What to do about a 403 on this push: it depends on the token, the namespace and the
+    step (--create-pr helps only where the repo exists: a pull request needs no write access
+    to the repo's namespace, creating a repo does)."""
+    if _role(identity) == "read":
+        return "this token is read-only: use one with write access (HF_TOKEN, or hf auth login)"
+    namespace, name = request.repo_id.split("/", 1)
+    if namespace in {request.user, *_organizations(identity)}:
+        return f"use a token with write access to {namespace}"
+    foreign = (
+        f"{namespace} is neither your namespace ({request.user}) nor one of your organizations"
+    )
+    if creating:
+        return f"{foreign}: push to {request.user}/{name} instead"
+    if request.create_pr or request.pull_request is not None:
+        return f"{foreign}, and its pull requests are closed to {request.user}"
+    return f"{foreign}: --create-pr proposes the files as a pull request instead"
+
+
+def _translate(exc: Exception, errors: _Errors) -> PrecisionConvertError:
     from huggingface_hub.errors import (
         HfHubHTTPError,
         LocalTokenNotFoundError,
@@ -548,6 +681,7 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
         RevisionNotFoundError,
     )
 
+    repo_id, branch, token = errors.repo_id, errors.revision, errors.token
     # The client wraps a failed LFS upload ("Error while uploading 'x'"): the cause says why.
     where = ""
     if isinstance(exc, RuntimeError) and exc.__cause__ is not None:
@@ -566,22 +700,27 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
     if isinstance(exc, LocalTokenNotFoundError):
         return HubAuthError("no Hugging Face token: set HF_TOKEN or log in (hf auth login)")
     if isinstance(exc, RevisionNotFoundError):
-        return InputError(f"{repo_id}: {branch!r} is not a branch; --revision takes a branch name")
+        return InputError(
+            f"{repo_id}: {branch!r} is not a branch; --revision takes a branch name or refs/pr/N"
+        )
     if isinstance(exc, RepositoryNotFoundError):
         return InputError(f"{repo_id}: no such model repo on the Hub, or this token cannot see it")
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
-        after = str(exc.response.headers.get("Retry-After", ""))
-        answered = {"status": status, "retry_after": float(after) if after.isdigit() else None}
+        after = _retry_after(exc.response.headers.get("Retry-After"))
+        answered = {"status": status, "retry_after": after}
         if status == 401:
             return HubAuthError(
                 "the Hub rejected the token (401 Unauthorized): set HF_TOKEN to a valid token "
                 "or log in again (hf auth login)"
             )
         if status == 403:
+            refused = "the Hub would not create it" if errors.creating else "cannot write to it"
+            hint = "use a token with write access to it"
+            if errors.request is not None:
+                hint = _forbidden_hint(errors.request, errors.identity, creating=errors.creating)
             return HubPermissionError(
-                f"{repo_id}: this token may not write to it (403 Forbidden: "
-                f"{first_line(exc)}); use a write token of the repo's namespace, or --create-pr"
+                f"{repo_id}: {refused} (403 Forbidden: {first_line(exc)}); {hint}"
             )
         if status in (409, 412):
             return PushFailed(
@@ -608,3 +747,19 @@ def _translate(exc: Exception, repo_id: str, branch: str, token: str) -> Precisi
         f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {first_line(exc)}); "
         "run push again to resume"
     )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: a number of seconds or an HTTP date."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())

@@ -38,7 +38,8 @@ Write side (what ``create_repo`` / ``create_commit`` / ``get_repo_discussions`` 
   (else ``412``); ``?create_pr=1`` opens a pull request on ``refs/pr/N`` and answers with
   ``pullRequestUrl``; committing to ``refs/pr/N`` updates that PR. ``rev`` must be a branch.
 - ``GET /api/models/{repo_id}/discussions``: the repo's discussions and PRs, filtered by
-  ``type``, ``status`` and ``author``, paginated like the Hub's.
+  ``type``, ``status`` and ``author``, paginated like the Hub's; ``…/discussions/{num}``: one
+  with its details (a PR's base branch).
 
 Everything pushed stays downloadable through the read side (``snapshot_download`` of a branch
 or of ``refs/pr/N``). ``requests`` logs every ``(method, path)``, ``uploads`` every LFS upload
@@ -153,7 +154,8 @@ class Fault:
     (or :data:`HOLD_TIMEOUT_S`), then drop it: the client (or the test, by killing it) decides
     what happens meanwhile. ``before``: run this callable, then handle the request normally (a
     concurrent change on the server). ``method`` limits the fault to one HTTP method, ``skip``
-    lets that many matching requests through first, ``times`` fires it at most that often.
+    lets that many matching requests through first, ``times`` fires it at most that often;
+    ``headers`` go with a ``status`` answer (a ``Retry-After``).
     """
 
     path: str
@@ -165,6 +167,7 @@ class Fault:
     method: str | None = None
     skip: int = 0
     times: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
     reached: threading.Event = field(default_factory=threading.Event, compare=False)
     release: threading.Event = field(default_factory=threading.Event, compare=False)
 
@@ -172,11 +175,19 @@ class Fault:
 class HubError(Exception):
     """An error answer in the Hub's format: status, ``X-Error-Code`` and a message."""
 
-    def __init__(self, status: int, code: str | None, message: str, **extra: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str | None,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = dict(headers or {})  # more headers of the answer
         self.extra = extra  # more fields of the JSON body
 
 
@@ -391,10 +402,13 @@ class FakeHub:
         method: str | None = None,
         skip: int = 0,
         times: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Fault:
         """Make requests matching ``path`` misbehave (see :class:`Fault`) until ``faults`` is
         cleared."""
-        fault = Fault(path, status, truncate, drop, hold, before, method, skip, times)
+        fault = Fault(
+            path, status, truncate, drop, hold, before, method, skip, times, dict(headers or {})
+        )
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -685,6 +699,31 @@ class FakeHub:
             "numClosedDiscussions": sum(d.status == "closed" for d in repo.discussions),
         }
 
+    def discussion(self, repo_id: str, user: Token | None, num: int) -> dict[str, Any]:
+        """One discussion with its details (``get_discussion_details``): a PR's base branch."""
+        repo = self.repo(repo_id, user)
+        with self._lock:
+            found = next((d for d in repo.discussions if d.num == num), None)
+        if found is None:
+            raise HubError(404, None, f"Discussion #{num} not found")
+        details: dict[str, Any] = {
+            "num": found.num,
+            "title": found.title,
+            "status": found.status,
+            "isPullRequest": found.is_pull_request,
+            "createdAt": found.created_at,
+            "author": {"name": found.author},
+            "repo": {"name": repo_id, "type": "model"},
+            "events": [],
+            "pinned": False,
+            "locked": False,
+        }
+        if found.is_pull_request:
+            details["changes"] = {"base": f"refs/heads/{found.target_branch}"}
+            details["filesWithConflicts"] = []
+            details["diff"] = ""
+        return details
+
 
 def require_write(user: Token | None, repo_id: str, *, pull_request: bool = False) -> None:
     """Writes need a token with write access; committing to a branch also needs the namespace
@@ -803,6 +842,7 @@ ROUTES: list[Route] = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/{_SEGMENT}(?P<path>/.*)?$"), "_route_tree"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/refs$"), "_route_refs"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/discussions$"), "_route_discussions"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/discussions/(?P<num>\d+)$"), "_route_discussion"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "_route_model_info"),
     ("GET", re.compile(rf"^/{_REPO}/resolve/{_SEGMENT}/(?P<path>.+)$"), "_route_resolve"),
     ("GET", re.compile(r"^/api/agent-harnesses$"), "_route_agent_harnesses"),
@@ -886,7 +926,7 @@ class _Handler(BaseHTTPRequestHandler):
             if body is None:
                 raise HubError(413, None, f"request body over {MAX_BODY_BYTES} bytes")
             if fault is not None and fault.status is not None:
-                raise HubError(fault.status, None, "injected fault")
+                raise HubError(fault.status, None, "injected fault", fault.headers)
             self.user = self._authenticate() if self.server.role == "hub" else None  # type: ignore[attr-defined]
             for route_method, pattern, name in routes:
                 if route_method != method and not (method == "HEAD" and route_method == "GET"):
@@ -945,7 +985,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.rfile.readline()
 
     def _error(self, error: HubError) -> Answer:
-        headers = {"X-Error-Message": error.message}
+        headers = {"X-Error-Message": error.message, **error.headers}
         if error.code:
             headers["X-Error-Code"] = error.code
         return Answer.json({"error": error.message, **error.extra}, error.status, **headers)
@@ -1011,6 +1051,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route_discussions(self, repo: str, query: dict[str, list[str]], **_: Any) -> Answer:
         return Answer.json(self.hub.discussions(repo, self.user, query))
+
+    def _route_discussion(self, repo: str, num: str, **_: Any) -> Answer:
+        return Answer.json(self.hub.discussion(repo, self.user, int(num)))
 
     def _route_resolve(self, repo: str, rev: str, path: str, **_: Any) -> Answer:
         sha, files = self.hub.repo(repo, self.user).resolve(rev)

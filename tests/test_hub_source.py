@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from _fake_hub import FakeHub
+from _fake_hub import FakeHub, is_lfs
 from safetensors.torch import load_file, save_file
 
 from precision_convert.names import units
@@ -98,6 +98,18 @@ def _cli(
         if script.is_file()
         else [sys.executable, "-c", "from precision_convert.cli.main import run; run()"]
     )
+    return subprocess.run(
+        command + args,
+        cwd=cwd,
+        env=_online_env(endpoint, cwd),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _online_env(endpoint: str, cwd: Path) -> dict[str, str]:
+    """This process's environment, pointed at ``endpoint`` with a private cache, online."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
     env.update(
         HF_ENDPOINT=endpoint,
@@ -111,9 +123,7 @@ def _cli(
         PYTHONUNBUFFERED="1",
         COLUMNS="200",
     )
-    return subprocess.run(
-        command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return env
 
 
 def _check_output(source: Path, output: Path) -> dict[str, Any]:
@@ -298,3 +308,52 @@ def _sha256(path: Path) -> str:
 def _assert_nothing_written(cwd: Path) -> None:
     """No output directory, and no staging left beside where it would have gone."""
     assert sorted(p.name for p in cwd.iterdir() if p.name != ".hf-home") == []
+
+
+# --------------------------------------------------------------------------- pc.load
+
+
+def test_load_of_a_variant_downloads_only_its_weights(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """``pc.load(repo, variant="bf16")`` fetches the variant's weights and the other files,
+    never the repo's fp32 weights (which used to double the bytes downloaded)."""
+    repo = "acme/tiny-t5-variants"
+    fp32 = (served.main / "model.safetensors").read_bytes()
+    state = load_file(served.main / "model.safetensors")
+    variant = tmp_path / "model.bf16.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, variant, {"format": "pt"})
+    files = {
+        "config.json": (served.main / "config.json").read_bytes(),
+        "model.safetensors": fp32,
+        "model.bf16.safetensors": variant.read_bytes(),
+        "README.md": b"# tiny\n",
+    }
+    hub.add_commit(repo, files)
+    hub.requests.clear()
+    script = (
+        "import precision_convert as pc, torch\n"
+        f"model = pc.load({repo!r}, variant='bf16')\n"
+        "print(sorted({str(p.dtype) for p in model.parameters()}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=_online_env(hub.endpoint, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['torch.bfloat16']"
+    # Bytes served: regular files answered by /resolve/, LFS content by the CDN's /lfs/.
+    by_oid = {hashlib.sha256(data).hexdigest(): data for data in files.values()}
+    served_bytes = 0
+    for method, path in hub.requests:
+        regular = re.fullmatch(rf"/{repo}/resolve/[0-9a-f]+/(.+)", path)
+        if method == "GET" and path.startswith("/lfs/"):
+            served_bytes += len(by_oid[path.removeprefix("/lfs/")])
+        elif method == "GET" and regular and not is_lfs(regular[1]):
+            served_bytes += len(files[regular[1]])
+    wanted = sum(len(files[n]) for n in ("model.bf16.safetensors", "config.json", "README.md"))
+    assert served_bytes == wanted, (served_bytes, wanted, len(fp32))

@@ -30,10 +30,10 @@ from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     CERTIFICATE_NAME,
     Certificate,
-    verify_files,
 )
 from precision_convert.validation.certify.load_paths import RESAVED
 from precision_convert.validation.certify.runner import validate
+from precision_convert.validation.certify.verify import verify_files
 
 #: Weight scale that makes a layer's outputs (and weights) leave fp16's range.
 OVERFLOW = 1e6

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
+from precision_convert.validation.certify.verify import BLOCK_BYTES
 
 SOURCE_REPO = "ns/tiny"
 VARIANT = "bf16"
@@ -306,6 +308,73 @@ def test_revision_must_be_a_branch(served: Served, hub: FakeHub, revision: str) 
     assert not [w for w in _writes(hub) if w[1] != "/api/repos/create"]
 
 
+def test_revision_refs_pr_pushes_into_that_pull_request(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """``--revision refs/pr/N`` (as huggingface_hub takes it): the commit goes into open PR N,
+    whatever its title, and main is untouched."""
+    repo_id = "ns/tiny-into-pr"
+    main = hub.add_commit(repo_id, {"README.md": b"# my model\n"})
+    first = _push(str(served.variant_output), repo_id, "--create-pr")
+    assert first.exit_code == 0, first.output
+    repo = hub.repos[repo_id]
+    [pr] = repo.discussions
+    done = _push(str(served.output), repo_id, "--revision", f"refs/pr/{pr.num}")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == f"{hub.endpoint}/{repo_id}/discussions/{pr.num}"
+    assert f"updated pull request #{pr.num} on {repo_id} (into main)" in done.stderr
+    assert len(repo.discussions) == 1 and repo.refs["main"] == main
+    pushed = _local_files(_download(repo_id, tmp_path / "cache", revision=f"refs/pr/{pr.num}"))
+    assert pushed == _local_files(served.output)  # the variant weights it held are gone
+
+
+def test_revision_refs_pr_must_be_an_open_pull_request(served: Served, hub: FakeHub) -> None:
+    repo_id = "ns/tiny-closed-pr"
+    hub.add_commit(repo_id, {"README.md": b"# my model\n"})
+    assert _push(str(served.output), repo_id, "--create-pr").exit_code == 0
+    missing = _push(str(served.output), repo_id, "--revision", "refs/pr/7")
+    _one_line_error(missing, 2, repo_id, "no pull request #7")
+    both = _push(str(served.output), repo_id, "--revision", "refs/pr/1", "--create-pr")
+    _one_line_error(both, 2, "refs/pr/1", "drop one of them")
+    tag = _push(str(served.output), repo_id, "--revision", "refs/tags/v1")
+    _one_line_error(tag, 2, "neither a branch name nor a pull request (refs/pr/N)")
+    hub.repos[repo_id].discussions[0].status = "closed"
+    hub.requests.clear()
+    closed = _push(str(served.output), repo_id, "--revision", "refs/pr/1")
+    _one_line_error(closed, 2, repo_id, "pull request #1 is closed")
+    assert [w for w in _writes(hub) if w[1] != "/api/repos/create"] == []
+
+
+def test_token_and_commit_message_options(
+    served: Served, hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``push --token`` and ``--commit-message``, as ``hf upload`` users expect."""
+    monkeypatch.delenv("HF_TOKEN")
+    repo_id = "ns/tiny-token-option"
+    message = "bf16-safe copy, certified"
+    done = _push(str(served.output), repo_id, "--token", TOKEN, "--commit-message", message)
+    assert done.exit_code == 0, done.output
+    repo = hub.repos[repo_id]
+    title, body = repo.messages[repo.refs["main"]]
+    assert title == message and "verdict **pass**" in body
+    _assert_no_secret(done.output, roots=(tmp_path, served.home))
+    wrong = _push(str(served.output), repo_id, "--token", WRONG_TOKEN)
+    _one_line_error(wrong, 2, "rejected the token")
+    _assert_no_secret(wrong.output)
+
+
+def test_create_pr_when_the_branch_already_holds_the_files_says_why(
+    served: Served, hub: FakeHub
+) -> None:
+    repo_id = "ns/tiny-already-there"
+    assert _push(str(served.output), repo_id).exit_code == 0
+    done = _push(str(served.output), repo_id, "--create-pr")
+    assert done.exit_code == 0, done.output
+    assert "no pull request opened" in done.stderr and "nothing to propose" in done.stderr
+    assert f"{repo_id}@main already holds these" in done.stderr
+    assert hub.repos[repo_id].discussions == []
+
+
 # --------------------------------------------------------------------------- the gate
 
 
@@ -380,7 +449,7 @@ def test_gate_refuses_and_uploads_nothing(
     served: Served, hub: FakeHub, tmp_path: Path, tamper: Callable[[Path], str]
 ) -> None:
     """Each change after certification is caught by ``push`` (nothing sent) and by
-    ``validate --verify``, both naming the file."""
+    ``validate --verify``, both naming the file: one verifier, the same problems."""
     out = _copy(served, tmp_path)
     verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])
     assert verified.exit_code == 0 and "verified:" in verified.stdout, verified.output
@@ -392,7 +461,9 @@ def test_gate_refuses_and_uploads_nothing(
     assert hub.requests == []  # the gate runs before anything talks to the Hub
     assert "ns/refused" not in hub.repos
     verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])
-    _one_line_error(verified, 1, culprit, "not as certified")
+    verify_line = _one_line_error(verified, 1, culprit, "not as certified")
+    problems = line.split("push refused, nothing uploaded: ", 1)[1]
+    assert verify_line.split("not as certified: ", 1)[1] == problems
 
 
 def test_gate_hashes_bytes_not_names(served: Served, hub: FakeHub, tmp_path: Path) -> None:
@@ -411,6 +482,76 @@ def test_gate_hashes_bytes_not_names(served: Served, hub: FakeHub, tmp_path: Pat
     done = _push(str(out), "ns/refused")
     _one_line_error(done, 1, shard.name, "changed since certification")
     assert hub.requests == []
+
+
+def _with_a_large_file(served: Served, tmp_path: Path) -> Path:
+    """A certified copy of the output holding one more file, larger than a block (so the push
+    re-reads it to upload instead of keeping it in memory), covered by the certificate."""
+    out = _copy(served, tmp_path)
+    large = out / "large.safetensors"
+    large.write_bytes(os.urandom(2 * BLOCK_BYTES + 1000))
+    certificate = Certificate.read(out)
+    certificate.files[large.name] = _sha256(large.read_bytes())
+    (out / CERTIFICATE_NAME).write_text(json.dumps(certificate.to_dict(), indent=2) + "\n")
+    write_card(certificate, out)
+    return out
+
+
+@pytest.mark.parametrize("offset", [0, 2 * BLOCK_BYTES + 500], ids=["first-block", "last-block"])
+def test_a_file_changed_between_gate_and_upload_is_never_sent(
+    served: Served, hub: FakeHub, tmp_path: Path, offset: int
+) -> None:
+    """The gate hashes a large shard; it changes in place (a tool saving over it) before the
+    client uploads it: the push is refused naming it, its changed bytes never leave the machine,
+    nothing is committed and nothing is stored under the certified object id."""
+    out = _with_a_large_file(served, tmp_path)
+    large = out / "large.safetensors"
+    certified = _sha256(large.read_bytes())
+    marker = b"changed after the gate" * 4
+
+    def change_it() -> None:
+        with large.open("r+b") as f:
+            f.seek(offset)
+            f.write(marker)
+
+    repo_id = f"ns/changed-{offset}"
+    hub.inject(r"\.git/info/lfs/objects/batch$", before=change_it, times=1)
+    done = _push(str(out), repo_id)
+    _one_line_error(done, 1, "large.safetensors: changed since certification", "push refused")
+    assert marker in large.read_bytes()  # it really changed under the push
+    assert not any(marker in body for body in hub.bodies)
+    assert certified not in hub._blobs and (repo_id, certified) not in hub.uploads
+    assert set(hub.files(repo_id)) == {".gitattributes"}  # no commit
+
+
+def test_a_large_file_read_again_for_a_retry_is_checked_again(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """The client retries a failed upload by rewinding the stream: the second read is checked
+    block by block too, and what the Hub stores is the certified file."""
+    out = _with_a_large_file(served, tmp_path)
+    certified = (out / "large.safetensors").read_bytes()
+    hub.inject(rf"^/upload/{_sha256(certified)}/", status=503, times=1)
+    done = _push(str(out), "ns/large-retried")
+    assert done.exit_code == 0, done.output
+    uploads = [p for m, p in hub.requests if m == "PUT" and _sha256(certified) in p]
+    assert len(uploads) == 2  # refused once, then sent again
+    assert hub.files("ns/large-retried")["large.safetensors"] == certified
+
+
+def test_a_small_file_changed_after_the_gate_goes_up_as_certified(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """Files up to a block are read once, hashed and kept: a change after the gate does not
+    reach the Hub, which stores the bytes that were certified."""
+    out = _copy(served, tmp_path)
+    shard = out / "model-00001-of-00003.safetensors"
+    certified = shard.read_bytes()
+    hub.inject(r"/preupload/", before=lambda: shard.write_bytes(b"changed"), times=1)
+    done = _push(str(out), "ns/small-changed")
+    assert done.exit_code == 0, done.output
+    assert shard.read_bytes() == b"changed"
+    assert hub.files("ns/small-changed")[shard.name] == certified
 
 
 def test_source_repo_is_not_overwritten(served: Served, hub: FakeHub) -> None:
@@ -443,19 +584,38 @@ def test_missing_token_is_one_line(
 
 
 @pytest.mark.parametrize(
-    ("token", "repo_id"),
-    [(READ_TOKEN, "ns/read-only"), (TOKEN, "someone-else/model")],
+    ("token", "repo_id", "hint"),
+    [
+        (READ_TOKEN, "ns/read-only", "this token is read-only: use one with write access"),
+        (TOKEN, "someone-else/model", "push to ns/model instead"),
+    ],
     ids=["read-only-token", "foreign-namespace"],
 )
 def test_no_write_permission_names_the_repo(
-    served: Served, hub: FakeHub, monkeypatch: pytest.MonkeyPatch, token: str, repo_id: str
+    served: Served,
+    hub: FakeHub,
+    monkeypatch: pytest.MonkeyPatch,
+    token: str,
+    repo_id: str,
+    hint: str,
 ) -> None:
+    """A 403 says what would help: never --create-pr where it cannot (a read-only token, a
+    repo that cannot be created in someone else's namespace)."""
     monkeypatch.setenv("HF_TOKEN", token)
     done = _push(str(served.output), repo_id)
-    _one_line_error(done, 2, repo_id, "403")
+    line = _one_line_error(done, 2, repo_id, "403", hint)
+    assert "--create-pr" not in line
     assert repo_id not in hub.repos
     assert [w for w in _writes(hub) if w[1] != "/api/repos/create"] == []
     _assert_no_secret(done.output)
+
+
+def test_a_403_on_someone_elses_repo_suggests_a_pull_request(served: Served, hub: FakeHub) -> None:
+    repo_id = "someone-else/existing"
+    main = hub.add_commit(repo_id, {"README.md": b"# theirs\n"})
+    done = _push(str(served.output), repo_id)
+    _one_line_error(done, 2, repo_id, "403", "--create-pr proposes the files as a pull request")
+    assert hub.repos[repo_id].refs["main"] == main
 
 
 def test_a_pr_needs_no_write_access_to_the_namespace(served: Served, hub: FakeHub) -> None:
@@ -476,6 +636,25 @@ def test_transient_hub_errors_are_retried(served: Served, hub: FakeHub) -> None:
     done = _push(str(served.output), repo_id)
     assert done.exit_code == 0, done.output
     assert [p for _, p in hub.requests].count(f"/api/models/{repo_id}/preupload/main") == 2
+
+
+@pytest.mark.parametrize("form", ["seconds", "http-date"])
+def test_retry_after_is_read_as_seconds_or_an_http_date(
+    served: Served, hub: FakeHub, form: str
+) -> None:
+    """A 429's ``Retry-After`` reaches the caller that retries (batch), in either form the
+    HTTP standard allows."""
+    from email.utils import formatdate
+
+    from precision_convert.errors import PushFailed
+    from precision_convert.hub import publish
+
+    value = "30" if form == "seconds" else formatdate(time.time() + 30, usegmt=True)
+    hub.inject(r"/commit/", status=429, headers={"Retry-After": value})
+    with pytest.raises(PushFailed) as refused:
+        publish(served.output, f"ns/tiny-429-{form}")
+    assert refused.value.status == 429
+    assert refused.value.retry_after is not None and 28 <= refused.value.retry_after <= 30
 
 
 def test_failed_commit_is_one_line_and_a_rerun_completes(served: Served, hub: FakeHub) -> None:
@@ -727,6 +906,20 @@ def test_model_push_converts_validates_and_publishes(
         app, ["model", SOURCE_REPO, "--to", "bf16", "--no-validate", "--push", repo_id]
     )
     _one_line_error(refused, 2, "--push needs a certificate")
+
+
+def test_model_push_of_a_variant_pr_prints_its_url(
+    served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    source = "ns/tiny-variant-source"
+    hub.add_commit(source, served.source)
+    args = ["model", source, "--to", "bf16", "--variant", VARIANT, "-o", str(tmp_path / "v")]
+    done = CliRunner().invoke(app, [*args, "--push", source])
+    assert done.exit_code == 0, done.output
+    [pr] = hub.repos[source].discussions
+    url = f"{hub.endpoint}/{source}/discussions/{pr.num}"
+    assert f"opened variant pull request #{pr.num} on {source} (into main)" in done.stderr
+    assert done.stderr.rstrip().endswith(url)
 
 
 @pytest.mark.parametrize("kind", ["unet", "pipeline"])

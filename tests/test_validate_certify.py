@@ -28,9 +28,9 @@ from precision_convert.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
-    verify_files,
 )
 from precision_convert.validation.certify.runner import validate
+from precision_convert.validation.certify.verify import verify_files
 from precision_convert.validation.probe.parity import thresholds_for
 
 #: Overflow injection: the first weight layer scaled so its weights and outputs leave fp16.

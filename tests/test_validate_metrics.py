@@ -16,11 +16,10 @@ from precision_convert.validation.certify.certificate import (
     Certificate,
     ComponentRecord,
     LoadPath,
-    hash_files,
-    verify_files,
     write,
 )
 from precision_convert.validation.certify.runner import parse_memory
+from precision_convert.validation.certify.verify import hash_files, verify_files
 from precision_convert.validation.probe.execute import build_inputs
 from precision_convert.validation.probe.inputs import inputs_from_tensors
 from precision_convert.validation.probe.metrics import (

@@ -7,6 +7,7 @@ that is downloaded first. Everything is checked here, before a single output byt
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -105,9 +106,15 @@ Source = ModelSource | PipelineSource
 
 
 def resolve(
-    source: str | Path, revision: str | None = None, *, timeout: float | None = None
+    source: str | Path,
+    revision: str | None = None,
+    *,
+    timeout: float | None = None,
+    variant: str | None = None,
 ) -> Path:
-    """A local directory for ``source``, downloading a Hub repo id when no such path exists.
+    """A local directory for ``source``, downloading a Hub repo id when no such path exists
+    (with ``variant``, only that variant's weights beside the other files: see
+    :func:`_variant_files`).
 
     ``timeout`` bounds, in seconds, what huggingface_hub lets a caller bound per call: each
     file's metadata request (``etag_timeout``; the ``HF_HUB_ETAG_TIMEOUT`` variable, when set,
@@ -134,9 +141,28 @@ def resolve(
 
     options: dict[str, Any] = {} if timeout is None else {"etag_timeout": timeout}
     try:
+        if variant is not None:
+            options["allow_patterns"] = _variant_files(text, revision, variant)
         return Path(snapshot_download(text, revision=revision, **options))
     except Exception as exc:  # whatever the download raises, the Hub could not provide it
         raise InputError(_hub_failure(exc, revision), text) from exc
+
+
+def _variant_files(repo_id: str, revision: str | None, variant: str) -> list[str] | None:
+    """What loading ``variant`` of a Hub repo needs: every file of the repo's listing but the
+    weights that are not the variant's (the plain fp32 ones above all, often the bulk of the
+    repo), as exact ``allow_patterns``. None offline: the cache holds what it holds."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    wanted = []
+    for path in HfApi().list_repo_files(repo_id, revision=revision):
+        found = _VARIANT_FILE.fullmatch(path.rsplit("/", 1)[-1])
+        ours = found is not None and variant in (found["variant"], found["ivariant"])
+        if ours or not _WEIGHT_FILE.fullmatch(path):
+            wanted.append(glob.escape(path))  # allow_patterns are fnmatch patterns
+    return wanted
 
 
 def _hub_failure(exc: Exception, revision: str | None) -> str:

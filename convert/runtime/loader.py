@@ -90,7 +90,7 @@ def load(
         >>> model = load("t5-small-fp16-safe")
         >>> model(input_ids=ids).last_hidden_state  # runs; fp32 islands intact
     """
-    root = resolve(path, revision)
+    root = resolve(path, revision, variant=variant)  # a Hub repo: the variant's weights only
     target = resolve_device(device) if device is not None else None
     opened = open_source(root, variant)
     loaded: Any = (

@@ -4,18 +4,19 @@ A batch may point many jobs at one repo (variant PRs into one source repo). The 
 commits per repo and answers 429 when pushed too hard; huggingface_hub retries some requests
 itself, but not every call of a commit. So each push here:
 
-- takes the repo's turn: an ``flock`` on a file per repo in the batch's state folder, shared by
-  every worker process (and every Ray worker on a shared filesystem), and waits until
-  ``interval`` seconds have passed since that repo's last commit;
-- retries what may pass later — 429 (after its ``Retry-After`` when the Hub sends one), 5xx,
-  a branch that moved meanwhile (409/412), a lost connection — with exponential backoff, and
-  gives up at once on anything else (a refused gate, a bad token, a 4xx).
+- takes the repo's turn: a lock on a file per repo in the batch's state folder (filelock's
+  ``flock``, which the kernel drops when its holder dies, so a killed worker never leaves a
+  stale turn), shared by every worker process (and every Ray worker on a shared filesystem),
+  and waits until ``interval`` seconds have passed since that repo's last commit;
+- retries what may pass later — 429 (after its ``Retry-After``, seconds or an HTTP date, when
+  the Hub sends one), 5xx, a branch that moved meanwhile (409/412), a lost connection — with
+  exponential backoff plus jitter (tenacity), so workers that failed together do not come back
+  together; anything else (a refused gate, a bad token, a 4xx) is raised at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,12 @@ from typing import TYPE_CHECKING
 from precision_convert.errors import PushFailed
 
 if TYPE_CHECKING:
+    from tenacity import RetryCallState
+
     from precision_convert.hub import PushResult
+
+#: The longest a backoff waits before one retry, whatever the attempt (a Retry-After is obeyed).
+_MAX_BACKOFF = 120.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class Etiquette:
     lock_dir: Path
     interval: float = 1.0
     retries: int = 4
-    backoff: float = 2.0  # first retry delay; doubled each time
+    backoff: float = 2.0  # first retry delay, doubled each time, plus up to as much jitter
 
 
 def publish_politely(
@@ -49,43 +55,63 @@ def publish_politely(
     sleep: Callable[[float], None] = time.sleep,
 ) -> PushResult:
     """:func:`precision_convert.hub.publish` within the repo's turn, retried as above."""
+    from tenacity import Retrying, retry_if_exception, stop_after_attempt
+
     from precision_convert.hub import publish
 
-    attempt = 0
-    while True:
+    def attempt() -> PushResult:
         with _turn(etiquette, repo_id, sleep):
-            try:
-                return publish(converted, repo_id, create_pr=create_pr, private=private)
-            except PushFailed as exc:
-                delay = retry_delay(exc, attempt, etiquette.backoff)
-                if delay is None or attempt >= etiquette.retries:
-                    raise
-        sleep(delay)
-        attempt += 1
+            return publish(converted, repo_id, create_pr=create_pr, private=private)
+
+    retrying = Retrying(
+        retry=retry_if_exception(transient),
+        wait=_Wait(etiquette.backoff),
+        stop=stop_after_attempt(etiquette.retries + 1),
+        sleep=sleep,
+        reraise=True,  # the last PushFailed itself, not tenacity's RetryError
+    )
+    return retrying(attempt)
 
 
-def retry_delay(exc: PushFailed, attempt: int, backoff: float) -> float | None:
-    """Seconds to wait before trying ``exc``'s push again, or None when waiting cannot help."""
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a push that may pass if tried again later."""
+    if not isinstance(exc, PushFailed):
+        return False
     status = exc.status
-    if status is None:  # the connection failed: transient
-        return backoff * 2**attempt
-    if status == 429:
-        return exc.retry_after if exc.retry_after is not None else backoff * 2**attempt
-    if status >= 500 or status in (409, 412):
-        return backoff * 2**attempt
-    return None
+    return status is None or status == 429 or status >= 500 or status in (409, 412)
+
+
+class _Wait:
+    """tenacity's wait: the Hub's ``Retry-After`` for a 429 that sends one, else exponential
+    backoff with jitter."""
+
+    def __init__(self, backoff: float) -> None:
+        from tenacity import wait_exponential, wait_random
+
+        self.backoff = wait_exponential(multiplier=backoff, max=_MAX_BACKOFF) + wait_random(
+            0, backoff
+        )
+
+    def __call__(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, PushFailed) and exc.status == 429 and exc.retry_after is not None:
+            return exc.retry_after
+        return float(self.backoff(state))
 
 
 @contextlib.contextmanager
 def _turn(etiquette: Etiquette, repo_id: str, sleep: Callable[[float], None]) -> Iterator[None]:
-    """Exclusive use of ``repo_id`` across processes, ``interval`` after its last commit."""
+    """Exclusive use of ``repo_id`` across processes, ``interval`` after its last commit (the
+    time of which the lock file holds)."""
+    from filelock import FileLock
+
     etiquette.lock_dir.mkdir(parents=True, exist_ok=True)
-    name = hashlib.sha256(repo_id.encode()).hexdigest()[:16]
-    with (etiquette.lock_dir / f"{name}.lock").open("a+", encoding="utf-8") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
+    path = etiquette.lock_dir / f"{hashlib.sha256(repo_id.encode()).hexdigest()[:16]}.lock"
+    # fallback_to_soft=False: on a filesystem without flock, fail rather than leave a marker
+    # file that a killed worker would never remove.
+    with FileLock(path, fallback_to_soft=False):
         try:
-            last = float(handle.read().strip() or 0)
+            last = float(path.read_text(encoding="utf-8").strip() or 0)
         except ValueError:  # a file cut short by a killed run: no turn to wait for
             last = 0.0
         wait = last + etiquette.interval - time.time()
@@ -94,6 +120,4 @@ def _turn(etiquette: Etiquette, repo_id: str, sleep: Callable[[float], None]) ->
         try:
             yield
         finally:
-            handle.truncate(0)
-            handle.write(f"{time.time():.3f}")
-            handle.flush()
+            path.write_text(f"{time.time():.3f}", encoding="utf-8")

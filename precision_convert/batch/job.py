@@ -7,7 +7,10 @@ error becomes the outcome's ``failed`` status and one-line reason (prefixed by t
 the later stages pass a failed outcome through untouched. So a broken checkpoint, a Hub id
 that does not exist or a push the Hub refuses costs that job only.
 
-After each stage that changes the output the job's state file is updated (see
+A job converts and validates in its own staging directory inside the output folder's hidden
+state folder, and its output is renamed into place only with its certificate, so a job's
+target holds what it held before or a certified output, whenever the run is stopped. After
+each stage that changes the output the job's state file is updated (see
 :mod:`precision_convert.batch.state`), which is what ``--resume`` reads.
 
 Nothing here changes process-wide state; a worker that owns its process sets its thread
@@ -17,6 +20,8 @@ count itself (see :func:`own_process`).
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +58,17 @@ class Settings:
     @property
     def store(self) -> StateStore:
         return StateStore(self.output_dir)
+
+    @property
+    def staging(self) -> Path:
+        """Where jobs convert and validate before their output is renamed into place: hidden
+        in the state folder (so never hashed or pushed), on the outputs' filesystem (so the
+        rename is atomic), and emptied by the driver when a run starts."""
+        return self.output_dir / STATE_DIR / "staging"
+
+    def scratch(self, job: Job) -> Path:
+        """The job's directory in :attr:`staging`."""
+        return self.staging / job.key
 
 
 @dataclass
@@ -120,7 +136,9 @@ def _ignore(stage: str) -> None:
 def convert_stage(
     job: Job, settings: Settings, on_stage: Callable[[str], None] = _ignore
 ) -> Outcome:
-    """Download (or find) the source and write the converted output, unvalidated."""
+    """Download (or find) the source and write the converted output, unvalidated, into the
+    job's staging directory (:meth:`Settings.scratch`); :func:`validate_stage` certifies it
+    there and renames it into place."""
     from precision_convert.api.conversion import convert
     from precision_convert.conversion.io.source import resolve
 
@@ -132,13 +150,14 @@ def convert_stage(
     if outcome.failed:
         return outcome
     on_stage("converting")
+    scratch = settings.scratch(job)
     with _stage(outcome, "convert"):
+        shutil.rmtree(scratch, ignore_errors=True)  # an earlier try whose worker died
         result = convert(
             outcome.baseline,
             job.target,
-            job.output,
+            scratch,
             validate=False,
-            overwrite=True,
             recipe=options.recipe,
             keep_fp32=options.keep_fp32,
             calibrate=options.calibrate,
@@ -162,33 +181,58 @@ def convert_stage(
 
 
 def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str | None) -> Outcome:
-    """Certify the output against the source in fp32 (on ``device``; None: CUDA if present)."""
+    """Certify the staged output against the source in fp32 (on ``device``; None: CUDA if
+    present), then rename it into place with its certificate and card, as ``model`` does: the
+    target holds what it held before or a certified output, however the run is stopped. A
+    failing certificate is kept like ``model`` keeps it (it says why); an error that leaves
+    none removes the staged output and leaves the target as it was."""
     if outcome.failed:
         return outcome
-    from precision_convert.hub import check
+    from precision_convert.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
+    from precision_convert.validation.certify.verify import verify
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
     options = job.options
+    scratch = settings.scratch(job)
     with _stage(outcome, "validate"):
-        certificate = validate(
-            job.output,
-            baseline=outcome.baseline,
-            device=options.device or device,
-            inputs=options.inputs,
-            coverage=options.coverage or DEFAULT_LEVEL,
-            calibration_data=options.calibration_data,
-            trust_remote_code=options.trust_remote_code,
-        )
+        try:
+            certificate = validate(
+                scratch,
+                baseline=outcome.baseline,
+                device=options.device or device,
+                inputs=options.inputs,
+                coverage=options.coverage or DEFAULT_LEVEL,
+                calibration_data=options.calibration_data,
+                trust_remote_code=options.trust_remote_code,
+            )
+        except CannotValidateError:
+            into_place(scratch, job.output)  # with the failing certificate saying what is missing
+            raise
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        into_place(scratch, job.output)
         describe(outcome, certificate)
         if not certificate.passed:
             first = certificate.failures[0] if certificate.failures else "no metric was judged"
             raise CheckFailed(f"not certified ({len(certificate.failures)} problems): {first}")
-        checked = check(job.output)  # what --resume and push will check: it must pass now
+        checked = verify(job.output)  # what --resume and push will check: it must pass now
         state = settings.store.read(job.key) or JobState(job.key, job.digest)
         state.certificate = checked.files[checked.certificate_name].sha256
         settings.store.write(state)
     return outcome
+
+
+def into_place(staged: Path, target: Path) -> None:
+    """Rename the certified ``staged`` directory to ``target``, replacing what is there, the
+    way ``model`` commits its output: under the target's lock, made durable first, the old
+    output moved aside and removed only once the new one is in place."""
+    from precision_convert.conversion.io.staging import StagedOutput
+
+    with StagedOutput(target, overwrite=True) as place:
+        os.replace(staged, place.path)  # onto the empty directory it made for the output
+        place.commit()
 
 
 def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:
@@ -271,16 +315,19 @@ def fp32_share(components: list[ComponentResult]) -> float:
 
 def own_process(threads: int) -> None:
     """For a worker that owns its process: a fixed torch thread count (the same on every
-    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars.
+    executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars,
+    and the command's bounded Hub client (a silent Hub fails the job instead of hanging it).
 
     Workers share the terminal with the driver's progress display, and everything a job has
     to say reaches the report through its outcome; library warnings and bars would only
     garble the display."""
-    import os
     import warnings
+
+    from precision_convert.hub_client import bound_hub_requests
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")
+    bound_hub_requests()
     import torch
 
     torch.set_num_threads(threads)

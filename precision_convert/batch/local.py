@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -48,6 +49,8 @@ EventSink = Callable[[str, str], None]
 _ATTEMPTS = 2
 #: The event a worker sends first, with its process id.
 _WORKER = "\0worker"
+#: How often a worker without PR_SET_PDEATHSIG checks that its driver is alive: a second.
+_WATCH_SECONDS = 1.0
 
 _events: Any = None  # the worker's end of the event queue (set by _warm)
 _slots: Any = None  # the worker's end of the validation-slot queue
@@ -151,17 +154,29 @@ def _sigint_ignored_while_spawning() -> Iterator[None]:
 
 
 def _die_with_the_driver(driver: int) -> None:
-    """Linux: the kernel kills this worker when its driver dies, even by SIGKILL, which gives
-    the driver no chance to stop it (it would otherwise run on, reparented to init). A driver
-    that died while this worker was still starting is gone already: then exit now."""
+    """The worker ends when its driver does, even by SIGKILL, which gives the driver no chance
+    to stop it (it would otherwise run on, reparented, writing an output nobody waits for).
+
+    Linux: the kernel sends SIGKILL when the driver dies (``PR_SET_PDEATHSIG``). Elsewhere, a
+    daemon thread watches the parent pid and exits within a second of it changing. A driver
+    that died while this worker was still starting is gone already: then exit now.
+    """
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    else:
+        threading.Thread(target=_watch_the_driver, args=(driver,), daemon=True).start()
     if os.getppid() != driver:
         os._exit(1)
+
+
+def _watch_the_driver(driver: int) -> None:
+    while os.getppid() == driver:
+        time.sleep(_WATCH_SECONDS)
+    os._exit(1)
 
 
 def _died(job: Job) -> Outcome:

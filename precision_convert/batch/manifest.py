@@ -1,10 +1,12 @@
 """The batch manifest (TOML): read it, check all of it, and expand it into jobs.
 
 Every check runs before anything else does, so a manifest with a typo never converts half a
-model family: the first problem is raised as one :class:`~precision_convert.errors.InputError`
-that names ``manifest.toml:LINE`` and the entry at fault (tomllib reports no line numbers for
-values, so :class:`_Lines` finds them in the text). What can only be known by trying (a Hub id
-that does not exist, a checkpoint that does not load) is left to the job, where it fails alone.
+model family: every problem found is raised together as one :class:`ManifestError`, a line
+each, naming ``manifest.toml:LINE`` and the entry at fault (tomllib reports no line numbers for
+values, so :class:`_Lines` finds them in the text), with the likely intended word when a key,
+target or table is misspelled (``calbrate``: did you mean ``calibrate``?). What can only be
+known by trying (a Hub id that does not exist, a checkpoint that does not load) is left to the
+job, where it fails alone.
 
 Relative paths (local sources, ``output_dir``, ``calibration_data``, ``inputs``, recipe files)
 are read relative to the manifest's folder, so a manifest means the same from any directory.
@@ -12,18 +14,19 @@ are read relative to the manifest's folder, so a manifest means the same from an
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from precision_convert._version import __version__
 from precision_convert.conversion.io.staging import overlap
-from precision_convert.errors import InputError
+from precision_convert.errors import InputError, printable
 from precision_convert.recipes import TARGETS
 
 #: ``[[model]]`` keys that only an entry can have.
@@ -55,6 +58,21 @@ PUSH_PR = "pr"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ManifestError(InputError):
+    """A manifest with problems: ``problems`` holds one line per problem
+    (``manifest.toml:LINE: [[model]] #N: what is wrong``), all of them, in the text's order."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known word closest to a misspelled one, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -156,64 +174,89 @@ class _Lines:
 
 
 class _Reader:
-    """Checks one manifest; :meth:`fail` raises the error naming the line at fault."""
+    """Checks one manifest, collecting every problem: :meth:`note` records one and the check
+    goes on; :meth:`fail` records one and returns the error naming all so far (for a problem
+    after which nothing more can be checked); :meth:`done` raises them, if any."""
 
     def __init__(self, path: Path, text: str) -> None:
         self.path = path
         self.base = path.parent
         self.lines = _Lines(text)
+        self.problems: list[tuple[int, str]] = []  # (line, text)
+        self.dropped: set[str] = set()  # keys whose value was refused (noted already)
+
+    def note(self, message: str, table: str, index: int = 0, key: str | None = None) -> None:
+        where = "[defaults]" if table == "defaults" else f"[[model]] #{index + 1}"
+        self.at(self.lines.of(table, index, key), f"{where}: {message}")
+
+    def at(self, line: int, message: str) -> None:
+        # One line per problem: a control character in a value the user wrote is escaped.
+        problem = (line, printable(f"{self.path}:{line}: {message}"))
+        if problem not in self.problems:  # an entry's targets share its problems
+            self.problems.append(problem)
 
     def fail(self, message: str, table: str, index: int = 0, key: str | None = None) -> InputError:
-        where = "[defaults]" if table == "defaults" else f"[[model]] #{index + 1}"
-        line = self.lines.of(table, index, key)
-        return InputError(f"{where}: {message}", f"{self.path}:{line}")
+        self.note(message, table, index, key)
+        return self.error()
+
+    def error(self) -> ManifestError:
+        return ManifestError([text for _, text in sorted(self.problems, key=lambda p: p[0])])
+
+    def done(self) -> None:
+        if self.problems:
+            raise self.error()
 
     def options(self, raw: Mapping[str, Any], table: str, index: int) -> dict[str, Any]:
         """The typed option values of one table (unknown keys refused)."""
         allowed = OPTION_KEYS | (ENTRY_KEYS if table == "model" else {"output_dir"})
         values: dict[str, Any] = {}
         for key, value in raw.items():
+            problem = None
             if key not in allowed:
                 known = ", ".join(sorted(allowed))
-                raise self.fail(f"unknown key {key!r} (known: {known})", table, index, key)
-            if key in _BOOL_KEYS:
+                problem = f"unknown key {key!r}{did_you_mean(key, allowed)} (known: {known})"
+            elif key in _BOOL_KEYS:
                 if not isinstance(value, bool):
-                    raise self.fail(f"{key} must be true or false", table, index, key)
+                    problem = f"{key} must be true or false"
             elif key in _LIST_KEYS:
                 value = [value] if isinstance(value, str) else value
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                    raise self.fail(
-                        f"{key} must be a string or a list of strings", table, index, key
-                    )
-                value = tuple(value)
+                    problem = f"{key} must be a string or a list of strings"
+                else:
+                    value = tuple(value)
             elif key == "push" and value is False:
                 value = None
             elif not isinstance(value, str):
-                raise self.fail(f"{key} must be a string", table, index, key)
-            values[key] = value
+                problem = f"{key} must be a string"
+            if problem is None:
+                values[key] = value
+            else:
+                self.dropped.add(key)
+                self.note(problem, table, index, key)
         return values
 
     def check_option_values(self, values: Mapping[str, Any], table: str, index: int) -> None:
         """Targets, coverage, recipe, variant, device and files: checked as ``model`` would."""
         for target in values.get("to", ()):
             if target not in TARGETS:
-                raise self.fail(
-                    f"unknown target {target!r}; choose one of {', '.join(TARGETS)}",
+                choose = f"choose one of {', '.join(TARGETS)}"
+                self.note(
+                    f"unknown target {target!r}{did_you_mean(target, TARGETS)}; {choose}",
                     table,
                     index,
                     "to",
                 )
-        for key in _PATH_KEYS & values.keys():
+        for key in sorted(_PATH_KEYS & values.keys()):
             if not Path(values[key]).is_file():
-                raise self.fail(f"{key}: no such file {values[key]}", table, index, key)
+                self.note(f"{key}: no such file {values[key]}", table, index, key)
         device = values.get("device")
         if device is not None and not _DEVICES.match(device):
-            raise self.fail(f"device {device!r}: use auto, cpu, cuda or cuda:N", table, index)
+            self.note(f"device {device!r}: use auto, cpu, cuda or cuda:N", table, index, "device")
         try:
             self._library_checks(values)
         except InputError as exc:
             key = next((k for k in ("recipe", "variant", "calibration_data") if k in values), None)
-            raise self.fail(str(exc), table, index, key or "coverage") from None
+            self.note(str(exc), table, index, key or "coverage")
 
     @staticmethod
     def _library_checks(values: Mapping[str, Any]) -> None:
@@ -236,27 +279,32 @@ class _Reader:
             values["recipe"] = str((self.base / Path(recipe).expanduser()).absolute())
         return values
 
-    def source(self, raw: Any, index: int) -> tuple[str, bool]:
-        """(an absolute directory or a Hub id, whether it is a Hub id)."""
+    def source(self, raw: Any, index: int) -> tuple[str, bool] | None:
+        """(an absolute directory or a Hub id, whether it is a Hub id); None: a problem."""
+        problem = None
         if not isinstance(raw, str) or not raw.strip():
-            raise self.fail("source must be a directory or a Hub repo id", "model", index, "source")
-        local = self.base / Path(raw).expanduser()
-        if local.exists() or raw.startswith((".", "/", "~")):
-            if not local.is_dir():
-                raise self.fail(f"source {raw!r}: no such directory", "model", index, "source")
-            return str(local.resolve()), False
-        if not _HUB_ID.match(raw):
-            raise self.fail(
-                f"source {raw!r} is neither a directory nor a Hub repo id", "model", index, "source"
-            )
-        return raw, True
+            problem = "source must be a directory or a Hub repo id"
+        else:
+            local = self.base / Path(raw).expanduser()
+            if local.exists() or raw.startswith((".", "/", "~")):
+                if local.is_dir():
+                    return str(local.resolve()), False
+                problem = f"source {raw!r}: no such directory"
+            elif _HUB_ID.match(raw):
+                return raw, True
+            else:
+                problem = f"source {raw!r} is neither a directory nor a Hub repo id"
+        self.note(problem, "model", index, "source")
+        return None
 
 
 def read_manifest(path: str | Path) -> Manifest:
     """Read and check a manifest; every job it describes, in order.
 
     Raises:
-        InputError: the first problem, as ``<manifest>:<line>: <entry>: <what is wrong>``.
+        InputError: the manifest cannot be read, or is not TOML.
+        ManifestError: every problem found, a line each:
+            ``<manifest>:<line>: <entry>: <what is wrong>``.
     """
     path = Path(path)
     try:
@@ -273,14 +321,17 @@ def read_manifest(path: str | Path) -> Manifest:
     for key in data:
         if key not in ("defaults", "model"):
             line = reader.lines.keys.get(("", 0, key)) or reader.lines.of(key, 0)
-            raise InputError(
-                f"unknown table or key {key!r} (a manifest has [defaults] and [[model]] entries)",
-                f"{path}:{line}",
+            hint = did_you_mean(key, ("defaults", "model"))
+            reader.at(
+                line,
+                f"unknown table or key {key!r}{hint} (a manifest has [defaults] and [[model]] "
+                "entries)",
             )
     raw_defaults = data.get("defaults", {})
     entries = data.get("model", [])
     if not isinstance(raw_defaults, dict) or not isinstance(entries, list) or not entries:
-        raise InputError("a manifest needs [defaults] and at least one [[model]] entry", path)
+        reader.at(1, "a manifest needs [defaults] and at least one [[model]] entry")
+        raise reader.error()
     defaults = reader.absolute(reader.options(raw_defaults, "defaults", 0))
     reader.check_option_values(defaults, "defaults", 0)
     output_dir = reader.base / Path(defaults.pop("output_dir", "converted")).expanduser()
@@ -289,6 +340,7 @@ def read_manifest(path: str | Path) -> Manifest:
         jobs += _jobs(reader, defaults, entry, index, output_dir.absolute(), len(jobs))
     _check_unique(reader, jobs)
     _check_apart(reader, output_dir, jobs)
+    reader.done()
     return Manifest(path.absolute(), output_dir.absolute(), tuple(jobs))
 
 
@@ -303,22 +355,30 @@ def _jobs(
     own = reader.absolute(reader.options(entry, "model", index))
     reader.check_option_values(own, "model", index)
     if "source" not in own:
-        raise reader.fail("source is missing", "model", index)
-    source, on_hub = reader.source(own.pop("source"), index)
+        if "source" not in entry:  # a source of the wrong type is noted already
+            reader.note("source is missing", "model", index)
+        return []
+    found = reader.source(own.pop("source"), index)
+    if found is None:
+        return []
+    source, on_hub = found
     name = own.pop("name", None) or Path(source.rstrip("/")).name
     if "/" in name or "\\" in name or ".." in name or name.startswith("."):
-        raise reader.fail(
+        reader.note(
             f"name {name!r} must be a plain folder name (no '/', no '..', not hidden)",
             "model",
             index,
             "name" if "name" in entry else "source",
         )
+        return []
     values = {**defaults, **own}
     targets = values.pop("to", ())
     if not targets:
-        raise reader.fail("no target: set to = [...] here or in [defaults]", "model", index)
+        if "to" not in reader.dropped:  # else its own problem says why
+            reader.note("no target: set to = [...] here or in [defaults]", "model", index)
+        return []
     if values.get("revision") is not None and not on_hub:
-        raise reader.fail("revision applies to Hub repo ids only", "model", index, "revision")
+        reader.note("revision applies to Hub repo ids only", "model", index, "revision")
     push_value = values.pop("push", None)
     create_pr = values.pop("create_pr", False)
     private = values.pop("private", None)
@@ -329,7 +389,8 @@ def _jobs(
         if push_value is not None:
             repo_id = _push(reader, push_value, index, name, target, source, on_hub, options)
             variant_pr = push_value == PUSH_PR
-            push = PushSpec(repo_id, create_pr or variant_pr, private, variant_pr)
+            if repo_id is not None:
+                push = PushSpec(repo_id, create_pr or variant_pr, private, variant_pr)
         output = output_dir / f"{name}-{target}"
         line = reader.lines.of("model", index)
         jobs.append(
@@ -347,36 +408,32 @@ def _push(
     source: str,
     on_hub: bool,
     options: Options,
-) -> str:
-    """The repo id a job pushes to: the pattern filled in, or the source repo for ``"pr"``."""
+) -> str | None:
+    """The repo id a job pushes to: the pattern filled in, or the source repo for ``"pr"``;
+    None when it cannot be (the problem is noted)."""
     if pattern == PUSH_PR:
         if not on_hub:
-            raise reader.fail(
+            problem = (
                 'push = "pr" opens a pull request on the source repo: the source must be a Hub '
-                "repo id, not a local directory",
-                "model",
-                index,
-                "push",
+                "repo id, not a local directory"
             )
-        if options.variant is None:
-            raise reader.fail(
-                'push = "pr" needs a variant (e.g. variant = "bf16"): the PR adds variant files',
-                "model",
-                index,
-                "push",
+        elif options.variant is None:
+            problem = (
+                'push = "pr" needs a variant (e.g. variant = "bf16"): the PR adds variant files'
             )
-        return source
+        else:
+            return source
+        reader.note(problem, "model", index, "push")
+        return None
     try:
         repo_id = pattern.format(name=name, target=target, variant=options.variant or "")
     except (KeyError, IndexError, ValueError) as exc:
-        raise reader.fail(
-            f"push pattern {pattern!r}: {exc} (use {{name}}, {{target}}, {{variant}})",
-            "model",
-            index,
-            "push",
-        ) from None
+        usage = "use {name}, {target}, {variant}"
+        reader.note(f"push pattern {pattern!r}: {exc} ({usage})", "model", index, "push")
+        return None
     if not _REPO_ID.match(repo_id):
-        raise reader.fail(f"push: {repo_id!r} is not a Hub repo id", "model", index, "push")
+        reader.note(f"push: {repo_id!r} is not a Hub repo id", "model", index, "push")
+        return None
     return repo_id
 
 
@@ -387,7 +444,7 @@ def _check_apart(reader: _Reader, output_dir: Path, jobs: list[Job]) -> None:
         local = Path(job.source).is_absolute()  # else a Hub id
         problem = overlap(output_dir, job.source, "output_dir") if local else None
         if problem is not None:
-            raise reader.fail(problem, "defaults", 0, "output_dir")
+            reader.note(problem, "defaults", 0, "output_dir")
 
 
 def _check_unique(reader: _Reader, jobs: list[Job]) -> None:
@@ -408,7 +465,7 @@ def _check_unique(reader: _Reader, jobs: list[Job]) -> None:
                 "repo": f"push repo {key[-1]!r}",
                 "variant": f"variant {job.options.variant!r} of {job.source}",
             }[key[0]]
-            raise reader.fail(
+            reader.note(
                 f"{what} is also used by [[model]] #{other.entry + 1} (line {other.line}); "
                 "give one entry another name or target",
                 "model",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,11 +21,14 @@ from typing import Any
 from precision_convert._version import __version__
 from precision_convert.batch.job import DONE, FAILED, RUNNING, SKIPPED, Outcome, Settings, recorded
 from precision_convert.batch.local import EventSink, Task, run_local
-from precision_convert.batch.manifest import Manifest
+from precision_convert.batch.manifest import Job, Manifest
 from precision_convert.batch.state import Resume, Start, exclusive, resume_point
+from precision_convert.conversion.io.staging import clean_leftovers
 from precision_convert.errors import InputError
 
 REPORT_NAME = "batch_report.json"
+#: Every run's own report, named by when it started (REPORT_NAME is the latest run's).
+REPORTS_DIR = "batch_reports"
 REPORT_SCHEMA = "precision-convert/batch-report/1"
 EXECUTORS = ("local", "ray")
 
@@ -40,9 +44,11 @@ class BatchReport:
     threads_per_job: int
     resume: bool
     started: str
+    overwrite: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
     finished: str | None = None
     seconds: float = 0.0
+    file: Path | None = None  # where this run's report was written (not in the report)
 
     @property
     def failed(self) -> list[Outcome]:
@@ -61,6 +67,7 @@ class BatchReport:
             "jobs": self.jobs,
             "threads_per_job": self.threads_per_job,
             "resume": self.resume,
+            "overwrite": self.overwrite,
             "started": self.started,
             "finished": self.finished,
             "seconds": self.seconds,
@@ -76,6 +83,7 @@ def run_batch(
     executor: str = "local",
     ray_address: str | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     on_event: EventSink | None = None,
     etiquette: dict[str, float] | None = None,
 ) -> BatchReport:
@@ -88,24 +96,23 @@ def run_batch(
         executor: ``local`` or ``ray``.
         ray_address: the Ray cluster to use (default: the one this process is connected to,
             else a new local one).
-        resume: keep finished jobs (see :mod:`precision_convert.batch.state`).
+        resume: keep finished jobs (see :mod:`precision_convert.batch.state`) and redo the
+            rest, replacing their outputs.
+        overwrite: redo every job, replacing the outputs that exist. Without it or ``resume``
+            an existing output is never replaced: the run stops before anything runs.
         on_event: called with ``(job key, stage)`` as jobs move on, and with the outcome's
             status when one ends.
         etiquette: overrides of :class:`~precision_convert.batch.etiquette.Etiquette`
             (``interval``, ``retries``, ``backoff``).
 
     Raises:
-        InputError: a bad executor or job count, ray missing, or another run holding
-            ``output_dir``. Job failures are never raised: they are in the report.
+        InputError: a bad executor or job count, ray missing, another run holding
+            ``output_dir``, or outputs that exist without ``resume`` or ``overwrite``.
+        HubAuthError, HubPermissionError: the manifest pushes, and the token is missing,
+            rejected, read-only or cannot write where a push goes. Nothing has run then.
+        Job failures are never raised: they are in the report.
     """
-    if executor not in EXECUTORS:
-        raise InputError(f"--executor {executor!r}: choose local or ray")
-    if jobs < 1:
-        raise InputError(f"--jobs {jobs}: at least 1")
-    if executor == "ray":
-        from precision_convert.batch.ray_cluster import require_ray
-
-        require_ray()
+    _check_run(executor, jobs, resume=resume, overwrite=overwrite)
     listener = on_event or _ignore
     threads = max(1, (os.cpu_count() or 1) // min(jobs, len(manifest.jobs)))
     settings = Settings.for_run(manifest.output_dir, threads, **(etiquette or {}))
@@ -118,17 +125,18 @@ def run_batch(
         threads,
         resume,
         datetime.now(UTC).isoformat(timespec="seconds"),
+        overwrite,
     )
     with exclusive(manifest.output_dir):
+        starts = _starts(manifest, settings, resume=resume, overwrite=overwrite)
         tasks = []
-        for job in manifest.jobs:
-            start = resume_point(job, settings.store) if resume else Start(Resume.CONVERT)
+        for job in manifest.jobs:  # kept jobs are reported now, the others run
+            start = starts[job.key]
             if start.point is Resume.DONE:
                 _finish(report, recorded(job, start, SKIPPED), listener)
-            elif start.point is Resume.PUSH:
-                tasks.append(Task(job, recorded(job, start, RUNNING)))
             else:
-                tasks.append(Task(job))
+                ran = recorded(job, start, RUNNING) if start.point is Resume.PUSH else None
+                tasks.append(Task(job, ran))
         if executor == "ray":
             from precision_convert.batch.ray_cluster import run_ray
 
@@ -141,8 +149,69 @@ def run_batch(
         report.outcomes.sort(key=lambda o: order[o.key])
         report.finished = datetime.now(UTC).isoformat(timespec="seconds")
         report.seconds = round(time.perf_counter() - began, 3)
-        write_report(report)
+        report.file = write_report(report)
     return report
+
+
+def _check_run(executor: str, jobs: int, *, resume: bool, overwrite: bool) -> None:
+    """The run's own arguments, before anything else."""
+    if executor not in EXECUTORS:
+        raise InputError(f"--executor {executor!r}: choose local or ray")
+    if jobs < 1:
+        raise InputError(f"--jobs {jobs}: at least 1")
+    if resume and overwrite:
+        raise InputError("--resume keeps finished jobs, --overwrite redoes them: choose one")
+    if executor == "ray":
+        from precision_convert.batch.ray_cluster import require_ray
+
+        require_ray()
+
+
+def _starts(
+    manifest: Manifest, settings: Settings, *, resume: bool, overwrite: bool
+) -> dict[str, Start]:
+    """Where each job starts; refused before anything runs: outputs that would be replaced
+    unasked, and pushes the token could not make. Then what a killed run left is cleared."""
+    starts = {
+        job.key: resume_point(job, settings.store) if resume else Start(Resume.CONVERT)
+        for job in manifest.jobs
+    }
+    if not (resume or overwrite):
+        _refuse_existing([job for job in manifest.jobs if starts[job.key].point is Resume.CONVERT])
+    pushes = [
+        job.push
+        for job in manifest.jobs
+        if job.push is not None and starts[job.key].point is not Resume.DONE
+    ]
+    if pushes:
+        from precision_convert.hub import check_write_access
+
+        check_write_access([(push.repo_id, push.create_pr) for push in pushes])
+    _clear_leftovers(settings, manifest.jobs)
+    return starts
+
+
+def _refuse_existing(jobs: list[Job]) -> None:
+    """The rule ``model`` keeps with ``--overwrite``: an existing output is replaced only when
+    asked. Every job in the way is named; nothing has run."""
+    existing = [job.output for job in jobs if job.output.exists() or job.output.is_symlink()]
+    if not existing:
+        return
+    shown = ", ".join(str(path) for path in existing[:3])
+    more = f" and {len(existing) - 3} more" if len(existing) > 3 else ""
+    what = "an output exists" if len(existing) == 1 else f"{len(existing)} outputs exist"
+    raise InputError(
+        f"{what} already ({shown}{more}): --resume keeps finished jobs and redoes the rest, "
+        "--overwrite redoes every job"
+    )
+
+
+def _clear_leftovers(settings: Settings, jobs: tuple[Job, ...]) -> None:
+    """What a run killed before this one left: its staging folder (the run holds the output
+    folder's lock, so no other run uses it) and any half-renamed output beside a target."""
+    shutil.rmtree(settings.staging, ignore_errors=True)
+    for job in jobs:
+        clean_leftovers(job.output)
 
 
 def _finish(report: BatchReport, outcome: Outcome, listener: EventSink) -> None:
@@ -153,11 +222,21 @@ def _finish(report: BatchReport, outcome: Outcome, listener: EventSink) -> None:
 
 
 def write_report(report: BatchReport) -> Path:
-    """``<output_dir>/batch_report.json``, written atomically, token-free."""
-    path = report.output_dir / REPORT_NAME
-    tmp = path.with_name(f".{REPORT_NAME}.{os.getpid()}.tmp")
-    tmp.write_text(_scrub(json.dumps(report.to_json(), indent=2)) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """This run's report, kept beside every earlier run's: ``<output_dir>/batch_reports/
+    <started>.json``; and ``<output_dir>/batch_report.json``, the latest run's. Each is
+    written atomically and token-free. Returns the run's own."""
+    text = _scrub(json.dumps(report.to_json(), indent=2)) + "\n"
+    folder = report.output_dir / REPORTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.fromisoformat(report.started).strftime("%Y%m%dT%H%M%SZ")
+    path, count = folder / f"{stamp}.json", 1
+    while path.exists():  # two runs within one second
+        count += 1
+        path = folder / f"{stamp}-{count}.json"
+    for target in (path, report.output_dir / REPORT_NAME):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)
     return path
 
 

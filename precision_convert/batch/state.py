@@ -3,8 +3,9 @@
 Each job's state file records what its output is known to be: the digest of the job that
 wrote it, the sha256 of its passing certificate, and what was pushed (repo, URL, the pull
 request's number) for which certificate. ``--resume`` trusts none of it on its own: an output
-is finished only when the certificate gate (:func:`precision_convert.hub.check`) passes on the
-files as they are now *and* the state says the same certificate was produced (and pushed) by
+is finished only when the one verifier
+(:func:`precision_convert.validation.certify.verify.verify`, the push's gate) passes on the files
+as they are now *and* the state says the same certificate was produced (and pushed) by
 the same job. Anything less is redone: a push alone when only the push is missing.
 
 The folder is hidden, so neither the certificate's hashing nor ``push`` ever sees it.
@@ -13,7 +14,6 @@ The folder is hidden, so neither the certificate's hashing nor ``push`` ever see
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -87,13 +87,13 @@ class Start:
 def resume_point(job: Job, store: StateStore) -> Start:
     """How much of ``job`` a ``--resume`` run can keep (see the module docstring)."""
     from precision_convert.errors import PrecisionConvertError
-    from precision_convert.hub import check
+    from precision_convert.validation.certify.verify import verify
 
     state = store.read(job.key)
     if state is None or state.digest != job.digest or state.certificate is None:
         return Start(Resume.CONVERT)
     try:
-        checked = check(job.output)
+        checked = verify(job.output)
     except PrecisionConvertError:
         return Start(Resume.CONVERT)
     if checked.files[checked.certificate_name].sha256 != state.certificate:
@@ -107,32 +107,42 @@ def resume_point(job: Job, store: StateStore) -> Start:
 
 @contextlib.contextmanager
 def exclusive(output_dir: Path) -> Iterator[None]:
-    """Hold ``output_dir`` for one batch run; a second run on it stops with :class:`InputError`.
+    """Hold ``output_dir`` for one batch run; a second run on it stops with :class:`InputError`
+    naming the holder (its pid and start, which the lock file holds while it runs).
 
-    An advisory ``flock``: the kernel drops it when the holder exits, however it exits, so a
-    killed run never leaves a stale lock behind.
+    filelock's ``flock``, taken without waiting: the kernel drops it when the holder exits,
+    however it exits, so a killed run never leaves a stale lock behind (no soft-lock fallback:
+    a filesystem without ``flock`` is an error, not a marker file a killed run would leave).
     """
+    from filelock import FileLock, Timeout
+
     folder = output_dir / STATE_DIR
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         message = f"cannot create the output folder ({exc.strerror or exc})"
         raise InputError(message, output_dir) from None
-    with (folder / _LOCK_NAME).open("a+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise InputError(
-                f"another batch run ({holder}) is writing here; wait for it to finish, or use "
-                "another output_dir",
-                output_dir,
-            ) from None
-        handle.truncate(0)
-        handle.write(f"pid {os.getpid()}, since {datetime.now(UTC).isoformat(timespec='seconds')}")
-        handle.flush()
-        try:
-            yield
-        finally:
-            handle.truncate(0)
+    path = folder / _LOCK_NAME
+    lock = FileLock(path, blocking=False, fallback_to_soft=False, on_acquired=_write_holder)
+    try:
+        lock.acquire()
+    except Timeout:
+        holder = path.read_text(encoding="utf-8", errors="replace").strip() or "another process"
+        raise InputError(
+            f"another batch run ({holder}) is writing here; wait for it to finish, or use "
+            "another output_dir",
+            output_dir,
+        ) from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.truncate(path, 0)  # still held: nobody reads a stale holder
+        lock.release()
+
+
+def _write_holder(fd: int) -> None:
+    """filelock's ``on_acquired``: who holds the folder, for another run's message."""
+    since = datetime.now(UTC).isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, since {since}".encode(), 0)

@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from precision_convert.cli._common import console, out, reported_errors
 
@@ -53,17 +54,27 @@ def batch(
         typer.Option(
             "--resume",
             help="Keep jobs whose output has a passing certificate matching its files and "
-            "whose push is done; redo the rest.",
+            "whose push is done; redo the rest, replacing their outputs.",
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Redo every job, replacing outputs that exist (without it or --resume, an "
+            "existing output stops the run before anything runs).",
         ),
     ] = False,
 ) -> None:
     """Convert, certify and (optionally) push every model × target of MANIFEST.
 
-    A failing job never stops the others. The run ends with a table and writes
-    batch_report.json into the output folder.
+    A failing job never stops the others. The run ends with a table on stdout and writes its
+    report into the output folder (batch_reports/<started>.json, and batch_report.json for
+    the latest run).
 
-    Exit 1: some job failed. Exit 2: a bad manifest (nothing run), or another batch run is
-    writing to the same output folder.
+    Exit 1: some job failed. Exit 2, nothing run: a bad manifest, outputs that exist (without
+    --resume or --overwrite), a Hub token that is missing or cannot make the manifest's
+    pushes, or another batch run writing to the same output folder.
     """
     with reported_errors():
         from precision_convert.batch.manifest import read_manifest
@@ -78,6 +89,7 @@ def batch(
                     executor=executor.value,
                     ray_address=ray_address,
                     resume=resume,
+                    overwrite=overwrite,
                     on_event=progress.event,
                 )
         except KeyboardInterrupt:
@@ -88,21 +100,25 @@ def batch(
             )
             raise typer.Exit(130) from None
     print_report(report)
-    console.print(f"report: {report.output_dir / REPORT_NAME}", highlight=False, soft_wrap=True)
+    latest = report.output_dir / REPORT_NAME
+    console.print(f"report: {report.file} (latest: {latest})", highlight=False, soft_wrap=True)
     if report.failed:
         raise typer.Exit(1)
 
 
-_LABELS = {"done": "[green]certified[/]", "skipped": "[cyan]kept[/]", "failed": "[red]failed[/]"}
+#: The statuses as the JSON report words them, coloured.
+_LABELS = {"done": "[green]done[/]", "skipped": "[cyan]skipped[/]", "failed": "[red]failed[/]"}
 
 
 def print_report(report: BatchReport) -> None:
-    """The table of every job on stdout; each failure's reason on stderr."""
+    """The report on stdout: the table of every job, in the JSON report's words, then each
+    failed job's reason on a line of its own (a reason is often longer than a terminal is
+    wide: in a table column it would fold letter by letter)."""
     from rich.table import Table
 
     counts = report.counts()
     table = Table(
-        title=f"batch: {counts['done']} certified, {counts['skipped']} kept, "
+        title=f"batch: {counts['done']} done, {counts['skipped']} skipped, "
         f"{counts['failed']} failed in {report.seconds:.1f} s"
     )
     for column in ("job", "status", "time", "fp32 share", "key metric", "pushed"):
@@ -114,7 +130,7 @@ def print_report(report: BatchReport) -> None:
         table.add_row(o.key, _LABELS[o.status], time, share, _metric(o), pushed)
     out.print(table)
     for o in report.failed:
-        console.print(f"[red]✗[/] {o.key}: {o.reason}", highlight=False, soft_wrap=True)
+        out.print(f"[red]✗[/] {o.key}: {escape(o.reason or '')}", highlight=False, soft_wrap=True)
 
 
 def _metric(outcome: Outcome) -> str:

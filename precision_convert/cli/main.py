@@ -15,6 +15,7 @@ from precision_convert.cli import model as model_cmd
 from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
+from precision_convert.hub_client import bound_hub_requests
 
 app = typer.Typer(
     name="precision-convert",
@@ -52,44 +53,6 @@ def _root(
     """Rewrite PyTorch checkpoints to bf16/fp16 safely."""
 
 
-#: Seconds a Hub request may go without receiving a byte before it fails (default 60).
-HUB_TIMEOUT_VARIABLE = "PRECISION_CONVERT_HUB_TIMEOUT"
-
-
-def _bound_hub_requests() -> None:
-    """Give huggingface_hub's HTTP client a timeout, for this process.
-
-    Its client waits forever (``timeout=None``, passed on every request): a Hub that accepts
-    the connection and never answers would hang the command. A request hook replaces a missing
-    timeout with one that bounds each wait for data, not a whole download, so large files are
-    unaffected. huggingface_hub offers no per-call timeout for its repo look-up and file
-    listing, only this process-wide client factory, so only the command (which owns its
-    process) installs it, from :func:`run`; the library never does (``resolve(timeout=...)``
-    bounds what can be bounded per call), and library users configure their own client
-    (``huggingface_hub.set_client_factory``).
-    """
-    try:
-        import httpx2
-        from huggingface_hub import set_client_factory
-        from huggingface_hub.utils._http import default_client_factory
-    except ImportError:  # another huggingface_hub generation: keep its own behaviour
-        return
-    seconds = float(os.environ.get(HUB_TIMEOUT_VARIABLE) or 60)
-
-    bounded = httpx2.Timeout(seconds).as_dict()
-
-    def bound(request: httpx2.Request) -> None:
-        if not any(request.extensions.get("timeout", {}).values()):
-            request.extensions["timeout"] = bounded
-
-    def bounded_client() -> httpx2.Client:
-        client = default_client_factory()
-        client.event_hooks["request"].append(bound)
-        return client
-
-    set_client_factory(bounded_client)
-
-
 def run() -> None:
     """Console-script entry point."""
     # transformers/diffusers draw their own tqdm bars ("Loading weights") on every model they
@@ -98,7 +61,7 @@ def run() -> None:
     # torch.load's notes about pickle protocols would break the one-line-on-stderr contract
     # for a checkpoint we reject; the command owns its process, so it filters them here.
     warnings.filterwarnings("ignore", module=r"torch\.(serialization|_weights_only_unpickler)")
-    _bound_hub_requests()
+    bound_hub_requests()  # the command owns its process
     # Every Ctrl-C is recorded as well as raised: one that something swallows on its way up
     # (seen while torch imports numpy) still stops the run before it renames an output into
     # place or commits to the Hub (see precision_convert.interrupts).

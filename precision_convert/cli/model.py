@@ -158,7 +158,13 @@ def model(
             if push is not None:
                 from precision_convert.cli.push import push_and_report
 
-                push_and_report(result.output, push, create_pr=create_pr, private=private or None)
+                push_and_report(
+                    result.output,
+                    push,
+                    create_pr=create_pr,
+                    private=private or None,
+                    with_url=True,
+                )
 
 
 def _inode(path: Path) -> int | None:

@@ -42,7 +42,24 @@ def push_command(
     revision: Annotated[
         str | None,
         typer.Option(
-            help="Branch to commit to, or to open the pull request against (default: main)."
+            help="Branch to commit to, or to open the pull request against (default: main); "
+            "or refs/pr/N to push into that open pull request."
+        ),
+    ] = None,
+    commit_message: Annotated[
+        str | None,
+        typer.Option(
+            "--commit-message",
+            help="The commit's summary (and a new pull request's title); default: one naming "
+            "the conversion and its verdict.",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            help="Hub token with write access (default: HF_TOKEN or your login); never printed.",
+            show_default=False,
         ),
     ] = None,
 ) -> None:
@@ -63,7 +80,13 @@ def push_command(
 
     with reported_errors(on_disk):
         result = push_and_report(
-            converted, repo_id, create_pr=create_pr, private=private or None, revision=revision
+            converted,
+            repo_id,
+            create_pr=create_pr,
+            private=private or None,
+            revision=revision,
+            commit_message=commit_message,
+            token=token,
         )
     typer.echo(result.url)
 
@@ -75,16 +98,27 @@ def push_and_report(
     create_pr: bool = False,
     private: bool | None = None,
     revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    with_url: bool = False,
 ) -> PushResult:
-    """Push and say what happened on stderr; for ``push`` and for ``model … --push`` (call it
+    """Push and say what happened on stderr (``with_url``: the URL too, for ``model --push``,
+    whose stdout is the conversion's report); for ``push`` and for ``model … --push`` (call it
     inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
     from precision_convert.hub import publish
 
     with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
         result = publish(
-            converted, repo_id, create_pr=create_pr, private=private, revision=revision
+            converted,
+            repo_id,
+            create_pr=create_pr,
+            private=private,
+            revision=revision,
+            commit_message=commit_message,
+            token=token,
         )
-    console.print(_report(result), highlight=False, soft_wrap=True)
+    line = _report(result) + (f": {result.url}" if with_url else "")
+    console.print(line, highlight=False, soft_wrap=True)
     return result
 
 
@@ -93,6 +127,11 @@ def _report(result: PushResult) -> str:
     removed = f", {len(result.deleted)} stale files removed" if result.deleted else ""
     if result.pull_request is None:
         where = f"{result.repo_id}@{result.revision}"
+        if not result.changed and result.proposed:
+            return (
+                f"no pull request opened: {where} already holds these {count}, so there is "
+                "nothing to propose"
+            )
         if not result.changed:
             return f"nothing to push: {where} already holds these {count}"
         return f"pushed {count} to {where}{removed}"

@@ -100,12 +100,12 @@ def validate_command(
 
 
 def verify_files(converted: Path, json_output: bool) -> None:
-    """``--verify``: the hash check ``push`` gates on, offline; exit 1 naming each file at
-    fault (or a verdict other than pass)."""
-    from precision_convert.hub import check
+    """``--verify``: the one verifier ``push`` and ``batch --resume`` use too, offline; exit 1
+    naming each file at fault (or a verdict other than pass)."""
+    from precision_convert.validation.certify.verify import verify
 
     with reported_errors():
-        checked = check(converted)
+        checked = verify(converted)
     if json_output:
         emit_json(
             {

@@ -116,8 +116,10 @@ def _read(manifest: Path, text: str) -> Any:
     try:
         return read_manifest(manifest)
     except InputError as exc:
-        assert str(manifest) in str(exc), exc
-        assert "\n" not in str(exc).strip(), exc  # one line
+        # One line per problem (a manifest's problems are reported all at once), each naming
+        # the manifest.
+        lines = str(exc).strip().splitlines()
+        assert lines and all(str(manifest) in line for line in lines), exc
         return None
 
 

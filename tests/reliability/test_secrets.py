@@ -76,10 +76,10 @@ def test_batch_push_with_a_wrong_then_the_right_token(
     hub: FakeHub,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The batch's workers read the token from the environment: with a wrong one each push
-    fails with its reason in the report; resumed with the right one, they publish. Neither run
-    leaves the token in its output folder (outputs, report, job state, logs), its messages, or
-    on the Hub."""
+    """A manifest that pushes has its token checked before anything runs: a wrong one stops the
+    run (one line, exit 2, nothing converted); run again with the right one, it publishes.
+    Neither run leaves the token in its output folder (outputs, report, job state, logs), its
+    messages, or on the Hub."""
     manifest = tmp_path / "batch.toml"
     manifest.write_text(
         '[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n'
@@ -93,12 +93,11 @@ def test_batch_push_with_a_wrong_then_the_right_token(
 
     failed = _harness.run_in_process(["batch", str(manifest)])
 
-    assert failed.exit_code == 1, failed.stderr
-    report = (tmp_path / "out" / "batch_report.json").read_text()
-    assert '"status": "failed"' in report and "push: " in report
-    assert "ns/secret-test-bf16" not in hub.repos or set(hub.files("ns/secret-test-bf16")) <= {
-        ".gitattributes"
-    }
+    assert failed.exit_code == 2, failed.stderr
+    assert "rejected the token" in failed.stderr and failed.stderr.count("\n") == 1
+    assert not (tmp_path / "out" / "batch_report.json").exists()
+    assert not (tmp_path / "out" / "secret-test-bf16").exists()
+    assert "ns/secret-test-bf16" not in hub.repos
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     resumed = _harness.run_in_process(["batch", str(manifest), "--resume"])

@@ -3,18 +3,17 @@
 A certificate is data: a :class:`Certificate` dataclass written as JSON by :func:`write` and
 read back by :meth:`Certificate.read`. It lists every metric with its threshold, the inputs,
 device and library versions, the source (id, revision, weight-file hashes) and the sha256 of
-every converted file, so ``push`` and ``batch --resume`` can check that the files on disk
-are the ones that were certified (:func:`verify_files`).
+every converted file, so ``push``, ``batch --resume`` and ``validate --verify`` can check that
+the files on disk are the ones that were certified (the one verifier,
+:func:`precision_convert.validation.certify.verify.verify`, which also hashes them).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,10 +28,6 @@ CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9
 CARD_NAME = "README.md"
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
 SCHEMA = "precision-convert/certificate/1"
-#: Files hashed at once: enough to keep a few cores and a fast disk busy.
-_HASH_THREADS = min(8, os.cpu_count() or 1)
-#: Hub cache blobs of LFS files are named by their sha256: no need to read them again.
-_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -170,60 +165,3 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.parent / f".{path.name}.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of a file; free for Hub cache files, whose blob is named by it."""
-    resolved = path.resolve()
-    if resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name):
-        return resolved.name
-    with resolved.open("rb") as f:
-        # file_digest reads into one small reused buffer: a multi-GB shard costs no memory.
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def sha256_files(root: Path, paths: Iterable[Path]) -> dict[str, str]:
-    """sha256 of several files under ``root``, keyed by relative POSIX path, hashed in parallel
-    (hashlib releases the GIL, so shards hash on every core)."""
-    ordered = sorted(paths)
-    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-        digests = list(pool.map(sha256_file, ordered))
-    return {p.relative_to(root).as_posix(): d for p, d in zip(ordered, digests, strict=True)}
-
-
-def hash_files(directory: str | Path) -> dict[str, str]:
-    """sha256 of every file under ``directory`` (relative POSIX paths), minus the certificate
-    and the card (written after the hashes are taken: the card quotes the certificate) and
-    hidden paths (``.cache``, ``.git``)."""
-    root = Path(directory)
-    paths = [
-        path
-        for path in root.rglob("*")
-        if path.is_file()
-        and not _unhashed(path.relative_to(root).as_posix())
-        and not any(p.startswith(".") for p in path.parts[len(root.parts) :])
-    ]
-    return sha256_files(root, paths)
-
-
-def _unhashed(relative: str) -> bool:
-    return relative == CARD_NAME or bool(CERTIFICATE_FILE.fullmatch(relative))
-
-
-def verify_files(directory: str | Path, certificate: Certificate) -> list[str]:
-    """What differs between ``directory`` and the files ``certificate`` covers (empty: same).
-
-    Used by ``push`` (refuse on any difference) and ``batch --resume``.
-    """
-    now = hash_files(directory)
-    problems = [
-        f"{name}: changed since certification"
-        for name in sorted(now)
-        if name in certificate.files and now[name] != certificate.files[name]
-    ]
-    problems += [f"{name}: missing" for name in sorted(set(certificate.files) - set(now))]
-    problems += [
-        f"{name}: not covered by the certificate"
-        for name in sorted(set(now) - set(certificate.files))
-    ]
-    return problems

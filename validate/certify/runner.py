@@ -43,13 +43,7 @@ from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.progress import stage
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import write_card
-from precision_convert.validation.certify.certificate import (
-    Certificate,
-    ComponentRecord,
-    hash_files,
-    sha256_files,
-    write,
-)
+from precision_convert.validation.certify.certificate import Certificate, ComponentRecord, write
 from precision_convert.validation.certify.components import (
     SEED,
     Component,
@@ -64,6 +58,7 @@ from precision_convert.validation.certify.load_paths import (
     failure_lines,
     skipped_pipeline,
 )
+from precision_convert.validation.certify.verify import hash_files, sha256_files
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,

@@ -1,0 +1,249 @@
+"""The one verifier: are the files in a directory the ones its certificate certified?
+
+Certification records the sha256 of every file it covers (:func:`hash_files`, called when the
+certificate is written); everything that later trusts a certificate asks :func:`verify`:
+``push`` and ``model --push`` (the certificate gate, before any request), ``batch --resume``
+(is a finished job's output still what was certified?) and ``validate --verify`` (the same
+check on demand). One listing, one hashing and one comparison serve them all, so a file that
+one of them would count as changed, missing or extra, every one of them does.
+
+What is hashed is always the bytes, read here, never a name (a Hub-cache blob is named by its
+sha256, but a link there can be repointed): only the source's weight files, which live in that
+cache, are hashed by name (:func:`sha256_files`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from precision_convert.errors import InputError, NotAsCertified
+from precision_convert.validation.certify.card import CHART_NAME, render
+from precision_convert.validation.certify.certificate import (
+    CARD_NAME,
+    CERTIFICATE_FILE,
+    CERTIFICATE_NAME,
+    Certificate,
+)
+
+#: Files hashed at once: enough to keep a few cores and a fast disk busy (hashlib releases the
+#: GIL, so shards hash on every core).
+HASH_THREADS = min(8, os.cpu_count() or 1)
+#: Files up to one block are read whole and kept, so a push sends the very bytes it hashed;
+#: larger ones can keep a digest per block, which the push checks each block against as it
+#: reads it again to upload (8 MiB: a handful of blocks in memory at once, per upload thread).
+BLOCK_BYTES = 8 * 1024 * 1024
+#: Hub cache blobs of LFS files are named by their sha256.
+_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class HashedFile:
+    """One file of a directory, hashed from its bytes."""
+
+    path: str  # relative POSIX path (the path in a Hub repo)
+    location: Path
+    sha256: str
+    size: int
+    data: bytes | None  # the content, for files up to BLOCK_BYTES: what was hashed
+    blocks: tuple[bytes, ...] = ()  # sha256 of each BLOCK_BYTES block (larger files, on request)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A directory that passed :func:`verify`: its certificate, variant and every file."""
+
+    directory: Path
+    certificate: Certificate
+    certificate_name: str
+    variant: str | None
+    files: dict[str, HashedFile]
+    card: str  # the card text (README.md, or rendered when a variant output has none)
+
+
+def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
+    """Check ``directory`` against its certificate, offline; every file hashed from its bytes.
+
+    It passes when there is exactly one certificate, its verdict is ``pass``, it is named for
+    the variant it records, every file it covers is there with the same sha256 and nothing
+    else is (hidden paths aside), and the card is the one the certificate renders.
+
+    Args:
+        blocks: keep a digest per block of each large file (for an upload that re-reads them;
+            see :class:`HashedFile`).
+
+    Raises:
+        InputError: ``directory`` is not a directory.
+        NotAsCertified: naming every problem, one line per file at fault.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise InputError("no such directory: expected a converted model directory", root)
+    paths = listing(root)
+    certificate_name, certificate = _certificate(root, paths)
+    variant = CERTIFICATE_FILE.fullmatch(certificate_name)["variant"]  # type: ignore[index]
+    problems: list[str] = []
+    recorded = certificate.source.get("variant")
+    if recorded != variant:
+        problems.append(
+            f"{certificate_name}: records variant {recorded!r} but is named for {variant!r}"
+        )
+    if not certificate.passed:
+        first = certificate.failures[0] if certificate.failures else "no reason recorded"
+        problems.append(
+            f"{certificate_name}: verdict {certificate.verdict!r}, not 'pass' ({first})"
+        )
+    files = hash_paths(root, paths, blocks=blocks)
+    covered = {p: f.sha256 for p, f in files.items() if not _uncovered(p)}
+    problems += differences(covered, certificate)
+    if variant is not None and not any(is_variant_file(p, variant) for p in covered):
+        problems.append(f"{certificate_name}: no {variant!r}-variant weight file beside it")
+
+    expected_card = render_card(certificate, root)
+    card_file = files.get(CARD_NAME)
+    if card_file is None:
+        if variant is None:  # a variant PR never uploads the card; a new repo needs it
+            problems.append(f"{CARD_NAME}: missing (it is written with the certificate)")
+        card = expected_card
+    else:
+        card = (card_file.data or card_file.location.read_bytes()).decode(errors="replace")
+        if card != expected_card:
+            problems.append(f"{CARD_NAME}: differs from the card the certificate renders")
+    if problems:
+        raise NotAsCertified(root, problems)
+    return Verified(root, certificate, certificate_name, variant, files, card)
+
+
+def is_variant_file(path: str, variant: str) -> bool:
+    """``model.<v>.safetensors``, ``model.<v>-00001-of-00002.safetensors``,
+    ``model.safetensors.index.<v>.json`` (and the same for diffusers' names, in any folder)."""
+    name = path.rsplit("/", 1)[-1]
+    v = re.escape(variant)
+    return bool(
+        re.fullmatch(rf".+\.{v}(-\d+-of-\d+)?\.safetensors", name)
+        or re.fullmatch(rf".+\.safetensors\.index\.{v}\.json", name)
+    )
+
+
+def verify_files(directory: str | Path, certificate: Certificate) -> list[str]:
+    """What differs between the files in ``directory`` and those ``certificate`` covers, one
+    line per file (empty: the same); the comparison :func:`verify` makes, without the
+    certificate's own checks."""
+    return differences(hash_files(directory), certificate)
+
+
+def differences(digests: Mapping[str, str], certificate: Certificate) -> list[str]:
+    """Changed, missing and uncovered files: ``digests`` (path -> sha256, certificate and card
+    left out) against the certificate's."""
+    expected = certificate.files
+    problems = [
+        f"{name}: changed since certification"
+        if name in expected
+        else f"{name}: not covered by the certificate"
+        for name in sorted(digests)
+        if expected.get(name) != digests[name]
+    ]
+    problems += [f"{name}: missing" for name in sorted(set(expected) - set(digests) - {CARD_NAME})]
+    return problems
+
+
+def hash_files(directory: str | Path) -> dict[str, str]:
+    """sha256 of every file a certificate covers (relative POSIX paths): every file under
+    ``directory`` but the certificate and the card (written after the hashes are taken: the
+    card quotes the certificate) and hidden paths (``.cache``, ``.git``)."""
+    root = Path(directory)
+    covered = [p for p in listing(root) if not _uncovered(p)]
+    return {p: f.sha256 for p, f in hash_paths(root, covered).items()}
+
+
+def listing(directory: Path) -> list[str]:
+    """Every file under ``directory`` (relative POSIX paths, sorted), minus hidden paths
+    (``.cache``, ``.git``, a batch's state, temporary files), which are neither certified nor
+    uploaded. Links to folders are not followed."""
+    found = []
+    for root, dirs, names in os.walk(directory, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if not name.startswith(".") and os.path.isfile(os.path.join(root, name)):
+                found.append(Path(root, name).relative_to(directory).as_posix())
+    return found
+
+
+def hash_paths(root: Path, paths: Iterable[str], *, blocks: bool = False) -> dict[str, HashedFile]:
+    """Each of ``paths`` (relative to ``root``) hashed from its bytes, in parallel."""
+
+    def one(path: str) -> HashedFile:
+        location = root / path
+        with location.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= BLOCK_BYTES:
+                data = f.read()
+                return HashedFile(path, location, hashlib.sha256(data).hexdigest(), len(data), data)
+            if not blocks:
+                # file_digest reads into one small reused buffer: a multi-GB shard costs no memory.
+                return HashedFile(
+                    path, location, hashlib.file_digest(f, "sha256").hexdigest(), size, None
+                )
+            whole, digests, read = hashlib.sha256(), [], 0
+            while block := f.read(BLOCK_BYTES):
+                whole.update(block)
+                digests.append(hashlib.sha256(block).digest())
+                read += len(block)
+        return HashedFile(path, location, whole.hexdigest(), read, None, tuple(digests))
+
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        return {f.path: f for f in pool.map(one, list(paths))}
+
+
+def sha256_files(root: Path, paths: Iterable[Path]) -> dict[str, str]:
+    """sha256 of a source's weight files under ``root``, keyed by relative POSIX path, hashed in
+    parallel; a file in the Hub cache is a link to a blob named by its sha256, which is taken
+    as it is (the source is recorded, not verified)."""
+    ordered = sorted(paths)
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digests = list(pool.map(_sha256_source_file, ordered))
+    return {p.relative_to(root).as_posix(): d for p, d in zip(ordered, digests, strict=True)}
+
+
+def _sha256_source_file(path: Path) -> str:
+    resolved = path.resolve()
+    if resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name):
+        return resolved.name
+    with resolved.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def render_card(certificate: Certificate, directory: Path) -> str:
+    """The card :func:`~precision_convert.validation.certify.card.write_card` writes for
+    ``certificate`` into ``directory`` (a pure function of both), without writing it."""
+    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
+    return render(certificate, charts=charts)
+
+
+def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
+    """The one certificate at the top of ``root``, read."""
+    names = [p for p in paths if "/" not in p and CERTIFICATE_FILE.fullmatch(p)]
+    if not names:
+        raise NotAsCertified(
+            root,
+            [f"{CERTIFICATE_NAME}: missing (certify the output first: precision-convert validate)"],
+        )
+    if len(names) > 1:
+        raise NotAsCertified(root, [f"more than one certificate ({', '.join(sorted(names))})"])
+    try:
+        data = json.loads((root / names[0]).read_text(encoding="utf-8"))
+        return names[0], Certificate.from_dict(data)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise NotAsCertified(root, [f"{names[0]}: unreadable ({detail})"]) from None
+
+
+def _uncovered(path: str) -> bool:
+    """The certificate and the card: written after the hashes are taken."""
+    return path == CARD_NAME or bool(CERTIFICATE_FILE.fullmatch(path))
