@@ -42,7 +42,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +154,10 @@ def check(converted: str | Path) -> Checked:
     if not names:
         raise NotAsCertified(
             directory,
-            [f"{CERTIFICATE_NAME}: missing (certify the output first: precision-convert validate)"],
+            [
+                f"{CERTIFICATE_NAME}: missing (certify the output against its source first: "
+                f"precision-convert validate {directory} --baseline SOURCE)"
+            ],
         )
     if len(names) > 1:
         raise NotAsCertified(directory, [f"more than one certificate ({', '.join(sorted(names))})"])
@@ -175,10 +178,7 @@ def check(converted: str | Path) -> Checked:
             f"{certificate_name}: records variant {recorded!r} but is named for {variant!r}"
         )
     if not certificate.passed:
-        first = certificate.failures[0] if certificate.failures else "no reason recorded"
-        problems.append(
-            f"{certificate_name}: verdict {certificate.verdict!r}, not 'pass' ({first})"
-        )
+        problems.append(f"{certificate_name}: {certificate.why_not_certified(directory)}")
 
     files = _hash(directory, paths)
     covered = {p: f for p, f in files.items() if p not in (certificate_name, CARD_NAME)}
@@ -209,11 +209,24 @@ def check(converted: str | Path) -> Checked:
     return Checked(directory, certificate, certificate_name, variant, files, card)
 
 
-def render_card(certificate: Certificate, directory: Path) -> str:
+def render_card(certificate: Certificate, directory: Path, repo_id: str | None = None) -> str:
     """The card :func:`~precision_convert.validation.certify.card.write_card` writes for
-    ``certificate`` into ``directory`` (a pure function of both), without writing it."""
+    ``certificate`` into ``directory`` (a pure function of both), without writing it; with
+    ``repo_id``, the card as pushed there (its loading snippet names the repo)."""
     charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
-    return render(certificate, charts=charts)
+    return render(certificate, charts=charts, repo_id=repo_id)
+
+
+def _for_repo(checked: Checked, repo_id: str) -> Checked:
+    """What is pushed to ``repo_id``: the card the gate verified, rendered again from the same
+    certificate with the repo's id in its loading snippet (not a placeholder)."""
+    text = render_card(checked.certificate, checked.directory, repo_id)
+    files = dict(checked.files)
+    if CARD_NAME in files:
+        data = text.encode("utf-8")
+        sha256 = hashlib.sha256(data).hexdigest()
+        files[CARD_NAME] = LocalFile(CARD_NAME, files[CARD_NAME].location, sha256, len(data), data)
+    return replace(checked, files=files, card=text)
 
 
 def _listing(directory: Path) -> list[str]:
@@ -306,7 +319,7 @@ def publish(
         raise InputError(f"{repo_id!r} is not a Hub repo id (namespace/name)")
     branch = _branch(revision)
     try:
-        checked = check(converted)
+        checked = _for_repo(check(converted), repo_id)
     except NotAsCertified as exc:
         raise PushRefused(exc.path, exc.problems) from None
     source_id = base_model_id(checked.certificate)

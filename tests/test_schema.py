@@ -51,7 +51,7 @@ def test_model_json_matches_its_schema(converted: Any) -> None:
 
 def test_certificate_matches_its_schema(converted: Any) -> None:
     payload = json.loads((converted.output / CERTIFICATE_NAME).read_text(encoding="utf-8"))
-    assert payload["schema"] == "precision-convert/certificate/1"
+    assert payload["schema"] == "precision-convert/certificate/2"
     assert payload["load_paths"] and payload["metrics"]
     _assert_valid("certificate", payload)
     broken = {**payload, "verdict": "maybe"}

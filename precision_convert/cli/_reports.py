@@ -249,7 +249,12 @@ def print_certificate(certificate: Certificate) -> None:
     """The judged metrics on stdout, folded: one row per output and metric with its worst
     value over every probe (block-wise comparisons folded by layer role), the parity metric
     per probe when several were swept, the failures and the verdict."""
-    from precision_convert.validation.certify.card import folded_metrics, probe_series
+    from precision_convert.validation.certify.card import (
+        compared_with,
+        folded_metrics,
+        probe_series,
+    )
+    from precision_convert.validation.certify.certificate import SMOKE_PASS
 
     rows = []
     for row in folded_metrics(certificate.metrics):
@@ -265,7 +270,9 @@ def print_certificate(certificate: Certificate) -> None:
             ]
         )
     headers = ["where", "metric", "worst", "bound", "", "worst probe (of n)"]
-    title = f"parity with fp32 ({certificate.target or 'unknown target'})"
+    title = f"{certificate.target or 'unknown target'}: parity with {compared_with(certificate)}"
+    if not certificate.against_source:
+        title += " (a smoke check, never a certification)"
     print_table(title, headers, rows, right=(2,))
     for series in probe_series(certificate.metrics):
         out.print(escape(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
@@ -277,5 +284,7 @@ def print_certificate(certificate: Certificate) -> None:
         out.print(table)
     for line in certificate.failures:
         out.print(f"[red]✗[/] {escape(line)}", soft_wrap=True)
-    colour = "green" if certificate.passed else "red"
+    colour = (
+        "green" if certificate.passed else "yellow" if certificate.verdict == SMOKE_PASS else "red"
+    )
     out.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")

@@ -26,8 +26,9 @@ def validate_command(
     baseline: Annotated[
         str | None,
         typer.Option(
-            help="Source to compare against (directory or Hub id); without it, the converted "
-            "weights upcast to fp32 (weight rounding is then not measured)."
+            help="The source to certify against (directory or Hub id). Without it, only a "
+            "smoke check: the converted weights against themselves upcast to fp32, which "
+            "never certifies (verdict smoke-pass at best)."
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
@@ -123,11 +124,9 @@ def verify_files(converted: Path, json_output: bool) -> None:
 
 
 def require_pass(certificate: Certificate, converted: Path) -> None:
-    """Raise CheckFailed (exit 1) naming the first problem unless the verdict is pass."""
+    """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
+    not a certification, whatever it found)."""
     from precision_convert.errors import CheckFailed
 
     if not certificate.passed:
-        first = certificate.failures[0] if certificate.failures else "no metric was judged"
-        raise CheckFailed(
-            f"{converted}: not certified ({len(certificate.failures)} problems, first: {first})"
-        )
+        raise CheckFailed(f"{converted}: not certified: {certificate.why_not_certified(converted)}")

@@ -5,12 +5,14 @@ library, and a ``precision_convert:`` summary); the body is a table of the judge
 reader on the Hub sees why the conversion is trusted without opening the JSON, and a loading
 section that says, for every way of loading the files, what a user gets.
 
-Tags: ``parity-certified`` only when the certificate passed *and* the library's plain
-``from_pretrained`` with default arguments was checked and passed (for a pipeline: every plain
-load recorded); a passing certificate whose plain load was not checked (a model validated
-block by block, or a certificate from before load paths were recorded) is tagged
-``parity-certified-pc-load-only``; a failed one carries neither. The card is a pure function of
-the certificate (and the activation charts beside it), so it can be checked by regenerating it.
+Tags: ``parity-certified`` only when the certificate passed (a comparison with the source)
+*and* the library's plain ``from_pretrained`` with default arguments was checked and passed
+(for a pipeline: every plain load recorded); a passing certificate whose plain load was not
+checked (a model validated block by block, or a certificate from before load paths were
+recorded) is tagged ``parity-certified-pc-load-only``; a failed one, or a smoke check (the
+converted weights compared with themselves), carries neither, and its card says what it was
+compared with. The card is a pure function of the certificate (and the activation charts beside
+it, and the repo it is pushed to), so it can be checked by regenerating it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from precision_convert.folding import fold
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
+    SMOKE_PASS,
     Certificate,
     LoadPath,
     write_atomically,
@@ -66,6 +69,23 @@ def base_model_id(certificate: Certificate) -> str | None:
     return None
 
 
+def source_name(certificate: Certificate) -> str | None:
+    """How the card names the source: its Hub id, or its directory's name (never a local
+    path, even from a certificate written before paths were left out); None when the source
+    was not the baseline (a smoke check names the converted directory there)."""
+    source_id = certificate.source.get("id")
+    if not certificate.against_source or not isinstance(source_id, str) or not source_id:
+        return None
+    return base_model_id(certificate) or Path(source_id).name or source_id
+
+
+def compared_with(certificate: Certificate) -> str:
+    """What the baseline was, in words."""
+    if certificate.against_source:
+        return f"the source ({source_name(certificate) or 'not named'}) upcast to fp32"
+    return "the converted weights themselves upcast to fp32"
+
+
 def tags(certificate: Certificate) -> list[str]:
     target = certificate.target or ""
     found = ["precision-convert"]
@@ -93,7 +113,8 @@ def summary(certificate: Certificate) -> dict[str, Any]:
         "target": certificate.target,
         "compute_dtype": certificate.compute_dtype,
         "verdict": certificate.verdict,
-        "baseline": f"{certificate.baseline.get('dtype')} ({certificate.baseline.get('kind')})",
+        "baseline": compared_with(certificate)
+        + ("" if certificate.against_source else " (a smoke check)"),
         "device": certificate.device.get("type"),
         "components": {c.name or c.class_name or "model": c.task for c in certificate.components},
         "metrics_judged": len(certificate.metrics),
@@ -252,8 +273,11 @@ def _probe_chart(metrics: Iterable[Measurement]) -> list[str]:
     return lines
 
 
-def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
-    """The full README.md text for ``certificate``."""
+def render(
+    certificate: Certificate, *, charts: Sequence[str] = (), repo_id: str | None = None
+) -> str:
+    """The full README.md text for ``certificate``; its loading snippet names ``repo_id``
+    (the repo it is pushed to) when given."""
     from huggingface_hub import ModelCardData
 
     inherited = certificate.source.get("card") or {}
@@ -272,25 +296,37 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
         license=inherited.get("license"),
         precision_convert=summary(certificate),
     )
-    source = certificate.source.get("id") or "the source checkpoint"
-    if not certificate.passed:
+    if certificate.verdict == SMOKE_PASS:
+        verdict = "**smoke-checked only, not certified**"
+    elif not certificate.passed:
         verdict = "**not certified**"
     elif plain_load_passed(certificate):
         verdict = "**certified** (through `precision_convert.load` and plain `from_pretrained`)"
     else:
         verdict = "**certified for `precision_convert.load` only** (plain loads not checked)"
+    if certificate.against_source:
+        verdict += f" against {compared_with(certificate)}"
+    else:
+        verdict += f": compared with {compared_with(certificate)}"
     lines = [
         "---",
         data.to_yaml(),
         "---",
         "",
-        f"# {certificate.target} conversion of {source}",
+        f"# {certificate.target} conversion of {source_name(certificate) or 'a model'}",
         "",
         f"Converted with precision-convert {certificate.tool.get('version', '')} to "
         f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and {verdict} "
-        f"against the source upcast to fp32 on {certificate.device.get('type')}.",
+        f"on {certificate.device.get('type')}.",
         "",
     ]
+    if not certificate.against_source:
+        lines += [
+            "Comparing the weights with themselves finds overflow and compute-precision loss, "
+            "not the rounding of the weights: to certify, compare with the source "
+            "(`precision-convert validate DIR --baseline SOURCE`).",
+            "",
+        ]
     if certificate.failures:
         lines += ["## Why it failed", "", *(f"- {f}" for f in certificate.failures), ""]
     if certificate.metrics:
@@ -320,7 +356,7 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
             f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts
         ]
         lines.append("")
-    lines += _loading(certificate)
+    lines += _loading(certificate, repo_id)
     lines += [
         f"Every file's sha256 is listed in `{certificate.file_name}`; "
         "`precision-convert push` refuses files that differ from it.",
@@ -329,10 +365,13 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def _loading(certificate: Certificate) -> list[str]:
-    """The loading section: the recommended call, then what every way of loading gives."""
+def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
+    """The loading section: the recommended call (from ``repo_id`` when the card is pushed
+    there), then what every way of loading gives."""
     variant = certificate.source.get("variant")
-    where = f'"<this repo or dir>", variant="{variant}"' if variant else '"<this repo or dir>"'
+    where = f'"{repo_id or "<this repo or dir>"}"'
+    if variant:
+        where += f', variant="{variant}"'
     lines = [
         "## Loading",
         "",

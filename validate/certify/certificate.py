@@ -28,7 +28,20 @@ CERTIFICATE_NAME = "precision_certificate.json"
 CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json")
 CARD_NAME = "README.md"
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
-SCHEMA = "precision-convert/certificate/1"
+#: 2: ``verdict`` gained ``smoke-pass`` (a self-comparison never reads ``pass``) and
+#: ``source.id``/``source.path`` name the source by its Hub id or directory name, never a path.
+SCHEMA = "precision-convert/certificate/2"
+#: The first version, still read: its self-comparisons were written with verdict ``pass``.
+SCHEMA_1 = "precision-convert/certificate/1"
+#: What the baseline was: the source (or a baseline the user named), or the converted weights
+#: themselves upcast to fp32 (``validate DIR`` without ``--baseline``).
+SOURCE_BASELINE = "source"
+SELF_BASELINE = "converted-upcast"
+#: The verdicts. Only a comparison with the source earns ``pass``; a comparison of the
+#: converted weights with themselves upcast finds overflow and compute-precision loss but not
+#: the rounding of the weights, so at best it is a smoke check: ``smoke-pass``.
+PASS, SMOKE_PASS, FAIL = "pass", "smoke-pass", "fail"
+VERDICTS = (PASS, SMOKE_PASS, FAIL)
 #: Files hashed at once: enough to keep a few cores and a fast disk busy.
 _HASH_THREADS = min(8, os.cpu_count() or 1)
 #: Hub cache blobs of LFS files are named by their sha256: no need to read them again.
@@ -83,11 +96,13 @@ class LoadPath:
 
 @dataclass
 class Certificate:
-    verdict: str  # "pass" or "fail"
+    verdict: str  # one of VERDICTS
     target: str | None
     compute_dtype: str | None
-    source: dict[str, Any]  # {"id", "revision", "path", "files": {name: sha256}}
-    baseline: dict[str, Any]  # {"dtype": "float32", "kind": "source" | "converted-upcast"}
+    #: {"id", "revision", "path", "files": {name: sha256}, "card", "variant"}; the id and path
+    #: are a Hub id or a directory's name, never a local path (the certificate is published).
+    source: dict[str, Any]
+    baseline: dict[str, Any]  # {"dtype": "float32", "kind": SOURCE_BASELINE | SELF_BASELINE}
     device: dict[str, Any]
     versions: dict[str, str]
     components: list[ComponentRecord]
@@ -103,7 +118,29 @@ class Certificate:
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "pass"
+        """Certified: compared with the source, and every check passed."""
+        return self.verdict == PASS
+
+    @property
+    def against_source(self) -> bool:
+        """Whether the baseline was the source (or one the user named), not the converted
+        weights themselves."""
+        return self.baseline.get("kind") == SOURCE_BASELINE
+
+    def why_not_certified(self, directory: str | Path) -> str | None:
+        """Why the files in ``directory`` are not certified by this certificate (None: they
+        are), with the command that would certify them: one clause for a refusal message."""
+        if self.passed:
+            return None
+        first = self.failures[0] if self.failures else "no reason recorded"
+        if self.against_source:
+            return f"verdict {self.verdict!r}, not 'pass' ({len(self.failures)} problems, {first})"
+        outcome = "passed" if self.verdict == SMOKE_PASS else f"failed ({first})"
+        return (
+            f"a smoke check that {outcome}: the converted weights were compared with "
+            "themselves upcast to fp32, never with the source; certify against the source: "
+            f"precision-convert validate {directory} --baseline SOURCE"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -112,7 +149,7 @@ class Certificate:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Certificate:
-        values = dict(data)
+        values = _upgraded(data)
         values["components"] = [ComponentRecord(**c) for c in values.get("components", [])]
         values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
         values["load_paths"] = [LoadPath.from_dict(p) for p in values.get("load_paths", [])]
@@ -139,6 +176,18 @@ class Certificate:
             raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
         path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A certificate's fields in the current schema's meaning: a version-1 self-comparison
+    that passed reads ``smoke-pass``, as it would be written now."""
+    values = dict(data)
+    if values.get("schema") == SCHEMA_1:
+        values["schema"] = SCHEMA
+        baseline = values.get("baseline") or {}
+        if values.get("verdict") == PASS and baseline.get("kind") == SELF_BASELINE:
+            values["verdict"] = SMOKE_PASS
+    return values
 
 
 def certificate_name(variant: str | None) -> str:

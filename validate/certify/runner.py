@@ -26,14 +26,20 @@ import re
 import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from precision_convert._version import __version__
-from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.io.source import (
+    ModelSource,
+    PipelineSource,
+    Source,
+    open_source,
+    resolve,
+)
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
@@ -43,6 +49,11 @@ from precision_convert.progress import stage
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import write_card
 from precision_convert.validation.certify.certificate import (
+    FAIL,
+    PASS,
+    SELF_BASELINE,
+    SMOKE_PASS,
+    SOURCE_BASELINE,
     Certificate,
     ComponentRecord,
     hash_files,
@@ -96,10 +107,10 @@ WHOLE_MODEL_HEADROOM = 1.25
 class SourceInfo:
     """Where the baseline comes from, as the certificate records it."""
 
-    path: Path
-    id: str
+    path: Path  # the local directory it is read from (never recorded: it is private)
+    id: str  # its Hub id, or its directory's name
     revision: str | None
-    kind: str  # "source", or "converted-upcast" when no source was given
+    kind: str  # SOURCE_BASELINE, or SELF_BASELINE: the converted weights themselves
 
 
 # --------------------------------------------------------------------------- public entry
@@ -121,9 +132,10 @@ def validate(
 
     Args:
         converted: a directory written by ``precision-convert model``.
-        baseline: the source (directory or Hub id). Default: the converted weights upcast to
-            fp32, which catches activation overflow and compute-precision loss but not the
-            rounding of the weights themselves (the certificate says which baseline was used).
+        baseline: the source (directory or Hub id); only a comparison with it can certify
+            (verdict ``pass``). Default: the converted weights upcast to fp32, a smoke check
+            that catches activation overflow and compute-precision loss but not the rounding
+            of the weights themselves: its verdict is at best ``smoke-pass``.
         device: ``"auto"``/None (CUDA when present), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         inputs: a safetensors file (or dict) of named tensors to feed instead of the built
             inputs; for a pipeline, names are ``<component>/<argument>``.
@@ -143,8 +155,10 @@ def validate(
         The :class:`Certificate` (also written to ``precision_certificate.json``).
 
     Raises:
-        InputError: ``converted`` or ``baseline`` is not a usable directory; an unknown
-            coverage level; unreadable or malformed calibration data.
+        InputError: ``converted`` or ``baseline`` is not a usable directory; a baseline of
+            another architecture; a certificate in ``converted`` that this run would replace
+            with a weaker or unrelated one (made against the source, or against another
+            source); an unknown coverage level; unreadable or malformed calibration data.
         CannotValidateError: no inputs could be built for a model; pass ``inputs``. A failing
             certificate and card saying so are written first.
     """
@@ -159,6 +173,12 @@ def validate(
     )
     opened = open_source(root)
     source = source_info(baseline, root)
+    reference = opened if source.kind == SELF_BASELINE else open_source(source.path)
+    check_same_architecture(opened, reference, root, source)
+    if source.kind == SOURCE_BASELINE and _same_conversion(opened, reference):
+        source = replace(source, kind=SELF_BASELINE)  # a copy of the output is not its source
+    source_files = _source_files(source.path, reference)
+    check_replaceable(root, source, source_files)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
@@ -176,12 +196,14 @@ def validate(
         # that say what is missing and how to supply it; the error still reaches the caller.
         results += _not_run(opened, components, results)
         certificate = _certificate(
-            root, source, components, results, target_device, max_memory, cannot=exc
+            root, source, source_files, components, results, target_device, max_memory, cannot=exc
         )
         write(certificate, root)
         write_card(certificate, root)
         raise
-    certificate = _certificate(root, source, components, results, target_device, max_memory)
+    certificate = _certificate(
+        root, source, source_files, components, results, target_device, max_memory
+    )
     write(certificate, root)
     write_card(certificate, root)
     return certificate
@@ -191,19 +213,123 @@ def validate(
 
 
 def source_info(baseline: str | Path | None, converted: Path) -> SourceInfo:
-    """Resolve the baseline to a local directory and name it (Hub id and revision if any)."""
+    """Resolve the baseline to a local directory and name it: its Hub id and revision, or
+    its directory's name (the certificate is published: a local path is nobody's business)."""
     if baseline is None:
-        return SourceInfo(converted, str(converted.absolute()), None, "converted-upcast")
+        return SourceInfo(converted, converted.resolve().name, None, SELF_BASELINE)
     path = resolve(baseline)
     text = str(baseline)
     hub = re.search(
         r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})", path.absolute().as_posix()
     )
     if hub:
-        return SourceInfo(path, f"{hub[1]}/{hub[2]}", hub[3], "source")
+        return SourceInfo(path, f"{hub[1]}/{hub[2]}", hub[3], SOURCE_BASELINE)
     if not Path(text).expanduser().exists():  # a Hub id resolved some other way
-        return SourceInfo(path, text, None, "source")
-    return SourceInfo(path, str(path.absolute()), None, "source")
+        return SourceInfo(path, text, None, SOURCE_BASELINE)
+    return SourceInfo(path, path.resolve().name, None, SOURCE_BASELINE)
+
+
+def check_same_architecture(
+    converted: Source, baseline: Source, root: Path, source: SourceInfo
+) -> None:
+    """Refuse a baseline that is not the model that was converted: another class, or tensors
+    of other names or shapes. Comparing with it proves nothing, and its failing certificate
+    would replace a true one.
+
+    Raises:
+        InputError: naming both classes, or the first tensor that differs.
+    """
+    here = f"{root.name or root}"
+    there = f"the baseline {source.id}"
+    if isinstance(converted, PipelineSource) != isinstance(baseline, PipelineSource):
+        raise InputError(
+            f"different architecture: {here} holds {_what(converted)}, {there} "
+            f"{_what(baseline)}; pass the source it was converted from as --baseline"
+        )
+    for name, mine in _models_of(converted).items():
+        theirs = _models_of(baseline).get(name)
+        where = f"component {name!r} of " if name else ""
+        if theirs is None:
+            raise InputError(
+                f"different architecture: {there} has no component {name!r}; pass the "
+                "source it was converted from as --baseline"
+            )
+        if mine.class_name != theirs.class_name:
+            raise InputError(
+                f"different architecture: {where}{here} is a {mine.class_name}, {there} a "
+                f"{theirs.class_name}; pass the source it was converted from as --baseline"
+            )
+        ours = {t.name: tuple(t.shape) for t in mine.tensors()}
+        its = {t.name: tuple(t.shape) for t in theirs.tensors()}
+        differing = sorted(n for n in ours.keys() | its.keys() if ours.get(n) != its.get(n))
+        if differing:
+            first = differing[0]
+            shapes = " vs ".join(
+                "absent" if s is None else str(list(s)) for s in (ours.get(first), its.get(first))
+            )
+            raise InputError(
+                f"different architecture: {where}{here} and {there} are both "
+                f"{mine.class_name} but {len(differing)} tensors differ in name or shape "
+                f"(first: {first}, {shapes}); pass the source it was converted from as "
+                "--baseline"
+            )
+
+
+def _models_of(opened: Source) -> dict[str, ModelSource]:
+    return dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
+
+
+def _what(opened: Source) -> str:
+    if isinstance(opened, PipelineSource):
+        return f"a {opened.model_index.get('_class_name') or 'diffusers'} pipeline"
+    return f"a {opened.class_name or opened.library} model"
+
+
+def _same_conversion(converted: Source, baseline: Source) -> bool:
+    """Whether ``baseline`` holds this very conversion (a copy of the output, or its weights
+    re-saved): every model's record names the same plan. Compared with it, the weights are
+    compared with themselves."""
+    mine, theirs = _models_of(converted), _models_of(baseline)
+    for name, model in mine.items():
+        ours, its = read_record(model), read_record(theirs[name])
+        if not ours or not its or ours.get("plan_sha256") != its.get("plan_sha256"):
+            return False
+    return True
+
+
+def check_replaceable(root: Path, source: SourceInfo, source_files: Mapping[str, str]) -> None:
+    """Refuse to replace the certificate in ``root`` with a weaker or an unrelated one.
+
+    A certificate made against the source is never replaced by a check without a baseline
+    (the weights compared with themselves), nor by one against another source (other weight
+    files). A re-validation against the same source replaces it, whatever its verdict: it is
+    the newer answer to the same question.
+
+    Raises:
+        InputError: naming the certificate, its source and what to pass instead.
+    """
+    try:
+        existing = Certificate.read(root)
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # none, or one that certifies nothing: nothing to protect
+    if not existing.against_source:
+        return
+    recorded = existing.source.get("id") or "its source"
+    made = f"{existing.file_name} compares these files with their source {recorded} (verdict "
+    made += f"{existing.verdict})"
+    if source.kind == SELF_BASELINE:
+        raise InputError(
+            f"{made}; this run would compare them with themselves and replace it with a "
+            f"weaker check: pass --baseline {recorded} (or where it lies on disk)",
+            root,
+        )
+    if dict(existing.source.get("files") or {}) != dict(source_files):
+        raise InputError(
+            f"{made}; the weights of the baseline {source.id} are not those it records, so "
+            f"this run would replace it with an unrelated one: pass --baseline {recorded}, or "
+            f"delete {existing.file_name} to certify against {source.id} instead",
+            root,
+        )
 
 
 _UNITS = {
@@ -281,8 +407,6 @@ def _components(
     components = []
     for name, model in found:
         baseline_dir = source.path / name if name else source.path
-        if not baseline_dir.is_dir():
-            raise InputError(f"the baseline has no component {name!r}", source.path)
         record = read_record(model)
         components.append(
             Component(
@@ -513,6 +637,7 @@ def _failure_lines(metrics: list[Measurement]) -> list[str]:
 def _certificate(
     root: Path,
     source: SourceInfo,
+    source_files: dict[str, str],
     components: list[Component],
     results: list[ComponentResult],
     device: torch.device,
@@ -528,15 +653,16 @@ def _certificate(
         failures = [*_cannot_validate_lines(cannot), *failures]
     records = {c.record.get("target") for c in components} - {None}
     compute = {c.record.get("compute_dtype") for c in components} - {None}
-    source_files = _source_files(source)
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
-    if source.kind == "converted-upcast":
+    if source.kind == SELF_BASELINE:
         notes.append(
-            "no --baseline given: the baseline is the converted weights upcast to fp32, "
-            "so weight rounding itself is not measured"
+            "a smoke check, not a certification: the baseline is the converted weights "
+            "upcast to fp32, so overflow and compute precision are measured but the rounding "
+            "of the weights is not; certify with --baseline SOURCE"
         )
-    return Certificate(
-        verdict="pass" if not failures and metrics else "fail",
+    passed = not failures and metrics
+    certificate = Certificate(
+        verdict=(PASS if source.kind == SOURCE_BASELINE else SMOKE_PASS) if passed else FAIL,
         target=next(iter(records)) if len(records) == 1 else ",".join(sorted(records)) or None,
         compute_dtype=next(iter(compute))
         if len(compute) == 1
@@ -544,7 +670,7 @@ def _certificate(
         source={
             "id": source.id,
             "revision": source.revision,
-            "path": str(source.path.absolute()),
+            "path": source.id,
             "files": source_files,
             "card": source_card_data(source.path),
             # A --variant output: its files are added to the source repo under this variant.
@@ -561,6 +687,30 @@ def _certificate(
         tool={"name": "precision-convert", "version": __version__},
         load_paths=paths,
     )
+    return without_local_paths(certificate, {root: ".", source.path: source.id})
+
+
+def without_local_paths(certificate: Certificate, names: Mapping[Path, str]) -> Certificate:
+    """``certificate`` with every local path in its text (an error quoting a file, a probe's
+    file) replaced by a public name: each of ``names``' directories by its name, the home
+    directory by ``~``. The certificate and its card are published with the weights."""
+    found = {str(Path.home()): "~"}
+    for directory, name in names.items():
+        found |= {str(directory.absolute()): name, str(directory.resolve()): name}
+    longest_first = sorted(found, key=len, reverse=True)
+    # A whole path only: /home/ann must not eat the start of /home/anna.
+    pattern = re.compile("(?:" + "|".join(re.escape(p) for p in longest_first) + r")(?![\w.-])")
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda m: found[m[0]], value)
+        if isinstance(value, dict):
+            return {scrub(k): scrub(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        return value
+
+    return Certificate.from_dict(scrub(certificate.to_dict()))
 
 
 def _not_run(
@@ -628,8 +778,7 @@ def source_card_data(path: Path) -> dict[str, Any]:
     return {k: data[k] for k in INHERITED_CARD_FIELDS if isinstance(data.get(k), str)}
 
 
-def _source_files(source: SourceInfo) -> dict[str, str]:
-    """sha256 of the weight files the baseline was built from."""
-    opened = open_source(source.path)
-    models = opened.components.values() if isinstance(opened, PipelineSource) else [opened]
-    return sha256_files(source.path, [f.path for model in models for f in model.files])
+def _source_files(root: Path, opened: Source) -> dict[str, str]:
+    """sha256 of the weight files the baseline is built from."""
+    models = _models_of(opened).values()
+    return sha256_files(root, [f.path for model in models for f in model.files])
