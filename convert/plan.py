@@ -20,6 +20,13 @@ from precision_convert.errors import InputError
 from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
 from precision_convert.recipes import ISLAND_REASONS, TARGETS, Recipe
 
+#: Key of the record (:meth:`ModelPlan.block`) in shard metadata and configs (docs/format.md).
+RECORD_KEY = "precision_convert"
+#: Its key in a diffusers model's config: diffusers warns about every config key its class does
+#: not take (the whole record, on every load, for every user) but passes over keys that start
+#: with "_". Readers accept both names.
+DIFFUSERS_RECORD_KEY = "_precision_convert"
+
 #: Compute dtype of each target.
 COMPUTE_DTYPE: Mapping[str, DType] = {
     "bf16-safe": BF16,

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -60,3 +61,39 @@ def reporting(reporter: Reporter) -> Iterator[None]:
         yield
     finally:
         _REPORTER.reset(token)
+
+
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_restore = False
+
+
+@contextmanager
+def diffusers_bars_off() -> Iterator[None]:
+    """Turn off the bars diffusers draws while it builds a pipeline ("Loading pipeline
+    components...") for the duration of our own loads: a validation builds a dozen, and their
+    bars would bury ours. (transformers' follow huggingface_hub's switch, which the command
+    sets; the bar of a pipeline's denoising loop is switched per pipeline.)
+
+    The switch is diffusers' and process-wide, so it is counted: the first caller in turns the
+    bars off, the last one out puts back what was there, nested and concurrent calls included.
+    Without diffusers installed it does nothing.
+    """
+    global _quiet_depth, _quiet_restore
+    try:
+        from diffusers.utils import logging
+    except ImportError:
+        yield
+        return
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_restore = logging.is_progress_bar_enabled()
+            logging.disable_progress_bar()
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0 and _quiet_restore:
+                logging.enable_progress_bar()

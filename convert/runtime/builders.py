@@ -19,6 +19,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 from precision_convert.dtypes import DType
 from precision_convert.errors import InputError
 
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 
 #: Maps a tensor name in the weight files to the model's state-dict key (None: no such key).
 KeyMap = Callable[[str], str | None]
-#: Key of the precision-convert record in configs and shard metadata (docs/format.md).
-RECORD_KEY = "precision_convert"
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def variant_keyword(source: ModelSource) -> dict[str, str]:
 
 def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config without our record: libraries would otherwise warn that they ignore it."""
-    return {k: v for k, v in config.items() if k != RECORD_KEY}
+    return {k: v for k, v in config.items() if k not in (RECORD_KEY, DIFFUSERS_RECORD_KEY)}
 
 
 # --- transformers ------------------------------------------------------------------------------

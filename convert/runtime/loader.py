@@ -28,6 +28,7 @@ from precision_convert.conversion.io.source import (
     resolve,
 )
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY
 from precision_convert.conversion.runtime.builders import (
     RECORD_KEY,
     KeyMap,
@@ -35,7 +36,7 @@ from precision_convert.conversion.runtime.builders import (
     component_class,
     key_map,
 )
-from precision_convert.conversion.runtime.devices import resolve_device
+from precision_convert.conversion.runtime.devices import move, resolve_device
 from precision_convert.dtypes import FP32, DType, from_config_string
 from precision_convert.errors import InputError
 
@@ -93,7 +94,7 @@ def load(
         else _load_model(opened, trust_remote_code)
     )
     if target is not None:
-        loaded = loaded.to(target)
+        loaded = move(loaded, target)
     return loaded
 
 
@@ -147,7 +148,7 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
 def read_record(source: ModelSource) -> dict[str, Any] | None:
     """The ``precision_convert`` block: from the config, else from the first shard's metadata
     (a ``--variant`` output keeps the source's config, so only its shards carry it)."""
-    block = source.config.get(RECORD_KEY)
+    block = source.config.get(RECORD_KEY, source.config.get(DIFFUSERS_RECORD_KEY))
     where: Path = source.root / source.config_name
     if block is None:
         from precision_convert.conversion.io.header import read_header

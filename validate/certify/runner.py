@@ -26,6 +26,7 @@ import re
 import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import stage
+from precision_convert.progress import diffusers_bars_off, stage
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import write_card
 from precision_convert.validation.certify.certificate import (
@@ -186,11 +187,12 @@ def validate(
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []
     try:
-        for c in components:
-            supplied_here = _inputs_for(supplied, c.name, opened)
-            results.append(_validate_component(c, target_device, budget, supplied_here, sweep_for))
-        if isinstance(opened, PipelineSource):
-            results.append(_validate_pipeline(opened, source, results, target_device))
+        with _library_bars_off(opened):
+            for c in components:
+                here = _inputs_for(supplied, c.name, opened)
+                results.append(_validate_component(c, target_device, budget, here, sweep_for))
+            if isinstance(opened, PipelineSource):
+                results.append(_validate_pipeline(opened, source, results, target_device))
     except CannotValidateError as exc:
         # Nothing is left half-explained: the output still gets a failing certificate and card
         # that say what is missing and how to supply it; the error still reaches the caller.
@@ -273,6 +275,13 @@ def check_same_architecture(
                 f"(first: {first}, {shapes}); pass the source it was converted from as "
                 "--baseline"
             )
+
+
+def _library_bars_off(opened: Source) -> AbstractContextManager[None]:
+    """diffusers' own loading bars off while a diffusers model or pipeline is validated (their
+    switch costs diffusers' import, which nothing else here needs)."""
+    uses = any(m.library == "diffusers" for m in _models_of(opened).values())
+    return diffusers_bars_off() if uses or isinstance(opened, PipelineSource) else nullcontext()
 
 
 def _models_of(opened: Source) -> dict[str, ModelSource]:
