@@ -7,9 +7,14 @@ cost a header's worth of bytes: only names, shapes and dtypes matter to ``inspec
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
+import re
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -356,3 +361,123 @@ def test_stage_lines_restart_and_close() -> None:
     display.report("calibration › island search", 5, 5, True)
     display.report("validation › Llama fp32 probes", 4, 4, False)
     assert progress.live == {}
+
+
+# --------------------------------------------------------------------------- noise
+
+
+@contextmanager
+def _diffusers_log() -> Iterator[list[str]]:
+    """Every message diffusers logs meanwhile (its logger does not propagate to the root)."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
+_NOISE = ("config attributes", "cannot run with", "it/s]", "Loading pipeline components")
+
+
+def test_a_converted_pipeline_loads_and_validates_quietly(
+    tiny_model: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    """Converting, validating and plain-loading a diffusers pipeline: no "config attributes
+    … will be ignored" for the record, no "fp16 cannot run with cpu", no diffusers bars
+    (transformers' follow huggingface_hub's switch, which the command turns off)."""
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+    from transformers.utils import logging as hf_logging
+
+    from precision_convert.api.conversion import convert
+
+    source, out = tiny_model("sd-pipeline"), tmp_path / "sd-fp16-safe"
+    monkeypatch.setattr(hf_logging, "_tqdm_active", False)  # as the command's environment sets
+    capfd.readouterr()
+    with _diffusers_log() as logged, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert convert(source, to="fp16-safe", output=out, coverage="quick").passed
+        said = [*logged, *(str(w.message) for w in warned), capfd.readouterr().err]
+        # A user's own plain loads: diffusers draws its bar, but says nothing of the record.
+        DiffusionPipeline.from_pretrained(out)
+        UNet2DConditionModel.from_pretrained(out / "unet")
+        said += [*logged, *(str(w.message) for w in warned)]
+    assert not [s for s in said if any(n in s for n in _NOISE)], said
+    unet = json.loads((out / "unet" / "config.json").read_text())
+    assert "_precision_convert" in unet and "precision_convert" not in unet
+
+    # The capture hears that warning when it is there: the record under its plain name.
+    unet["precision_convert"] = unet.pop("_precision_convert")
+    (out / "unet" / "config.json").write_text(json.dumps(unet))
+    with _diffusers_log() as logged:
+        UNet2DConditionModel.from_pretrained(out / "unet")
+    assert any("config attributes" in s for s in logged)
+
+
+@pytest.fixture(scope="module")
+def hot_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """README's tiny T5 (examples/make_tiny_t5.py): feed-forward outputs past 65504."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_t5.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_t5", example)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path_factory.mktemp("hot") / "tiny-t5"
+    module.main(path)
+    return path
+
+
+def test_calibration_warns_once_per_spike_in_the_right_words(hot_t5: Path, tmp_path: Path) -> None:
+    """A spike is named once, at the innermost module it leaves (not again for the MLP,
+    dropout, layer and block that hand it on); a value past 65504 is not "within 2x" of it;
+    the count of the rest points at what exists (--json), not at a "record"."""
+    from precision_convert.api.inspection import inspect_source
+
+    report = inspect_source(hot_t5, calibrate=True, chart=tmp_path / "c.png", coverage="quick")
+    calibration = report.components[0].calibration
+    assert calibration is not None
+    warned = list(calibration.warnings)
+    named = {w.split(" ")[0] for w in warned}
+    wo = "encoder.block.0.layer.1.DenseReluDense.wo"
+    assert wo in named
+    for outer in ("encoder.block.0", "encoder.block.0.layer.1", f"{wo.rsplit('.', 1)[0]}"):
+        assert outer not in named  # the same spike, handed on
+    assert "encoder.block.0.layer.1.dropout" not in named
+    assert len(warned) <= len(calibration.near_limit) / 2
+    for line in warned:
+        peak = re.search(r"peaks at ([0-9.e+]+)", line)
+        if peak and float(peak[1]) > 65504:
+            assert "past fp16's 65504" in line and "within" not in line, line
+        assert "calibration record" not in line
+
+
+def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> None:
+    from precision_convert.conversion.analysis.calibration import (
+        CARRIED,
+        STILL_LOW,
+        WATCH_WARNINGS,
+        Watched,
+        _watch_warnings,
+    )
+
+    block = "model.layers.3"
+    spike = [  # one tensor, handed on and received: the projection's output first
+        Watched(f"{block}.mlp.down_proj", "output", "leaf", 9e4, CARRIED),
+        Watched(f"{block}.mlp", "output", "container", 9e4, CARRIED),
+        Watched(block, "output", "container", 9e4, STILL_LOW),  # but this one is not fixed
+        Watched("model.layers.4.input_layernorm", "input", "leaf", 9e4, CARRIED),
+    ]
+    others = [
+        Watched(f"model.layers.{i}.mlp.down_proj", "output", "leaf", 4e4 + i, CARRIED)
+        for i in range(10, 10 + WATCH_WARNINGS)
+    ]
+    warned = _watch_warnings([*spike, *others])
+    assert warned[0].startswith(f"{block}.mlp.down_proj (leaf) output peaks at 9e+04, past fp16")
+    assert "reaches 2 more module inputs/outputs" in warned[0]
+    assert warned[1].startswith(f"{block} (container)") and "still carries it in fp16" in warned[1]
+    assert "within 2x of fp16's 65504" in warned[2] and "reaches" not in warned[2]
+    assert len(warned) == WATCH_WARNINGS + 1
+    assert warned[-1].startswith("2 more module inputs/outputs") and "--json" in warned[-1]
