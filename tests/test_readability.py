@@ -32,7 +32,13 @@ from precision_convert.conversion.analysis.chart import (
 )
 from precision_convert.folding import Role, blocks, fold, ranges
 from precision_convert.progress import report, reporting, stage
-from precision_convert.validation.certify.card import folded_metrics, probe_series
+from precision_convert.validation.certify.card import (
+    BAR_LABEL,
+    BAR_WIDTH,
+    ProbeSeries,
+    folded_metrics,
+    probe_series,
+)
 from precision_convert.validation.probe.metrics import Measurement
 
 # --------------------------------------------------------------------------- models
@@ -291,7 +297,9 @@ def test_certificate_rows_fold_probes_and_blocks() -> None:
     (series,) = probe_series(metrics)  # blocks are not probes
     assert [p for p, _ in series.values] == ["forward", "forward:length-64", "forward:special"]
     bars = [bar for _, _, bar in series.rows()]
-    assert bars[1].startswith("█" * 13) and bars[1].endswith("0.3× bound")
+    assert bars[1].startswith("█" * 13) and bars[1].endswith("0.3× the bound")
+    over = ProbeSeries("logits", "rel_l2", 0.1, (("forward", 0.19),))
+    assert over.rows()[0][2] == "█" * BAR_WIDTH + " 1.9× the bound: over"
 
 
 # --------------------------------------------------------------------------- progress
@@ -481,3 +489,32 @@ def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> 
     assert "within 2x of fp16's 65504" in warned[2] and "reaches" not in warned[2]
     assert len(warned) == WATCH_WARNINGS + 1
     assert warned[-1].startswith("2 more module inputs/outputs") and "--json" in warned[-1]
+
+
+def test_a_failed_plain_cast_says_it_once_and_points_at_the_safe_target(
+    hot_t5: Path, tmp_path: Path
+) -> None:
+    """Plain fp16 of README's tiny T5 fails: the table says where, once (not a ✗ line per
+    probe and metric after it), the bars say what they measure, and the error line says which
+    target would have kept what fp16 cannot hold."""
+    out = tmp_path / "t5-fp16"
+    done = CliRunner().invoke(
+        app, ["model", str(hot_t5), "--to", "fp16", "-o", str(out), "--coverage", "quick"]
+    )
+    assert done.exit_code == 1, done.output
+    crosses = [line for line in done.stdout.splitlines() if line.startswith("✗")]
+    assert len(crosses) == 1 and "measurements outside their bounds" in crosses[0]
+    assert "FAIL" in done.stdout and BAR_LABEL in done.stdout.replace("\n", " ")
+    assert "over the bound" not in done.stdout and "the bound: over" in done.stdout
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("precision-convert: ") and "--to fp16-safe" in error
+    why = (out / "README.md").read_text().split("## Why it failed")[1].split("\n## ")[0]
+    assert why.count("\n- ") == 1 and "outside their bounds" in why
+
+
+def test_inspect_refuses_options_that_need_calibrate(hot_t5: Path, workdir: Path) -> None:
+    """``--chart`` without ``--calibrate`` used to write nothing and exit 0."""
+    done = CliRunner().invoke(app, ["inspect", str(hot_t5), "--chart", "x.png"])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.strip() == "precision-convert: --chart applies only with --calibrate: add it"
+    assert not (workdir / "x.png").exists() and done.stdout == ""

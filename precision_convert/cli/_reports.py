@@ -250,8 +250,10 @@ def print_certificate(certificate: Certificate) -> None:
     value over every probe (block-wise comparisons folded by layer role), the parity metric
     per probe when several were swept, the failures and the verdict."""
     from precision_convert.validation.certify.card import (
+        BAR_LABEL,
         compared_with,
         folded_metrics,
+        outside_bounds,
         probe_series,
     )
     from precision_convert.validation.certify.certificate import SMOKE_PASS
@@ -277,13 +279,18 @@ def print_certificate(certificate: Certificate) -> None:
     for series in probe_series(certificate.metrics):
         out.print(escape(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
         table = Table()
-        for column in ("probe", series.metric, ""):
+        for column in ("probe", series.metric, BAR_LABEL):
             table.add_column(column, justify="right" if column == series.metric else "left")
         for probe, value, bar in series.rows():
             table.add_row(escape(probe), value, bar)
         out.print(table)
-    for line in certificate.failures:
+    for line in certificate.failures_beside_metrics():
         out.print(f"[red]✗[/] {escape(line)}", soft_wrap=True)
+    if outside := outside_bounds(certificate):
+        out.print(
+            f"[red]✗[/] {outside}: the FAIL rows above (every one in {certificate.file_name})",
+            soft_wrap=True,
+        )
     colour = (
         "green" if certificate.passed else "yellow" if certificate.verdict == SMOKE_PASS else "red"
     )

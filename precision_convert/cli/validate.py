@@ -123,10 +123,19 @@ def verify_files(converted: Path, json_output: bool) -> None:
         )
 
 
+#: Targets that cast every floating tensor (no fp32 islands), offered to show why the safe
+#: ones exist.
+PLAIN_CASTS = ("bf16", "fp16")
+
+
 def require_pass(certificate: Certificate, converted: Path) -> None:
     """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
     not a certification, whatever it found)."""
     from precision_convert.errors import CheckFailed
 
     if not certificate.passed:
-        raise CheckFailed(f"{converted}: not certified: {certificate.why_not_certified(converted)}")
+        why = certificate.why_not_certified(converted)
+        if certificate.verdict == "fail" and certificate.target in PLAIN_CASTS:
+            safe = f"{certificate.target}-safe"
+            why += f"; a plain cast keeps nothing in fp32, --to {safe} keeps what needs it"
+        raise CheckFailed(f"{converted}: not certified: {why}")

@@ -58,6 +58,8 @@ SERIES_METRIC = "rel_l2"
 #: Width of a per-probe bar, and the decades below the bound its empty end stands for.
 BAR_WIDTH = 20
 BAR_DECADES = 4
+#: The bar column's heading: what a full or an empty bar means.
+BAR_LABEL = f"share of the bound (log scale, 10^-{BAR_DECADES} to 1)"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -96,6 +98,24 @@ def tags(certificate: Certificate) -> list[str]:
     if certificate.passed:
         found.append(PLAIN_TAG if plain_load_passed(certificate) else PC_LOAD_ONLY_TAG)
     return found
+
+
+def outside_bounds(certificate: Certificate) -> str | None:
+    """The failed measurements the metric table shows, counted in one clause (their failure
+    lines, one per probe and metric, would repeat the table); None when there are none.
+    Coverage is left to its own failure line, which says what to do."""
+    failed = [m for m in certificate.metrics if not m.passed and m.metric != "coverage"]
+    if not failed:
+        return None
+    kinds = {
+        "with NaN/Inf values": [m for m in failed if m.metric == "nonfinite" and m.value],
+        "with an output missing or reshaped": [
+            m for m in failed if m.metric == "nonfinite" and m.value is None
+        ],
+        "with black frames": [m for m in failed if m.metric == "constant_frames"],
+    }
+    fatal = ", ".join(f"{len(ms)} {kind}" for kind, ms in kinds.items() if ms)
+    return f"{len(failed)} measurements outside their bounds" + (f" ({fatal})" if fatal else "")
 
 
 def plain_load_passed(certificate: Certificate) -> bool:
@@ -236,8 +256,8 @@ class ProbeSeries:
                 ratio = value / self.threshold
                 level = 0.0 if ratio <= 0 else math.log10(ratio) / BAR_DECADES + 1
                 filled = round(BAR_WIDTH * min(1.0, max(0.0, level)))
-                over = " over the bound" if ratio > 1 else ""
-                bar = "█" * filled + "·" * (BAR_WIDTH - filled) + f" {ratio:.2g}× bound{over}"
+                over = ": over" if ratio > 1 else ""
+                bar = "█" * filled + "·" * (BAR_WIDTH - filled) + f" {ratio:.2g}× the bound{over}"
             out.append((probe, _fmt(value), bar))
         return out
 
@@ -265,7 +285,7 @@ def _probe_chart(metrics: Iterable[Measurement]) -> list[str]:
         lines += [
             f"### `{series.where}`: {series.metric} per probe",
             "",
-            f"| probe | {series.metric} | against the bound |",
+            f"| probe | {series.metric} | {BAR_LABEL} |",
             "|---|---|---|",
             *(f"| `{probe}` | {value} | `{bar}` |" for probe, value, bar in series.rows()),
             "",
@@ -328,7 +348,16 @@ def render(
             "",
         ]
     if certificate.failures:
-        lines += ["## Why it failed", "", *(f"- {f}" for f in certificate.failures), ""]
+        lines += [
+            "## Why it failed",
+            "",
+            *(f"- {f}" for f in certificate.failures_beside_metrics()),
+        ]
+        if outside := outside_bounds(certificate):
+            lines.append(
+                f"- {outside}: the ❌ rows under Parity (every one in `{certificate.file_name}`)"
+            )
+        lines.append("")
     if certificate.metrics:
         lines += [
             "## Parity",

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from precision_convert.validation.probe.metrics import Measurement
+from precision_convert.validation.probe.metrics import METRICS, Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
 #: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
@@ -127,6 +127,14 @@ class Certificate:
         weights themselves."""
         return self.baseline.get("kind") == SOURCE_BASELINE
 
+    def failures_beside_metrics(self) -> list[str]:
+        """The failures a table of the metrics does not show: errors, load paths, and what
+        to do about coverage (a failed measurement's own line repeats its table row)."""
+        shown = {
+            line for m in self.metrics if m.metric != "coverage" for line in metric_failures([m])
+        }
+        return [line for line in self.failures if line not in shown]
+
     def why_not_certified(self, directory: str | Path) -> str | None:
         """Why the files in ``directory`` are not certified by this certificate (None: they
         are), with the command that would certify them: one clause for a refusal message."""
@@ -134,7 +142,7 @@ class Certificate:
             return None
         first = self.failures[0] if self.failures else "no reason recorded"
         if self.against_source:
-            return f"verdict {self.verdict!r}, not 'pass' ({len(self.failures)} problems, {first})"
+            return f"verdict {self.verdict!r} ({len(self.failures)} problems, first: {first})"
         outcome = "passed" if self.verdict == SMOKE_PASS else f"failed ({first})"
         return (
             f"a smoke check that {outcome}: the converted weights were compared with "
@@ -176,6 +184,33 @@ class Certificate:
             raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
         path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def metric_failures(metrics: Iterable[Measurement]) -> list[str]:
+    """One failure line per failed measurement, fatal ones (NaN/Inf, black frames) first."""
+    failed = [m for m in metrics if not m.passed]
+    fatal = [m for m in failed if METRICS[m.metric].fatal_threshold is not None]
+    lines = []
+    for m in fatal + [m for m in failed if m not in fatal]:
+        if m.metric == "nonfinite":
+            what = (
+                "output missing or reshaped"
+                if m.value is None
+                else f"{int(m.value)} NaN/Inf values"
+            )
+            lines.append(f"{m.where}: {what}")
+        elif m.metric == "coverage":
+            lines.append(
+                f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
+                f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
+            )
+        elif m.metric == "constant_frames":
+            lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
+        else:
+            value = "NaN" if m.value is None else f"{m.value:.4g}"
+            sign = "<=" if m.bound == "max" else ">="
+            lines.append(f"{m.where}: {m.metric} {value} (must be {sign} {m.threshold:g})")
+    return lines
 
 
 def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from precision_convert.validation.certify.certificate import (
     Certificate,
     ComponentRecord,
     hash_files,
+    metric_failures,
     sha256_files,
     write,
 )
@@ -91,7 +92,7 @@ from precision_convert.validation.probe.inputs import (
     inputs_from_tensors,
     pipeline_inputs,
 )
-from precision_convert.validation.probe.metrics import METRICS, Measurement, measure
+from precision_convert.validation.probe.metrics import Measurement, measure
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
 from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
@@ -618,31 +619,6 @@ def _device_record(
     return record
 
 
-def _failure_lines(metrics: list[Measurement]) -> list[str]:
-    lines = []
-    fatal = [m for m in metrics if not m.passed and METRICS[m.metric].fatal_threshold is not None]
-    for m in fatal + [m for m in metrics if not m.passed and m not in fatal]:
-        if m.metric == "nonfinite":
-            what = (
-                "output missing or reshaped"
-                if m.value is None
-                else f"{int(m.value)} NaN/Inf values"
-            )
-            lines.append(f"{m.where}: {what}")
-        elif m.metric == "coverage":
-            lines.append(
-                f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
-                f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
-            )
-        elif m.metric == "constant_frames":
-            lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
-        else:
-            value = "NaN" if m.value is None else f"{m.value:.4g}"
-            sign = "<=" if m.bound == "max" else ">="
-            lines.append(f"{m.where}: {m.metric} {value} (must be {sign} {m.threshold:g})")
-    return lines
-
-
 def _certificate(
     root: Path,
     source: SourceInfo,
@@ -656,7 +632,7 @@ def _certificate(
 ) -> Certificate:
     metrics = [m for r in results for m in r.metrics]
     paths = [p for r in results for p in r.load_paths]
-    failures = [e for r in results for e in r.errors] + _failure_lines(metrics)
+    failures = [e for r in results for e in r.errors] + metric_failures(metrics)
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]
