@@ -53,6 +53,19 @@ def inspect(
     ] = False,
 ) -> None:
     """Show real tensor dtypes per module, the matching recipe, planned islands and hazards."""
+    # Options that only change what --calibrate does: without it they would be ignored, and
+    # a chart asked for would silently never be written.
+    ignored = [
+        flag
+        for flag, value in (("--chart", chart), ("--calibration-data", calibration_data))
+        if value is not None and not calibrate
+    ]
+    if ignored:
+        with reported_errors():
+            from precision_convert.errors import InputError
+
+            verb = "applies" if len(ignored) == 1 else "apply"
+            raise InputError(f"{' and '.join(ignored)} {verb} only with --calibrate: add it")
     with reported_errors():  # heavy imports: a Ctrl-C meanwhile still gets its line
         from precision_convert.api.inspection import inspect_source
 
