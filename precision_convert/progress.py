@@ -43,6 +43,26 @@ def report(what: str, done: int, total: int | None = None, *, at_most: bool = Fa
         reporter(SEPARATOR.join((*_STAGE.get(), what)), done, total, at_most)
 
 
+def shorten(label: str, width: int) -> str:
+    """``label`` in at most ``width`` characters, for a line of its own: the enclosing stages
+    go first (``validation › LlamaForCausalLM fp32 probes`` → ``…LlamaForCausalLM fp32
+    probes``), then whole words from the end; a word is cut only when it alone is too long.
+    A class name is never cut in the middle."""
+    if len(label) <= width:
+        return label
+    parts = label.split(SEPARATOR)
+    while len(parts) > 1 and len("…" + SEPARATOR.join(parts)) > width:
+        parts.pop(0)
+    text = ("…" if len(parts) < len(label.split(SEPARATOR)) else "") + SEPARATOR.join(parts)
+    if len(text) <= width:
+        return text
+    words = text.split(" ")
+    while len(words) > 1 and len(" ".join(words) + "…") > width:
+        words.pop()
+    kept = " ".join(words)
+    return kept + "…" if len(kept) < width else kept[: width - 1] + "…"
+
+
 @contextmanager
 def stage(name: str) -> Iterator[None]:
     """Label the reports made inside (nestable; also usable as a function decorator)."""

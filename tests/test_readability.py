@@ -31,7 +31,7 @@ from precision_convert.conversion.analysis.chart import (
     heatmap_data,
 )
 from precision_convert.folding import Role, blocks, fold, ranges
-from precision_convert.progress import report, reporting, stage
+from precision_convert.progress import report, reporting, shorten, stage
 from precision_convert.validation.certify.card import (
     BAR_LABEL,
     BAR_WIDTH,
@@ -518,3 +518,50 @@ def test_inspect_refuses_options_that_need_calibrate(hot_t5: Path, workdir: Path
     assert done.exit_code == 2, done.output
     assert done.stderr.strip() == "precision-convert: --chart applies only with --calibrate: add it"
     assert not (workdir / "x.png").exists() and done.stdout == ""
+
+
+def test_terminal_progress_shows_what_it_knows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal: bytes so far without an unknown total ("1.8/? MB") or speed ("?"), no
+    "-:--:--" before there is an ETA, no "0 of 1", and a label shortened by its stages, never
+    through the middle of a class name."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(_common, "console", Console(file=screen, force_terminal=True, width=80))
+    with _common.byte_progress("converting", True) as advance:
+        advance("model.safetensors", 1_800_000)
+        with stage("validation"):
+            report("LlamaForCausalLM fp32 probes", 0, 1)
+            report("T5EncoderModel fp32 probes", 0, 4)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    assert "1.8 MB" in shown and "/?" not in shown and " ?" not in shown
+    assert "-:--:--" not in shown and "0 of 1" not in shown and "0 of 4" in shown
+    assert "…LlamaForCausalLM fp32 probes" in shown and "Llama…" not in shown
+
+
+def test_labels_lose_their_stages_then_whole_words() -> None:
+    label = "validation › LlamaForCausalLM fp32 probes"
+    assert shorten(label, 60) == label
+    assert shorten(label, 38) == "…LlamaForCausalLM fp32 probes"
+    assert shorten(label, 20) == "…LlamaForCausalLM…"
+    assert shorten("island search › " + "x" * 30, 12) == "…" + "x" * 10 + "…"
+
+
+def test_reports_off_a_terminal_are_as_wide_as_their_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Piped or redirected, a report is not wrapped at 80 columns (words and names split,
+    URLs spread over lines, names elided); COLUMNS still sets a width."""
+    from precision_convert.cli._reports import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    name = "model.layers.{0..79}.self_attn.rotary_emb.inv_freq_" + "x" * 60
+    rows = [[name, "12", "max_abs_rel", "https://huggingface.co/ns/" + "m" * 80]]
+    print_table("a title", ["module", "count", "metric", "pushed to"], rows)
+    shown = capsys.readouterr().out
+    assert name in shown and "max_abs_rel" in shown and rows[0][3] in shown
+    assert len(shown.splitlines()) == 6  # title, 3 rules, header, one row: nothing wrapped
+    monkeypatch.setenv("COLUMNS", "80")
+    assert _common.out.width == 80
