@@ -12,6 +12,8 @@ import json
 import logging
 import math
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -565,3 +567,52 @@ def test_reports_off_a_terminal_are_as_wide_as_their_lines(
     assert len(shown.splitlines()) == 6  # title, 3 rules, header, one row: nothing wrapped
     monkeypatch.setenv("COLUMNS", "80")
     assert _common.out.width == 80
+
+
+# --------------------------------------------------------------------------- help
+
+
+COMMANDS = ("model", "inspect", "validate", "push", "batch", "recipes")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_reads_like_a_command_line(command: str) -> None:
+    """Usage names arguments as the README does (no ``{source}``), flags take no ``<bool>``,
+    and ``-h`` is ``--help``."""
+    shown = _invoke(command, "--help").stdout
+    assert _invoke(command, "-h").stdout == shown
+    usage = next(line for line in shown.splitlines() if "Usage:" in line)
+    assert "{" not in usage and f"precision-convert {command} [OPTIONS]" in usage
+    assert "<bool>" not in shown
+    assert "<bool>" not in _invoke("--help").stdout
+
+
+def test_device_reads_the_same_wherever_it_is_offered() -> None:
+    import typer.main
+
+    group = typer.main.get_command(app)
+    helps = {
+        name: next(p.help for p in group.commands[name].params if p.name == "device")
+        for name in ("model", "validate")
+    }
+    assert helps["model"] == helps["validate"] and "cuda:N" in helps["model"]
+
+
+def test_a_usage_error_is_one_line_like_any_other(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("precision-convert")
+    for args, says in (
+        (["validate"], "precision-convert: missing argument 'CONVERTED'; see "),
+        (["inspect", "x", "--calbrate"], "precision-convert: no such option: --calbrate"),
+    ):
+        done = subprocess.run(
+            [str(script), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith(says), done.stderr
+
+
+def test_a_recipe_reads_as_its_toml_does() -> None:
+    shown = _invoke("recipes", "autoencoder-kl").stdout
+    assert "config for fp16-safe, fp16: force_upcast = true" in shown
+    assert 'validation: task = "vae"' in shown
+    assert "{" not in shown and "True" not in shown

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from precision_convert.progress import shorten
 
@@ -201,6 +202,57 @@ class _StepDisplay:
         self.progress.update(task, completed=done, total=total, count=count)
 
 
+def _no_flag_placeholders(params: list[Any]) -> list[Any]:
+    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included)."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Group(TyperGroup):
+    """The command group, its flags (``--version``, ``--help``) shown without ``<bool>``."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _no_flag_placeholders(super().get_params(ctx))
+
+
+class Command(TyperCommand):
+    """A command whose help reads like a command line: the usage names its arguments as the
+    README does (``model [OPTIONS] SOURCE``, not ``{source}``), and a flag shows no value
+    placeholder (``--overwrite``, not ``--overwrite <bool>``: a flag takes none)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _no_flag_placeholders(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar or (param.name or "").upper()
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces += param.get_usage_pieces(ctx)
+        return pieces
+
+
+def one_line_usage_errors(app: typer.Typer) -> None:
+    """Run ``app`` with a usage error (a missing argument, an unknown option) reported as one
+    line on stderr, exit 2, like every other error, instead of typer's box."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # click's usage errors, as typer vendors them
+        message = exc.format_message().strip().rstrip(".")
+        context = getattr(exc, "ctx", None)
+        see = f"; see {context.command_path} --help" if context is not None else ""
+        if message:  # no message: the help was asked for by giving no arguments, and shown
+            print(f"precision-convert: {message[:1].lower()}{message[1:]}{see}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 #: Options shared by the commands that run probes (model, validate, inspect --calibrate).
 CoverageOption = Annotated[
     str | None,
@@ -209,6 +261,15 @@ CoverageOption = Annotated[
         metavar="LEVEL",
         help="Probe budget of calibration and validation: quick, standard (default) or thorough.",
         show_default=False,
+    ),
+]
+#: Where validation (and calibration) run: the same words for every command that has it.
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        metavar="DEVICE",
+        help="Where the models run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.",
     ),
 ]
 CalibrationDataOption = Annotated[

@@ -18,9 +18,12 @@ from precision_convert.cli._common import (
 
 def inspect(
     source: Annotated[
-        str, typer.Argument(help="Model/pipeline/OpenCLIP directory or Hub repo id.")
+        str,
+        typer.Argument(metavar="SOURCE", help="Model/pipeline/OpenCLIP directory or Hub repo id."),
     ],
-    revision: Annotated[str | None, typer.Option(help="Hub revision of SOURCE.")] = None,
+    revision: Annotated[
+        str | None, typer.Option(metavar="REV", help="Hub revision of SOURCE.")
+    ] = None,
     trust_remote_code: Annotated[
         bool,
         typer.Option(
@@ -39,7 +42,8 @@ def inspect(
     chart: Annotated[
         Path | None,
         typer.Option(
-            help="Where --calibrate writes its chart (default: ./<source>-activations.png)."
+            metavar="PNG",
+            help="Where --calibrate writes its chart (default: ./<source>-activations.png).",
         ),
     ] = None,
     coverage: CoverageOption = None,

@@ -10,6 +10,7 @@ import typer
 from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
+    DeviceOption,
     emit_json,
     reported_errors,
     step_progress,
@@ -21,29 +22,35 @@ if TYPE_CHECKING:
 
 def validate_command(
     converted: Annotated[
-        Path, typer.Argument(help="A directory written by `precision-convert model`.")
+        Path,
+        typer.Argument(
+            metavar="CONVERTED", help="A directory written by `precision-convert model`."
+        ),
     ],
     baseline: Annotated[
         str | None,
         typer.Option(
+            metavar="SOURCE",
             help="The source to certify against (directory or Hub id). Without it, only a "
             "smoke check: the converted weights against themselves upcast to fp32, which "
-            "never certifies (verdict smoke-pass at best)."
+            "never certifies (verdict smoke-pass at best).",
         ),
     ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    device: DeviceOption = "auto",
     inputs: Annotated[
         Path | None,
         typer.Option(
+            metavar="FILE",
             help="safetensors file of named tensors to feed instead of the built inputs "
-            "(pipelines: <component>/<argument>)."
+            "(pipelines: <component>/<argument>).",
         ),
     ] = None,
     max_memory: Annotated[
         str | None,
         typer.Option(
+            metavar="SIZE",
             help="Memory budget, e.g. 8GB; a model whose fp32 copy does not fit is compared "
-            "block by block."
+            "block by block.",
         ),
     ] = None,
     coverage: CoverageOption = None,
