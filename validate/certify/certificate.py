@@ -1,7 +1,10 @@
 """``precision_certificate.json``: what was compared, how it went, and which files it covers.
 
 A certificate is data: a :class:`Certificate` dataclass written as JSON by :func:`write` and
-read back by :meth:`Certificate.read`. It lists every metric with its threshold, the inputs,
+read back by :meth:`Certificate.read`, checked against its JSON Schema
+(docs/schema/certificate.schema.json, installed as ``precision_convert.schema``) with
+``jsonschema`` before it is trusted: the format is described once, for the docs, the tests and
+the reader. It lists every metric with its threshold, the inputs,
 device and library versions, the source (id, revision, weight-file hashes) and the sha256 of
 every converted file, so ``push`` and ``batch --resume`` can check that the files on disk
 are the ones that were certified (:func:`verify_files`).
@@ -17,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,9 @@ CERTIFICATE_NAME = "precision_certificate.json"
 #: written with ``--variant`` (it sits beside the source repo's files, under its own name).
 CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json")
 CARD_NAME = "README.md"
+#: The JSON Schema certificates are read back against (docs/schema/, installed as
+#: ``precision_convert.schema``).
+SCHEMA_FILE = "certificate.schema.json"
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
 #: 2: ``verdict`` gained ``smoke-pass`` (a self-comparison never reads ``pass``) and
 #: ``source.id``/``source.path`` name the source by its Hub id or directory name, never a path.
@@ -157,7 +165,14 @@ class Certificate:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Certificate:
+        """The certificate ``data`` describes, checked against its JSON Schema first.
+
+        Raises:
+            CertificateError: ``data`` is not a certificate this version reads (another
+                format version, a field missing, unknown or of the wrong type).
+        """
         values = _upgraded(data)
+        check_schema(values)
         values["components"] = [ComponentRecord(**c) for c in values.get("components", [])]
         values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
         values["load_paths"] = [LoadPath.from_dict(p) for p in values.get("load_paths", [])]
@@ -184,6 +199,36 @@ class Certificate:
             raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
         path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+class CertificateError(ValueError):
+    """A certificate that does not follow the format this version reads."""
+
+
+@cache
+def _validator() -> Any:
+    from jsonschema import Draft202012Validator
+
+    text = resources.files("precision_convert.schema").joinpath(SCHEMA_FILE).read_text("utf-8")
+    return Draft202012Validator(json.loads(text))
+
+
+def check_schema(data: Mapping[str, Any]) -> None:
+    """Check ``data`` against docs/schema/certificate.schema.json (installed with the package),
+    naming the first field at fault.
+
+    Raises:
+        CertificateError: another format version, or a field missing, unknown or mistyped.
+    """
+    if data.get("schema") != SCHEMA:
+        raise CertificateError(
+            f"format {data.get('schema')!r}, not {SCHEMA!r}: written by another version of "
+            "precision-convert; validate the output again with this one"
+        )
+    error = min(_validator().iter_errors(data), key=lambda e: list(e.absolute_path), default=None)
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path) or "the top level"
+        raise CertificateError(f"{where}: {error.message}")
 
 
 def metric_failures(metrics: Iterable[Measurement]) -> list[str]:
