@@ -679,7 +679,8 @@ def without_local_paths(certificate: Certificate, names: Mapping[Path, str]) -> 
     """``certificate`` with every local path in its text (an error quoting a file, a probe's
     file) replaced by a public name: each of ``names``' directories by its name, the home
     directory by ``~``. The certificate and its card are published with the weights."""
-    found = {str(Path.home()): "~"}
+    home = Path.home()
+    found = {str(home): "~"} if len(home.parts) > 1 else {}  # a home of "/" is no name
     for directory, name in names.items():
         found |= {str(directory.absolute()): name, str(directory.resolve()): name}
     longest_first = sorted(found, key=len, reverse=True)
