@@ -479,21 +479,33 @@ def _innermost(watched: Sequence[Watched]) -> list[tuple[Watched, int]]:
     """The near-limit tensors worth a warning each, in order, with how many more module inputs
     and outputs carry the same tensor.
 
-    One spike leaves a projection, then the MLP holding it, the dropout after it, the layer and
-    the block, and the next module receives it: the same tensor (the same peak, to the bit),
-    one warning, naming the innermost module (the deepest name; the earliest of those). A
-    tensor the candidate still carries in fp16 is always named: that one needs attention.
+    One spike leaves a projection, then the MLP holding it, the dropout or activation after
+    it, the layer and the block, and the next module receives it: the same tensor (the same
+    peak, to the bit), one warning, at :func:`_origin`. A tensor the candidate still carries in
+    fp16 is always named: that one needs attention.
     """
     groups: dict[float, list[Watched]] = {}
     for item in watched:
         groups.setdefault(item.peak, []).append(item)
     named: dict[int, tuple[Watched, int]] = {}
     for group in groups.values():
-        inner = max(group, key=lambda w: len(w.module.split(".")) if w.module else 0)
-        kept = [w for w in group if w is inner or w.outcome == STILL_LOW]
+        origin = _origin(group)
+        kept = [w for w in group if w is origin or w.outcome == STILL_LOW]
         for w in kept:
-            named[id(w)] = (w, len(group) - len(kept) if w is inner else 0)
+            named[id(w)] = (w, len(group) - len(kept) if w is origin else 0)
     return [named[id(w)] for w in watched if id(w) in named]
+
+
+def _origin(group: Sequence[Watched]) -> Watched:
+    """Where one tensor comes from: the first weighted module whose output it is (in execution
+    order), else the innermost module handing it on, else the first that receives it."""
+    outputs = [w for w in group if w.side == "output"]
+    leaves = [w for w in outputs if w.kind == LEAF]
+    if leaves:
+        return leaves[0]
+    if outputs:
+        return max(outputs, key=lambda w: len(w.module.split(".")))
+    return group[0]
 
 
 def _searched(units: Iterable[str]) -> list[Island]:
