@@ -10,7 +10,9 @@ validated component by component, then end to end with a short seeded run.
 After ``pc.load``, the candidate is loaded every other way a user would (the library's plain
 ``from_pretrained``, ``dtype="auto"``, the explicit compute dtype; :mod:`.load_paths`), one
 model at a time, on the same probes; the verdict is ``pass`` only when ``pc.load`` and the
-plain default load both pass.
+plain default load both pass, and only against the source: compared with the converted weights
+themselves it is ``smoke-pass`` at best. What the baseline is, and whether this run may replace
+the certificate in place, is settled before anything runs (:mod:`.reference`).
 
 The certificate and the model card are written into the converted directory whatever the
 verdict, so a user can see why a conversion failed; a model that cannot be fed at all
@@ -27,7 +29,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,6 @@ from precision_convert.conversion.io.source import (
     PipelineSource,
     Source,
     open_source,
-    resolve,
 )
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
@@ -59,7 +60,6 @@ from precision_convert.validation.certify.certificate import (
     ComponentRecord,
     hash_files,
     metric_failures,
-    sha256_files,
     write,
 )
 from precision_convert.validation.certify.components import (
@@ -75,6 +75,16 @@ from precision_convert.validation.certify.load_paths import (
     check_pipeline,
     failure_lines,
     skipped_pipeline,
+)
+from precision_convert.validation.certify.reference import (
+    SourceInfo,
+    check_replaceable,
+    check_same_architecture,
+    models_of,
+    same_conversion,
+    source_files,
+    source_info,
+    without_local_paths,
 )
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
@@ -103,16 +113,6 @@ __all__ = ["parse_memory", "thresholds_for", "validate"]
 #: Whole-model validation needs the fp32 weights plus activations, allocator slack and the
 #: outputs kept for comparison; past this share of the budget the model goes block by block.
 WHOLE_MODEL_HEADROOM = 1.25
-
-
-@dataclass(frozen=True)
-class SourceInfo:
-    """Where the baseline comes from, as the certificate records it."""
-
-    path: Path  # the local directory it is read from (never recorded: it is private)
-    id: str  # its Hub id, or its directory's name
-    revision: str | None
-    kind: str  # SOURCE_BASELINE, or SELF_BASELINE: the converted weights themselves
 
 
 # --------------------------------------------------------------------------- public entry
@@ -177,10 +177,10 @@ def validate(
     source = source_info(baseline, root)
     reference = opened if source.kind == SELF_BASELINE else open_source(source.path)
     check_same_architecture(opened, reference, root, source)
-    if source.kind == SOURCE_BASELINE and _same_conversion(opened, reference):
+    if source.kind == SOURCE_BASELINE and same_conversion(opened, reference):
         source = replace(source, kind=SELF_BASELINE)  # a copy of the output is not its source
-    source_files = _source_files(source.path, reference)
-    check_replaceable(root, source, source_files)
+    weights = source_files(source.path, reference)
+    check_replaceable(root, source, weights)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
@@ -199,13 +199,13 @@ def validate(
         # that say what is missing and how to supply it; the error still reaches the caller.
         results += _not_run(opened, components, results)
         certificate = _certificate(
-            root, source, source_files, components, results, target_device, max_memory, cannot=exc
+            root, source, weights, components, results, target_device, max_memory, cannot=exc
         )
         write(certificate, root)
         write_card(certificate, root)
         raise
     certificate = _certificate(
-        root, source, source_files, components, results, target_device, max_memory
+        root, source, weights, components, results, target_device, max_memory
     )
     write(certificate, root)
     write_card(certificate, root)
@@ -215,131 +215,11 @@ def validate(
 # --------------------------------------------------------------------------- setup
 
 
-def source_info(baseline: str | Path | None, converted: Path) -> SourceInfo:
-    """Resolve the baseline to a local directory and name it: its Hub id and revision, or
-    its directory's name (the certificate is published: a local path is nobody's business)."""
-    if baseline is None:
-        return SourceInfo(converted, converted.resolve().name, None, SELF_BASELINE)
-    path = resolve(baseline)
-    text = str(baseline)
-    hub = re.search(
-        r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})", path.absolute().as_posix()
-    )
-    if hub:
-        return SourceInfo(path, f"{hub[1]}/{hub[2]}", hub[3], SOURCE_BASELINE)
-    if not Path(text).expanduser().exists():  # a Hub id resolved some other way
-        return SourceInfo(path, text, None, SOURCE_BASELINE)
-    return SourceInfo(path, path.resolve().name, None, SOURCE_BASELINE)
-
-
-def check_same_architecture(
-    converted: Source, baseline: Source, root: Path, source: SourceInfo
-) -> None:
-    """Refuse a baseline that is not the model that was converted: another class, or tensors
-    of other names or shapes. Comparing with it proves nothing, and its failing certificate
-    would replace a true one.
-
-    Raises:
-        InputError: naming both classes, or the first tensor that differs.
-    """
-    here = f"{root.name or root}"
-    there = f"the baseline {source.id}"
-    if isinstance(converted, PipelineSource) != isinstance(baseline, PipelineSource):
-        raise InputError(
-            f"different architecture: {here} holds {_what(converted)}, {there} "
-            f"{_what(baseline)}; pass the source it was converted from as --baseline"
-        )
-    for name, mine in _models_of(converted).items():
-        theirs = _models_of(baseline).get(name)
-        where = f"component {name!r} of " if name else ""
-        if theirs is None:
-            raise InputError(
-                f"different architecture: {there} has no component {name!r}; pass the "
-                "source it was converted from as --baseline"
-            )
-        if mine.class_name != theirs.class_name:
-            raise InputError(
-                f"different architecture: {where}{here} is a {mine.class_name}, {there} a "
-                f"{theirs.class_name}; pass the source it was converted from as --baseline"
-            )
-        ours = {t.name: tuple(t.shape) for t in mine.tensors()}
-        its = {t.name: tuple(t.shape) for t in theirs.tensors()}
-        differing = sorted(n for n in ours.keys() | its.keys() if ours.get(n) != its.get(n))
-        if differing:
-            first = differing[0]
-            shapes = " vs ".join(
-                "absent" if s is None else str(list(s)) for s in (ours.get(first), its.get(first))
-            )
-            raise InputError(
-                f"different architecture: {where}{here} and {there} are both "
-                f"{mine.class_name} but {len(differing)} tensors differ in name or shape "
-                f"(first: {first}, {shapes}); pass the source it was converted from as "
-                "--baseline"
-            )
-
-
 def _library_bars_off(opened: Source) -> AbstractContextManager[None]:
     """diffusers' own loading bars off while a diffusers model or pipeline is validated (their
     switch costs diffusers' import, which nothing else here needs)."""
-    uses = any(m.library == "diffusers" for m in _models_of(opened).values())
+    uses = any(m.library == "diffusers" for m in models_of(opened).values())
     return diffusers_bars_off() if uses or isinstance(opened, PipelineSource) else nullcontext()
-
-
-def _models_of(opened: Source) -> dict[str, ModelSource]:
-    return dict(opened.components) if isinstance(opened, PipelineSource) else {"": opened}
-
-
-def _what(opened: Source) -> str:
-    if isinstance(opened, PipelineSource):
-        return f"a {opened.model_index.get('_class_name') or 'diffusers'} pipeline"
-    return f"a {opened.class_name or opened.library} model"
-
-
-def _same_conversion(converted: Source, baseline: Source) -> bool:
-    """Whether ``baseline`` holds this very conversion (a copy of the output, or its weights
-    re-saved): every model's record names the same plan. Compared with it, the weights are
-    compared with themselves."""
-    mine, theirs = _models_of(converted), _models_of(baseline)
-    for name, model in mine.items():
-        ours, its = read_record(model), read_record(theirs[name])
-        if not ours or not its or ours.get("plan_sha256") != its.get("plan_sha256"):
-            return False
-    return True
-
-
-def check_replaceable(root: Path, source: SourceInfo, source_files: Mapping[str, str]) -> None:
-    """Refuse to replace the certificate in ``root`` with a weaker or an unrelated one.
-
-    A certificate made against the source is never replaced by a check without a baseline
-    (the weights compared with themselves), nor by one against another source (other weight
-    files). A re-validation against the same source replaces it, whatever its verdict: it is
-    the newer answer to the same question.
-
-    Raises:
-        InputError: naming the certificate, its source and what to pass instead.
-    """
-    try:
-        existing = Certificate.read(root)
-    except (OSError, ValueError, TypeError, KeyError):
-        return  # none, or one that certifies nothing: nothing to protect
-    if not existing.against_source:
-        return
-    recorded = existing.source.get("id") or "its source"
-    made = f"{existing.file_name} compares these files with their source {recorded} (verdict "
-    made += f"{existing.verdict})"
-    if source.kind == SELF_BASELINE:
-        raise InputError(
-            f"{made}; this run would compare them with themselves and replace it with a "
-            f"weaker check: pass --baseline {recorded} (or where it lies on disk)",
-            root,
-        )
-    if dict(existing.source.get("files") or {}) != dict(source_files):
-        raise InputError(
-            f"{made}; the weights of the baseline {source.id} are not those it records, so "
-            f"this run would replace it with an unrelated one: pass --baseline {recorded}, or "
-            f"delete {existing.file_name} to certify against {source.id} instead",
-            root,
-        )
 
 
 _UNITS = {
@@ -622,7 +502,7 @@ def _device_record(
 def _certificate(
     root: Path,
     source: SourceInfo,
-    source_files: dict[str, str],
+    weights: dict[str, str],
     components: list[Component],
     results: list[ComponentResult],
     device: torch.device,
@@ -656,7 +536,7 @@ def _certificate(
             "id": source.id,
             "revision": source.revision,
             "path": source.id,
-            "files": source_files,
+            "files": weights,
             "card": source_card_data(source.path),
             # A --variant output: its files are added to the source repo under this variant.
             "variant": next((c.converted.variant for c in components if c.converted.variant), None),
@@ -673,30 +553,6 @@ def _certificate(
         load_paths=paths,
     )
     return without_local_paths(certificate, {root: ".", source.path: source.id})
-
-
-def without_local_paths(certificate: Certificate, names: Mapping[Path, str]) -> Certificate:
-    """``certificate`` with every local path in its text (an error quoting a file, a probe's
-    file) replaced by a public name: each of ``names``' directories by its name, the home
-    directory by ``~``. The certificate and its card are published with the weights."""
-    home = Path.home()
-    found = {str(home): "~"} if len(home.parts) > 1 else {}  # a home of "/" is no name
-    for directory, name in names.items():
-        found |= {str(directory.absolute()): name, str(directory.resolve()): name}
-    longest_first = sorted(found, key=len, reverse=True)
-    # A whole path only: /home/ann must not eat the start of /home/anna.
-    pattern = re.compile("(?:" + "|".join(re.escape(p) for p in longest_first) + r")(?![\w.-])")
-
-    def scrub(value: Any) -> Any:
-        if isinstance(value, str):
-            return pattern.sub(lambda m: found[m[0]], value)
-        if isinstance(value, dict):
-            return {scrub(k): scrub(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [scrub(v) for v in value]
-        return value
-
-    return Certificate.from_dict(scrub(certificate.to_dict()), check=False)
 
 
 def _not_run(
@@ -762,9 +618,3 @@ def source_card_data(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, TypeError):
         return {}
     return {k: data[k] for k in INHERITED_CARD_FIELDS if isinstance(data.get(k), str)}
-
-
-def _source_files(root: Path, opened: Source) -> dict[str, str]:
-    """sha256 of the weight files the baseline is built from."""
-    models = _models_of(opened).values()
-    return sha256_files(root, [f.path for model in models for f in model.files])
