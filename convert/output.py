@@ -1,5 +1,6 @@
 """Writing one model directory for a plan: weights through the streaming writer, the config
-with its ``precision_convert`` record, every other file copied unchanged.
+with its ``precision_convert`` record (``_precision_convert`` in diffusers configs), every
+other file copied unchanged.
 
 The converter writes its output with this, and calibration's search writes each candidate
 with it too, so a candidate checked against fp32 is byte for byte what the user would get.
@@ -17,7 +18,7 @@ from precision_convert._version import __version__
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import ModelSource, variant_name
 from precision_convert.conversion.io.writer import write_file
-from precision_convert.conversion.plan import ModelPlan
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, ModelPlan
 from precision_convert.dtypes import FP16, FP32, DType
 
 #: Progress callback: (what is being written, source bytes just consumed).
@@ -79,7 +80,7 @@ def write_model(
         metadata = {
             **weight_file.metadata,  # the source shard's own entries are kept
             "format": "pt",
-            "precision_convert": json.dumps(block, separators=(",", ":")),
+            RECORD_KEY: json.dumps(block, separators=(",", ":")),
         }
 
         name = variant_name(weight_file.output_name, variant)
@@ -104,7 +105,9 @@ def write_model(
 
 def _write_config(model: ModelSource, plan: ModelPlan, block: dict[str, Any], path: Path) -> None:
     config = dict(model.config)
-    config["precision_convert"] = block  # the real compute dtype, whatever the key below says
+    # The real compute dtype, whatever the dtype key below says; under the name diffusers
+    # passes over silently in a diffusers model's config.
+    config[DIFFUSERS_RECORD_KEY if model.library == "diffusers" else RECORD_KEY] = block
     if model.library == "transformers":
         dtype = plain_load_dtype(model, plan)
         config["dtype"] = dtype.torch_name

@@ -14,11 +14,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The record's key, where the io layer (which recognises this tool's outputs) keeps it.
+from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
 from precision_convert.dtypes import BF16, FP16, FP16_MAX, FP32, DType
 from precision_convert.errors import InputError
 from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
 from precision_convert.recipes import ISLAND_REASONS, TARGETS, Recipe
+
+#: Its key in a diffusers model's config: diffusers warns about every config key its class does
+#: not take (the whole record, on every load, for every user) but passes over keys that start
+#: with "_". Readers accept both names.
+DIFFUSERS_RECORD_KEY = "_precision_convert"
 
 #: Compute dtype of each target.
 COMPUTE_DTYPE: Mapping[str, DType] = {

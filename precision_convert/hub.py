@@ -52,7 +52,7 @@ import io
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -75,6 +75,7 @@ from precision_convert.validation.certify.verify import (
     HashedFile,
     Verified,
     is_variant_file,
+    render_card,
     verify,
 )
 
@@ -129,6 +130,18 @@ def _variant_paths(checked: Verified) -> list[str]:
     assert checked.variant is not None
     found = [p for p in checked.files if is_variant_file(p, checked.variant)]
     return sorted({*found, checked.certificate_name})
+
+
+def _for_repo(checked: Verified, repo_id: str) -> Verified:
+    """What is pushed to ``repo_id``: the card the gate verified, rendered again from the same
+    certificate with the repo's id in its loading snippet (not a placeholder)."""
+    text = render_card(checked.certificate, checked.directory, repo_id)
+    files = dict(checked.files)
+    if CARD_NAME in files:
+        data = text.encode("utf-8")
+        sha256 = hashlib.sha256(data).hexdigest()
+        files[CARD_NAME] = HashedFile(CARD_NAME, files[CARD_NAME].location, sha256, len(data), data)
+    return replace(checked, files=files, card=text)
 
 
 # --------------------------------------------------------------------------- the upload
@@ -201,7 +214,7 @@ def publish(
     if commit_message is not None and not commit_message.strip():
         raise InputError("--commit-message is empty")
     try:
-        checked = check(converted)
+        checked = _for_repo(check(converted), repo_id)
     except NotAsCertified as exc:
         raise PushRefused(exc.path, exc.problems) from None
     source_id = base_model_id(checked.certificate)

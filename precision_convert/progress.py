@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -42,6 +43,26 @@ def report(what: str, done: int, total: int | None = None, *, at_most: bool = Fa
         reporter(SEPARATOR.join((*_STAGE.get(), what)), done, total, at_most)
 
 
+def shorten(label: str, width: int) -> str:
+    """``label`` in at most ``width`` characters, for a line of its own: the enclosing stages
+    go first (``validation › LlamaForCausalLM fp32 probes`` → ``…LlamaForCausalLM fp32
+    probes``), then whole words from the end; a word is cut only when it alone is too long.
+    A class name is never cut in the middle."""
+    if len(label) <= width:
+        return label
+    parts = label.split(SEPARATOR)
+    while len(parts) > 1 and len("…" + SEPARATOR.join(parts)) > width:
+        parts.pop(0)
+    text = ("…" if len(parts) < len(label.split(SEPARATOR)) else "") + SEPARATOR.join(parts)
+    if len(text) <= width:
+        return text
+    words = text.split(" ")
+    while len(words) > 1 and len(" ".join(words) + "…") > width:
+        words.pop()
+    kept = " ".join(words)
+    return kept + "…" if len(kept) < width else kept[: width - 1] + "…"
+
+
 @contextmanager
 def stage(name: str) -> Iterator[None]:
     """Label the reports made inside (nestable; also usable as a function decorator)."""
@@ -60,3 +81,39 @@ def reporting(reporter: Reporter) -> Iterator[None]:
         yield
     finally:
         _REPORTER.reset(token)
+
+
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_restore = False
+
+
+@contextmanager
+def diffusers_bars_off() -> Iterator[None]:
+    """Turn off the bars diffusers draws while it builds a pipeline ("Loading pipeline
+    components...") for the duration of our own loads: a validation builds a dozen, and their
+    bars would bury ours. (transformers' follow huggingface_hub's switch, which the command
+    sets; the bar of a pipeline's denoising loop is switched per pipeline.)
+
+    The switch is diffusers' and process-wide, so it is counted: the first caller in turns the
+    bars off, the last one out puts back what was there, nested and concurrent calls included.
+    Without diffusers installed it does nothing.
+    """
+    global _quiet_depth, _quiet_restore
+    try:
+        from diffusers.utils import logging
+    except ImportError:
+        yield
+        return
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_restore = logging.is_progress_bar_enabled()
+            logging.disable_progress_bar()
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0 and _quiet_restore:
+                logging.enable_progress_bar()

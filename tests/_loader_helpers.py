@@ -51,7 +51,12 @@ def stored_dtypes(directory: Path) -> dict[str, torch.dtype]:
 
 
 def record(directory: Path, config_name: str = "config.json") -> dict[str, object]:
-    return json.loads((directory / config_name).read_text())["precision_convert"]
+    """The record in a config: ``_precision_convert`` in a diffusers model's (diffusers
+    passes over it silently), ``precision_convert`` elsewhere; never both."""
+    config = json.loads((directory / config_name).read_text())
+    key = "_precision_convert" if "_class_name" in config else "precision_convert"
+    assert {"precision_convert", "_precision_convert"} & config.keys() == {key}
+    return config[key]
 
 
 class FusedRMSNorm(nn.Module):

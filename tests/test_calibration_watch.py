@@ -12,7 +12,6 @@ shown to break on the very inputs the converted model handles.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import _models
 import pytest
 import torch
+from _loader_helpers import record
 
 import precision_convert as pc
 from precision_convert.api.conversion import convert, plan_model
@@ -144,8 +144,7 @@ def test_residual_stream_near_the_limit_is_watched_and_carried_in_fp32(tmp_path:
 def _reinstall_as_precision(model: torch.nn.Module, directory: Path, name: str) -> None:
     """The old treatment: the loader's hooks with ``name`` back as a precision island (its
     fp32 output cast to fp16), on the very same weights."""
-    record = json.loads((directory / "config.json").read_text())["precision_convert"]
-    reasons = {**record["islands"], name: "precision"}
+    reasons = {**record(directory)["islands"], name: "precision"}
     install(model, find_boundaries(model, compute=torch.float16, reasons=reasons))
 
 
@@ -153,8 +152,8 @@ def _upgraded(result: Any, directory: Path, name: str) -> Island:
     plan = result.components[0].plan
     island = next(i for i in plan.islands if i.name == name)
     assert island.reason == "range" and island.rule.startswith("calibration: output peaks at")
-    record = json.loads((directory / "config.json").read_text())["precision_convert"]
-    assert record["islands"][name] == "range" and record["plan_sha256"] == plan.sha256
+    written = record(directory)
+    assert written["islands"][name] == "range" and written["plan_sha256"] == plan.sha256
     # The upgrade is in the digest: the same plan with the precision island hashes otherwise.
     downgraded = tuple(
         replace(i, reason="precision") if i.name == name else i for i in plan.islands

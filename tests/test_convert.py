@@ -10,6 +10,7 @@ from pathlib import Path
 import _models
 import pytest
 import torch
+from _loader_helpers import record
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -45,8 +46,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def check_converted(source: Path, output: Path, target: str) -> dict:
     """Every stored tensor has its planned dtype and equals source.to(dtype) bit for bit."""
-    config = json.loads((output / _config_name(output)).read_text())
-    block = config["precision_convert"]
+    block = record(output, _config_name(output))
     assert block["target"] == target
     assert block["compute_dtype"] == str(COMPUTE[target]).removeprefix("torch.")
     assert set(block["islands"]) == set(block["fp32_modules"])

@@ -400,7 +400,7 @@ def test_jsonl_calibration_data_is_validated_and_certified(
     assert certificate.verdict == "pass", certificate.failures
     probes = certificate.components[0].inputs["probes"]
     assert probes["forward:user-1"]["args"]["input_ids"]["values"] == [[3, 17, 42, 99, 5]]
-    assert probes["forward:user-2"]["sweep"] == {"kind": "user-jsonl", "file": str(data), "line": 2}
+    assert probes["forward:user-2"]["sweep"] == {"kind": "user-jsonl", "file": data.name, "line": 2}
     assert any(m.probe == "forward:user-2" for m in certificate.metrics)
     # --inputs replaces the built probes; calibration data still adds its own.
     from safetensors.torch import save_file

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _loader_helpers import record
 from _models import generate, make, sd_pipeline
 from huggingface_hub import ModelCard
 from typer.testing import CliRunner
@@ -195,7 +196,7 @@ def test_fp16_safe_sd3_with_a_range_island_loads_plainly(tmp_path: Path) -> None
     source = sd3_with_range_island(tmp_path / "src")
     out = tmp_path / "out"
     convert(source, to="fp16-safe", output=out, validate=False)
-    assert config(out)["precision_convert"]["islands"]["transformer_blocks.0.ff.net.2"] == "range"
+    assert record(out)["islands"]["transformer_blocks.0.ff.net.2"] == "range"
 
     generator = torch.Generator().manual_seed(2)
     inputs = {

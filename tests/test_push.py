@@ -147,6 +147,16 @@ def _local_files(directory: Path) -> dict[str, bytes]:
     }
 
 
+def _as_pushed(directory: Path, repo_id: str) -> dict[str, bytes]:
+    """The files of ``directory`` as a push to ``repo_id`` sends them: the card's loading
+    snippet names the repo instead of a placeholder, nothing else differs."""
+    files = _local_files(directory)
+    card = files["README.md"].decode()
+    assert '"<this repo or dir>"' in card
+    files["README.md"] = card.replace('"<this repo or dir>"', f'"{repo_id}"').encode()
+    return files
+
+
 def _download(repo_id: str, target: Path, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -200,7 +210,8 @@ def test_round_trip_to_a_new_repo(served: Served, hub: FakeHub, tmp_path: Path) 
     snapshot = _download(repo_id, tmp_path / "cache")
     pushed = _local_files(snapshot)
     assert pushed.pop(".gitattributes")  # the Hub's own first commit
-    assert pushed == _local_files(served.output)  # byte-identical, nothing more, nothing less
+    # Byte-identical, nothing more, nothing less; the card as rendered for this repo.
+    assert pushed == _as_pushed(served.output, repo_id)
 
     repo = hub.repos[repo_id]
     title, body = repo.messages[repo.refs["main"]]
@@ -212,7 +223,7 @@ def test_round_trip_to_a_new_repo(served: Served, hub: FakeHub, tmp_path: Path) 
     card = ModelCard.load(snapshot / "README.md")
     assert card.data.base_model == SOURCE_REPO
     assert "precision-convert" in card.data.tags
-    assert card.content == (served.output / "README.md").read_text()
+    assert card.content == _as_pushed(served.output, repo_id)["README.md"].decode()
 
     # It loads with pc.load and with plain from_pretrained, and matches fp32.
     from transformers import T5EncoderModel
@@ -264,7 +275,7 @@ def test_create_pr_leaves_main_and_is_reused(served: Served, hub: FakeHub, tmp_p
     [pr] = repo.discussions
     assert pr.is_pull_request and pr.author == USER and pr.target_branch == "main"
     pushed = _local_files(_download(repo_id, tmp_path / "cache", revision="refs/pr/1"))
-    assert pushed == _local_files(served.output)
+    assert pushed == _as_pushed(served.output, repo_id)
 
     again = _push(str(served.output), repo_id, "--create-pr")
     assert again.exit_code == 0, again.output
@@ -292,7 +303,7 @@ def test_existing_repo_keeps_docs_and_loses_uncertified_weights(
     assert "1 stale files removed" in done.stderr
     files = hub.files(repo_id)
     assert files.pop("LICENSE") == b"MIT\n"  # not load-bearing: left alone
-    assert files == _local_files(served.output)  # uncertified weights removed
+    assert files == _as_pushed(served.output, repo_id)  # uncertified weights removed
     repo = hub.repos[repo_id]
     assert "pytorch_model.bin" in repo.messages[repo.refs["main"]][1]
 
@@ -718,7 +729,7 @@ def test_killed_push_resumes_without_uploading_twice(
     assert set(counts) == weights and set(counts.values()) == {1}  # each object uploaded once
     pushed = hub.files(repo_id)
     pushed.pop(".gitattributes")
-    assert pushed == _local_files(served.output)
+    assert pushed == _as_pushed(served.output, repo_id)
     _assert_no_secret(stdout, stderr, done.output)
 
 
@@ -899,7 +910,7 @@ def test_model_push_converts_validates_and_publishes(
     snapshot = _download(repo_id, tmp_path / "cache")
     pushed = _local_files(snapshot)
     pushed.pop(".gitattributes")
-    assert pushed == _local_files(out)
+    assert pushed == _as_pushed(out, repo_id)
     _assert_no_secret(done.output, roots=(out,))
 
     refused = CliRunner().invoke(
@@ -988,3 +999,58 @@ def test_diffusers_variant_pr_loads_with_from_pretrained(
                 mse = (images - expected).pow(2).mean().item()
                 assert mse == 0 or 10 * math.log10(1 / mse) >= 30
             assert loaded.unet.dtype == torch.float16  # pc.load keeps the memory saving
+
+
+# --------------------------------------------------------------------------- what is published
+
+
+def test_a_smoke_check_is_not_published(served: Served, hub: FakeHub, tmp_path: Path) -> None:
+    """``model --no-validate`` → ``validate`` (no baseline) → ``push``: a comparison of the
+    weights with themselves certifies nothing, and the refusal says how to certify."""
+    out = tmp_path / "unvalidated"
+    converted = CliRunner().invoke(
+        app, ["model", str(served.source), "--to", "bf16-safe", "-o", str(out), "--no-validate"]
+    )
+    assert converted.exit_code == 0, converted.output
+    line = _one_line_error(_push(str(out), "ns/smoke"), 1, "--baseline SOURCE", "missing")
+    assert "precision-convert validate" in line
+    smoke = CliRunner().invoke(app, ["validate", str(out), "--coverage", "quick"])
+    assert smoke.exit_code == 1 and "--baseline SOURCE" in smoke.stderr, smoke.output
+    card = (out / "README.md").read_text()
+    assert "parity-certified" not in card and "against the source" not in card
+    _one_line_error(_push(str(out), "ns/smoke"), 1, "smoke check", "--baseline SOURCE")
+    assert hub.requests == []  # refused before anything talks to the Hub
+
+
+def test_no_local_path_is_published(
+    served: Served, hub: FakeHub, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Whatever is uploaded names the source by its Hub id or its directory's name only, and
+    the card's loading snippet names the repo it was pushed to."""
+    data = tmp_path / "calibration.jsonl"
+    data.write_text(json.dumps({"input_ids": [[3, 14, 15, 92, 65]]}) + "\n")
+    local = tmp_path / "local-bf16-safe"
+    done = CliRunner().invoke(
+        app,
+        [
+            *("model", str(served.source), "--to", "bf16-safe", "-o", str(local)),
+            *("--calibration-data", str(data), "--coverage", "quick", "--push", "ns/from-local"),
+        ],
+    )
+    assert done.exit_code == 0, done.output
+    assert _push(str(served.output), "ns/from-hub").exit_code == 0
+
+    stored: list[bytes] = list(hub.bodies)
+    for repo in hub.repos.values():
+        stored += [blob for files in repo.commits.values() for blob in files.values()]
+        stored += [f"{t}\n{b}".encode() for t, b in repo.messages.values()]
+    private = [str(tmp_path_factory.getbasetemp()), str(served.home), str(Path.home())]
+    for text in private:
+        assert not any(text.encode() in blob for blob in stored), f"{text} was published"
+    local_card = hub.files("ns/from-local")["README.md"].decode()
+    assert "# bf16-safe conversion of source\n" in local_card
+    assert 'pc.load("ns/from-local")' in local_card and "<this repo or dir>" not in local_card
+    certificate = json.loads(hub.files("ns/from-local")[CERTIFICATE_NAME])
+    assert certificate["source"]["id"] == certificate["source"]["path"] == "source"
+    from_hub = json.loads(hub.files("ns/from-hub")[CERTIFICATE_NAME])
+    assert from_hub["source"]["path"] == SOURCE_REPO

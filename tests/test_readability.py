@@ -7,9 +7,16 @@ cost a header's worth of bytes: only names, shapes and dtypes matter to ``inspec
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
+import re
+import subprocess
+import sys
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +34,14 @@ from precision_convert.conversion.analysis.chart import (
     heatmap_data,
 )
 from precision_convert.folding import Role, blocks, fold, ranges
-from precision_convert.progress import report, reporting, stage
-from precision_convert.validation.certify.card import folded_metrics, probe_series
+from precision_convert.progress import report, reporting, shorten, stage
+from precision_convert.validation.certify.card import (
+    BAR_LABEL,
+    BAR_WIDTH,
+    ProbeSeries,
+    folded_metrics,
+    probe_series,
+)
 from precision_convert.validation.probe.metrics import Measurement
 
 # --------------------------------------------------------------------------- models
@@ -278,7 +291,9 @@ def test_certificate_rows_fold_probes_and_blocks() -> None:
     (series,) = probe_series(metrics)  # blocks are not probes
     assert [p for p, _ in series.values] == ["forward", "forward:length-64", "forward:special"]
     bars = [bar for _, _, bar in series.rows()]
-    assert bars[1].startswith("█" * 13) and bars[1].endswith("0.3× bound")
+    assert bars[1].startswith("█" * 13) and bars[1].endswith("0.3× the bound")
+    over = ProbeSeries("logits", "rel_l2", 0.1, (("forward", 0.19),))
+    assert over.rows()[0][2] == "█" * BAR_WIDTH + " 1.9× the bound: over"
 
 
 # --------------------------------------------------------------------------- progress
@@ -348,3 +363,248 @@ def test_stage_lines_restart_and_close() -> None:
     display.report("calibration › island search", 5, 5, True)
     display.report("validation › Llama fp32 probes", 4, 4, False)
     assert progress.live == {}
+
+
+# --------------------------------------------------------------------------- noise
+
+
+@contextmanager
+def _diffusers_log() -> Iterator[list[str]]:
+    """Every message diffusers logs meanwhile (its logger does not propagate to the root)."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
+_NOISE = ("config attributes", "cannot run with", "it/s]", "Loading pipeline components")
+
+
+def test_a_converted_pipeline_loads_and_validates_quietly(
+    tiny_model: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    """Converting, validating and plain-loading a diffusers pipeline: no "config attributes
+    … will be ignored" for the record, no "fp16 cannot run with cpu", no diffusers bars
+    (transformers' follow huggingface_hub's switch, which the command turns off)."""
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+    from transformers.utils import logging as hf_logging
+
+    from precision_convert.api.conversion import convert
+
+    source, out = tiny_model("sd-pipeline"), tmp_path / "sd-fp16-safe"
+    monkeypatch.setattr(hf_logging, "_tqdm_active", False)  # as the command's environment sets
+    capfd.readouterr()
+    with _diffusers_log() as logged, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert convert(source, to="fp16-safe", output=out, coverage="quick").passed
+        said = [*logged, *(str(w.message) for w in warned), capfd.readouterr().err]
+        # A user's own plain loads: diffusers draws its bar, but says nothing of the record.
+        DiffusionPipeline.from_pretrained(out)
+        UNet2DConditionModel.from_pretrained(out / "unet")
+        said += [*logged, *(str(w.message) for w in warned)]
+    assert not [s for s in said if any(n in s for n in _NOISE)], said
+    unet = json.loads((out / "unet" / "config.json").read_text())
+    assert "_precision_convert" in unet and "precision_convert" not in unet
+
+    # The capture hears that warning when it is there: the record under its plain name.
+    unet["precision_convert"] = unet.pop("_precision_convert")
+    (out / "unet" / "config.json").write_text(json.dumps(unet))
+    with _diffusers_log() as logged:
+        UNet2DConditionModel.from_pretrained(out / "unet")
+    assert any("config attributes" in s for s in logged)
+
+
+@pytest.fixture(scope="module")
+def hot_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """README's tiny T5 (examples/make_tiny_t5.py): feed-forward outputs past 65504."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_t5.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_t5", example)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path_factory.mktemp("hot") / "tiny-t5"
+    module.main(path)
+    return path
+
+
+def test_calibration_warns_once_per_spike_in_the_right_words(hot_t5: Path, tmp_path: Path) -> None:
+    """A spike is named once, at the innermost module it leaves (not again for the MLP,
+    dropout, layer and block that hand it on); a value past 65504 is not "within 2x" of it;
+    the count of the rest points at what exists (--json), not at a "record"."""
+    from precision_convert.api.inspection import inspect_source
+
+    report = inspect_source(hot_t5, calibrate=True, chart=tmp_path / "c.png", coverage="quick")
+    calibration = report.components[0].calibration
+    assert calibration is not None
+    warned = list(calibration.warnings)
+    named = {w.split(" ")[0] for w in warned}
+    wo = "encoder.block.0.layer.1.DenseReluDense.wo"
+    assert wo in named
+    for outer in ("encoder.block.0", f"{wo.rsplit('.', 1)[0]}"):
+        assert outer not in named  # the same tensor, handed on
+    assert "encoder.block.0.layer.1.dropout" not in named
+    assert len(warned) <= len(calibration.near_limit) / 2
+    for line in warned:
+        peak = re.search(r"peaks at ([0-9.e+]+)", line)
+        if peak and float(peak[1]) > 65504:
+            assert "past fp16's 65504" in line and "within" not in line, line
+        assert "calibration record" not in line
+
+
+def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> None:
+    from precision_convert.conversion.analysis.calibration import (
+        CARRIED,
+        STILL_LOW,
+        WATCH_WARNINGS,
+        Watched,
+        _watch_warnings,
+    )
+
+    block = "model.layers.3"
+    spike = [  # one tensor, handed on and received: the projection's output first
+        Watched(f"{block}.mlp.down_proj", "output", "leaf", 9e4, CARRIED),
+        Watched(f"{block}.mlp", "output", "container", 9e4, CARRIED),
+        Watched(block, "output", "container", 9e4, STILL_LOW),  # but this one is not fixed
+        Watched("model.layers.4.input_layernorm", "input", "leaf", 9e4, CARRIED),
+    ]
+    others = [
+        Watched(f"model.layers.{i}.mlp.down_proj", "output", "leaf", 4e4 + i, CARRIED)
+        for i in range(10, 10 + WATCH_WARNINGS)
+    ]
+    warned = _watch_warnings([*spike, *others])
+    assert warned[0].startswith(f"{block}.mlp.down_proj (leaf) output peaks at 9e+04, past fp16")
+    assert "reaches 2 more module inputs/outputs" in warned[0]
+    assert warned[1].startswith(f"{block} (container)") and "still carries it in fp16" in warned[1]
+    assert "within 2x of fp16's 65504" in warned[2] and "reaches" not in warned[2]
+    assert len(warned) == WATCH_WARNINGS + 1
+    assert warned[-1].startswith("2 more module inputs/outputs") and "--json" in warned[-1]
+
+
+def test_a_failed_plain_cast_says_it_once_and_points_at_the_safe_target(
+    hot_t5: Path, tmp_path: Path
+) -> None:
+    """Plain fp16 of README's tiny T5 fails: the table says where, once (not a ✗ line per
+    probe and metric after it), the bars say what they measure, and the error line says which
+    target would have kept what fp16 cannot hold."""
+    out = tmp_path / "t5-fp16"
+    done = CliRunner().invoke(
+        app, ["model", str(hot_t5), "--to", "fp16", "-o", str(out), "--coverage", "quick"]
+    )
+    assert done.exit_code == 1, done.output
+    crosses = [line for line in done.stdout.splitlines() if line.startswith("✗")]
+    assert len(crosses) == 1 and "measurements outside their bounds" in crosses[0]
+    assert "FAIL" in done.stdout and BAR_LABEL in done.stdout.replace("\n", " ")
+    assert "over the bound" not in done.stdout and "the bound: over" in done.stdout
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("precision-convert: ") and "--to fp16-safe" in error
+    why = (out / "README.md").read_text().split("## Why it failed")[1].split("\n## ")[0]
+    assert why.count("\n- ") == 1 and "outside their bounds" in why
+
+
+def test_inspect_refuses_options_that_need_calibrate(hot_t5: Path, workdir: Path) -> None:
+    """``--chart`` without ``--calibrate`` used to write nothing and exit 0."""
+    done = CliRunner().invoke(app, ["inspect", str(hot_t5), "--chart", "x.png"])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.strip() == "precision-convert: --chart applies only with --calibrate: add it"
+    assert not (workdir / "x.png").exists() and done.stdout == ""
+
+
+def test_terminal_progress_shows_what_it_knows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal: bytes so far without an unknown total ("1.8/? MB") or speed ("?"), no
+    "-:--:--" before there is an ETA, no "0 of 1", and a label shortened by its stages, never
+    through the middle of a class name."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(_common, "console", Console(file=screen, force_terminal=True, width=80))
+    with _common.byte_progress("converting", True) as advance:
+        advance("model.safetensors", 1_800_000)
+        with stage("validation"):
+            report("LlamaForCausalLM fp32 probes", 0, 1)
+            report("T5EncoderModel fp32 probes", 0, 4)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    assert "1.8 MB" in shown and "/?" not in shown and " ?" not in shown
+    assert "-:--:--" not in shown and "0 of 1" not in shown and "0 of 4" in shown
+    assert "…LlamaForCausalLM fp32 probes" in shown and "Llama…" not in shown
+
+
+def test_labels_lose_their_stages_then_whole_words() -> None:
+    label = "validation › LlamaForCausalLM fp32 probes"
+    assert shorten(label, 60) == label
+    assert shorten(label, 38) == "…LlamaForCausalLM fp32 probes"
+    assert shorten(label, 20) == "…LlamaForCausalLM…"
+    assert shorten("island search › " + "x" * 30, 12) == "…" + "x" * 10 + "…"
+
+
+def test_reports_off_a_terminal_are_as_wide_as_their_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Piped or redirected, a report is not wrapped at 80 columns (words and names split,
+    URLs spread over lines, names elided); COLUMNS still sets a width."""
+    from precision_convert.cli._reports import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    name = "model.layers.{0..79}.self_attn.rotary_emb.inv_freq_" + "x" * 60
+    rows = [[name, "12", "max_abs_rel", "https://huggingface.co/ns/" + "m" * 80]]
+    print_table("a title", ["module", "count", "metric", "pushed to"], rows)
+    shown = capsys.readouterr().out
+    assert name in shown and "max_abs_rel" in shown and rows[0][3] in shown
+    assert len(shown.splitlines()) == 6  # title, 3 rules, header, one row: nothing wrapped
+    monkeypatch.setenv("COLUMNS", "80")
+    assert _common.out.width == 80
+
+
+# --------------------------------------------------------------------------- help
+
+
+COMMANDS = ("model", "inspect", "validate", "push", "batch", "recipes")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_reads_like_a_command_line(command: str) -> None:
+    """Usage names arguments as the README does (no ``{source}``), flags take no ``<bool>``,
+    and ``-h`` is ``--help``."""
+    shown = _invoke(command, "--help").stdout
+    assert _invoke(command, "-h").stdout == shown
+    usage = next(line for line in shown.splitlines() if "Usage:" in line)
+    assert "{" not in usage and f"precision-convert {command} [OPTIONS]" in usage
+    assert "<bool>" not in shown
+    assert "<bool>" not in _invoke("--help").stdout
+
+
+def test_device_reads_the_same_wherever_it_is_offered() -> None:
+    import typer.main
+
+    group = typer.main.get_command(app)
+    helps = {
+        name: next(p.help for p in group.commands[name].params if p.name == "device")
+        for name in ("model", "validate")
+    }
+    assert helps["model"] == helps["validate"] and "cuda:N" in helps["model"]
+
+
+def test_a_usage_error_is_one_line_like_any_other(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("precision-convert")
+    for args, says in (
+        (["validate"], "precision-convert: missing argument 'CONVERTED'; see "),
+        (["inspect", "x", "--calbrate"], "precision-convert: no such option: --calbrate"),
+    ):
+        done = subprocess.run(
+            [str(script), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith(says), done.stderr
+
+
+def test_a_recipe_reads_as_its_toml_does() -> None:
+    shown = _invoke("recipes", "autoencoder-kl").stdout
+    assert "config for fp16-safe, fp16: force_upcast = true" in shown
+    assert 'validation: task = "vae"' in shown
+    assert "{" not in shown and "True" not in shown

@@ -9,6 +9,8 @@ documentation fails here.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from jsonschema import Draft202012Validator, ValidationError
 
 from precision_convert.api.conversion import convert
 from precision_convert.api.inspection import inspect_source
+from precision_convert.errors import CheckFailed
 from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "docs" / "schema"
@@ -51,7 +54,7 @@ def test_model_json_matches_its_schema(converted: Any) -> None:
 
 def test_certificate_matches_its_schema(converted: Any) -> None:
     payload = json.loads((converted.output / CERTIFICATE_NAME).read_text(encoding="utf-8"))
-    assert payload["schema"] == "precision-convert/certificate/1"
+    assert payload["schema"] == "precision-convert/certificate/2"
     assert payload["load_paths"] and payload["metrics"]
     _assert_valid("certificate", payload)
     broken = {**payload, "verdict": "maybe"}
@@ -67,3 +70,28 @@ def test_inspect_json_matches_its_schema(tiny_model: Any, tmp_path: Path) -> Non
     assert payload["schema"] == "precision-convert/inspect/1"
     assert payload["components"][0]["calibration"] is not None
     _assert_valid("inspect", payload)
+
+
+def test_a_certificate_is_read_back_against_its_schema(converted: Any, tmp_path: Path) -> None:
+    """What a reader trusts is what the schema describes: a field of the wrong kind, an
+    unknown one or another format version is refused by name, and push refuses it."""
+    from precision_convert.hub import check
+    from precision_convert.validation.certify.certificate import Certificate, CertificateError
+
+    payload = json.loads((converted.output / CERTIFICATE_NAME).read_text(encoding="utf-8"))
+    assert Certificate.from_dict(payload).passed
+    wrong_mode = json.loads(json.dumps(payload))
+    wrong_mode["components"][0]["mode"] = "eyeballed"
+    for broken, says in (
+        (wrong_mode, "components/0/mode: 'eyeballed' is not one of"),
+        ({**payload, "reviewed_by": "me"}, "'reviewed_by' was unexpected"),
+        ({**payload, "verdict": 1}, "verdict: 1 is not one of"),
+        ({**payload, "schema": "precision-convert/certificate/9"}, "another version"),
+    ):
+        with pytest.raises(CertificateError, match=re.escape(says)):
+            Certificate.from_dict(broken)
+    out = tmp_path / "out"
+    shutil.copytree(converted.output, out)
+    (out / CERTIFICATE_NAME).write_text(json.dumps(wrong_mode), encoding="utf-8")
+    with pytest.raises(CheckFailed, match=r"unreadable \(components/0/mode"):
+        check(out)

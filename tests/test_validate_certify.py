@@ -7,6 +7,7 @@ T5's fp16 clamp: finite but wrong) must be refused with a certificate that says 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ from typer.testing import CliRunner
 
 from precision_convert.api.conversion import convert
 from precision_convert.cli.validate import validate_command
-from precision_convert.errors import CannotValidateError
+from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
@@ -355,10 +356,9 @@ def test_cli_validate_prints_json_and_exits_by_verdict(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verdict"] == "pass"  # stdout is the JSON, nothing else
     assert "verdict" not in result.stderr  # and the human report is not sent elsewhere
-    without = CliRunner().invoke(_cli(), [str(tmp_path / "good")])
-    assert without.exit_code == 0
-    assert "verdict: pass" in without.stdout  # the report is the command's output
-    assert Certificate.read(tmp_path / "good").baseline["kind"] == "converted-upcast"
+    again = CliRunner().invoke(_cli(), [str(tmp_path / "good"), "--baseline", str(source)])
+    assert again.exit_code == 0
+    assert "verdict: pass" in again.stdout  # the report is the command's output
 
     with torch.no_grad():
         model.embeddings.word_embeddings.weight.mul_(1e7)  # beyond fp16's range
@@ -407,3 +407,92 @@ def test_unfeedable_model_needs_inputs(tmp_path: Path) -> None:
     certificate = Certificate.read(out)
     assert certificate.components[0].inputs["origin"] == "file"
     assert {m.output for m in certificate.metrics} >= {"state_preds", "action_preds"}
+
+
+# --------------------------------------------------------------------------- what is certified
+
+
+def _validate_cli(*args: str) -> Any:
+    return CliRunner().invoke(_cli(), [*args, "--coverage", "quick"])
+
+
+def _card_text(out: Path) -> str:
+    return (out / "README.md").read_text(encoding="utf-8")
+
+
+def test_a_check_without_baseline_never_certifies_nor_replaces_a_certificate(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """``validate DIR`` without ``--baseline`` compares the weights with themselves: a smoke
+    check with its own verdict, card and tags, which never replaces a certificate made
+    against the source; nor does a copy of the output passed as the baseline, another
+    source's weights or another architecture."""
+    source = tiny_model("t5-encoder")
+    out = tmp_path / "t5-bf16-safe"
+    convert(source, to="bf16-safe", output=out, validate=False)
+
+    smoke = _validate_cli(str(out))
+    assert smoke.exit_code == 1, smoke.output
+    assert "--baseline SOURCE" in smoke.stderr and "smoke check" in smoke.stderr
+    assert "verdict: smoke-pass" in smoke.stdout and "never a certification" in smoke.stdout
+    checked = Certificate.read(out)
+    assert checked.verdict == "smoke-pass" and not checked.passed
+    assert checked.baseline["kind"] == "converted-upcast"
+    card = ModelCard.load(out / "README.md")
+    assert not {"parity-certified", "parity-certified-pc-load-only"} & set(card.data.tags)
+    assert "not certified" in card.text and "against the source" not in card.text
+    assert card.data.to_dict()["precision_convert"]["verdict"] == "smoke-pass"
+
+    copy = tmp_path / "copy-of-the-output"  # its own weights again: still a smoke check
+    shutil.copytree(out, copy)
+    assert validate(out, baseline=copy, coverage="quick").verdict == "smoke-pass"
+
+    certified = _validate_cli(str(out), "--baseline", str(source))
+    assert certified.exit_code == 0, certified.output
+    assert Certificate.read(out).verdict == "pass"
+    assert "parity-certified" in ModelCard.load(out / "README.md").data.tags
+    assert "against the source (t5-encoder) upcast to fp32" in _card_text(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    weaker = _validate_cli(str(out))
+    assert weaker.exit_code == 2, weaker.output
+    assert "weaker" in weaker.stderr and "--baseline t5-encoder" in weaker.stderr
+    other = tmp_path / "other-t5"
+    _save(make("t5-encoder", seed=1), other)
+    unrelated = _validate_cli(str(out), "--baseline", str(other))
+    assert unrelated.exit_code == 2 and "unrelated" in unrelated.stderr, unrelated.output
+    llama = _validate_cli(str(out), "--baseline", str(tiny_model("llama")))
+    assert llama.exit_code == 2 and "different architecture" in llama.stderr, llama.output
+    assert "T5EncoderModel" in llama.stderr and "LlamaForCausalLM" in llama.stderr
+    for refused in (weaker, unrelated, llama):
+        assert len(refused.stderr.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing replaced
+
+
+def test_a_baseline_of_another_size_is_another_architecture(tmp_path: Path) -> None:
+    from transformers import BertConfig, BertModel
+
+    small = _save(make("bert"), tmp_path / "bert")
+    out = tmp_path / "bert-bf16"
+    convert(small, to="bf16", output=out, validate=False)
+    wider = make("bert").config.to_dict() | {"intermediate_size": 48}
+    _save(BertModel(BertConfig(**wider)).eval(), tmp_path / "wider")
+    with pytest.raises(InputError, match=r"different architecture: .*tensors differ in name or"):
+        validate(out, baseline=tmp_path / "wider")
+    assert not (out / CERTIFICATE_NAME).exists()
+
+
+def test_a_version_1_self_comparison_reads_as_a_smoke_check(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """Certificates written before schema 2 called a self-comparison ``pass``: read back, it
+    is the smoke check it was, and certifies nothing."""
+    out = tmp_path / "t5-bf16"
+    convert(tiny_model("t5-encoder"), to="bf16", output=out, validate=False)
+    validate(out, coverage="quick")
+    data = json.loads((out / CERTIFICATE_NAME).read_text())
+    data |= {"schema": "precision-convert/certificate/1", "verdict": "pass"}
+    (out / CERTIFICATE_NAME).write_text(json.dumps(data))
+    old = Certificate.read(out)
+    assert old.verdict == "smoke-pass" and not old.passed
+    assert "--baseline SOURCE" in (old.why_not_certified(out) or "")

@@ -92,7 +92,13 @@ CARRIED = "carried in fp32"
 KEPT = "kept fp32 by an island"
 STILL_LOW = "still carried in fp16"
 UNCHECKED = "not checked"
-_NEAR = f"within {ACTIVATION_MARGIN:g}x of fp16's {FP16_MAX:g}"
+
+
+def _near(peak: float) -> str:
+    """Where ``peak`` lies against fp16's limit, in the words of a warning or an island rule."""
+    if peak > FP16_MAX:
+        return f"past fp16's {FP16_MAX:g}"
+    return f"within {ACTIVATION_MARGIN:g}x of fp16's {FP16_MAX:g}"
 
 
 @dataclass(frozen=True)
@@ -273,11 +279,11 @@ def _range_from_watch(
         island = existing.get(unit)
         if item.side == "output" and island is not None and island.reason == "precision":
             rule = (
-                f"calibration: output{via} peaks at {item.peak:.4g} ({_NEAR}); "
+                f"calibration: output{via} peaks at {item.peak:.4g} ({_near(item.peak)}); "
                 f"was a precision island ({island.rule}): its fp32 output now flows on"
             )
         elif island is None:
-            rule = f"calibration: {item.side}{via} peaks at {item.peak:.4g} ({_NEAR})"
+            rule = f"calibration: {item.side}{via} peaks at {item.peak:.4g} ({_near(item.peak)})"
             if item.side == "input":
                 rule += ": kept fp32 so that what it receives is not cast to fp16"
         else:
@@ -335,7 +341,7 @@ def _carry_in_fp32(
             Island(
                 unit,
                 "range",
-                f"calibration: {item.label} peaks at {item.peak:.4g} ({_NEAR}); "
+                f"calibration: {item.label} peaks at {item.peak:.4g} ({_near(item.peak)}); "
                 "this island makes the candidate carry it in fp32",
             )
         )
@@ -439,10 +445,12 @@ def _watched(
 
 
 def _watch_warnings(watched: Sequence[Watched]) -> list[str]:
-    """One warning per near-limit tensor (the first :data:`WATCH_WARNINGS`), naming the module,
-    its peak and what the plan does about it; the rest counted in one more."""
+    """One warning per near-limit spike (the first :data:`WATCH_WARNINGS`), naming the
+    innermost module it leaves or reaches, its peak and what the plan does about it; the rest
+    counted in one more. (The calibration record keeps every module.)"""
     out: list[str] = []
-    for item in watched[:WATCH_WARNINGS]:
+    named = _innermost(watched)
+    for item, also in named[:WATCH_WARNINGS]:
         what = {
             CARRIED: "the fp16-safe candidate carries it in fp32",
             KEPT: "kept in fp32 (range island)",
@@ -451,17 +459,53 @@ def _watch_warnings(watched: Sequence[Watched]) -> list[str]:
         }[item.outcome]
         if item.islands:
             what += f" (islands added: {', '.join(item.islands)})"
-        name = item.module or "<model>"
-        out.append(f"{name} ({item.kind}) {item.side} peaks at {item.peak:.4g}, {_NEAR}: {what}")
-    rest = watched[WATCH_WARNINGS:]
+        if also:
+            more = "input/output" if also == 1 else "inputs/outputs"
+            what += f"; the same tensor reaches {also} more module {more}"
+        peak = f"peaks at {item.peak:.4g}, {_near(item.peak)}"
+        out.append(f"{item.module or '<model>'} ({item.kind}) {item.side} {peak}: {what}")
+    rest = [item for item, _ in named[WATCH_WARNINGS:]]
     if rest:
         low = sum(1 for w in rest if w.outcome == STILL_LOW)
         out.append(
-            f"{len(rest)} more module inputs/outputs come {_NEAR} "
-            f"(highest {max(w.peak for w in rest):.4g}; {low} still carried in fp16); "
-            "see the calibration record"
+            f"{len(rest)} more module inputs/outputs come within {ACTIVATION_MARGIN:g}x of "
+            f"fp16's {FP16_MAX:g} or past it (highest {max(w.peak for w in rest):.4g}; {low} "
+            "still carried in fp16); --json lists every one (near_limit)"
         )
     return out
+
+
+def _innermost(watched: Sequence[Watched]) -> list[tuple[Watched, int]]:
+    """The near-limit tensors worth a warning each, in order, with how many more module inputs
+    and outputs carry the same tensor.
+
+    One spike leaves a projection, then the MLP holding it, the dropout or activation after
+    it, the layer and the block, and the next module receives it: the same tensor (the same
+    peak, to the bit), one warning, at :func:`_origin`. A tensor the candidate still carries in
+    fp16 is always named: that one needs attention.
+    """
+    groups: dict[float, list[Watched]] = {}
+    for item in watched:
+        groups.setdefault(item.peak, []).append(item)
+    named: dict[int, tuple[Watched, int]] = {}
+    for group in groups.values():
+        origin = _origin(group)
+        kept = [w for w in group if w is origin or w.outcome == STILL_LOW]
+        for w in kept:
+            named[id(w)] = (w, len(group) - len(kept) if w is origin else 0)
+    return [named[id(w)] for w in watched if id(w) in named]
+
+
+def _origin(group: Sequence[Watched]) -> Watched:
+    """Where one tensor comes from: the first weighted module whose output it is (in execution
+    order), else the innermost module handing it on, else the first that receives it."""
+    outputs = [w for w in group if w.side == "output"]
+    leaves = [w for w in outputs if w.kind == LEAF]
+    if leaves:
+        return leaves[0]
+    if outputs:
+        return max(outputs, key=lambda w: len(w.module.split(".")))
+    return group[0]
 
 
 def _searched(units: Iterable[str]) -> list[Island]:

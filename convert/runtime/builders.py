@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.io.source import ModelSource
-from precision_convert.conversion.io.staging import RECORD_KEY
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 from precision_convert.dtypes import DType
 from precision_convert.errors import CannotBuildModel, InputError, PrecisionConvertError
 
@@ -223,7 +223,7 @@ def variant_keyword(source: ModelSource) -> dict[str, str]:
 
 def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config without our record: libraries would otherwise warn that they ignore it."""
-    return {k: v for k, v in config.items() if k != RECORD_KEY}
+    return {k: v for k, v in config.items() if k not in (RECORD_KEY, DIFFUSERS_RECORD_KEY)}
 
 
 # --- transformers ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 from precision_convert.errors import InputError
 
@@ -27,3 +28,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if found.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda was asked for but no CUDA device is available")
     return found
+
+
+def move(model: Any, device: torch.device) -> Any:
+    """``model.to(device)``; for a diffusers pipeline without its warning that fp16 "cannot run
+    with cpu": a converted pipeline runs there (validation runs it), and the warning would
+    repeat on every load."""
+    diffusers = sys.modules.get("diffusers")  # a pipeline was built by it, so it is imported
+    if diffusers is not None and isinstance(model, diffusers.DiffusionPipeline):
+        return model.to(device, silence_dtype_warnings=True)
+    return model.to(device)

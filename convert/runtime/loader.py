@@ -26,14 +26,14 @@ from precision_convert.conversion.io.source import (
     resolve,
 )
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
+from precision_convert.conversion.plan import RECORD_KEY
 from precision_convert.conversion.runtime.builders import (
-    RECORD_KEY,
     KeyMap,
     build_pretrained,
     component_class,
     key_map,
 )
-from precision_convert.conversion.runtime.devices import resolve_device
+from precision_convert.conversion.runtime.devices import move, resolve_device
 from precision_convert.conversion.runtime.record import (
     check_record,
     read_record,
@@ -99,7 +99,7 @@ def load(
         else _load_model(opened, trust_remote_code)
     )
     if target is not None:
-        loaded = loaded.to(target)
+        loaded = move(loaded, target)
     return loaded
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import LazyTensor
-from precision_convert.conversion.runtime.builders import RECORD_KEY
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 from precision_convert.dtypes import FP32
 from precision_convert.errors import InputError
 
@@ -25,7 +25,7 @@ __all__ = ["check_record", "read_record", "record_mismatch", "tensors_under"]
 def read_record(source: ModelSource) -> dict[str, Any] | None:
     """The ``precision_convert`` block: from the config, else from the first shard's metadata
     (a ``--variant`` output keeps the source's config, so only its shards carry it)."""
-    block = source.config.get(RECORD_KEY)
+    block = source.config.get(RECORD_KEY, source.config.get(DIFFUSERS_RECORD_KEY))
     where: Path = source.root / source.config_name
     if block is None:
         from precision_convert.conversion.io.header import read_header

@@ -38,7 +38,7 @@ from typing import Any
 
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.source import ModelSource, open_source
-from precision_convert.conversion.runtime.builders import RECORD_KEY
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 from precision_convert.conversion.runtime.record import record_mismatch
 
 __all__ = ["SavedPlan", "keep_plan_on_save", "write_plan"]
@@ -112,10 +112,10 @@ def write_plan(directory: Path, plan: SavedPlan, variant: str | None = None) -> 
             "a model that was never converted",
             stacklevel=3,
         )
-        if config.pop(RECORD_KEY, None) is not None:
+        if any([config.pop(key, None) for key in (RECORD_KEY, DIFFUSERS_RECORD_KEY)]):
             _replace_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return
-    config[RECORD_KEY] = plan.record
+    config[DIFFUSERS_RECORD_KEY if saved.library == "diffusers" else RECORD_KEY] = plan.record
     for key in DTYPE_KEYS:
         if key in config and plan.dtype is not None:
             config[key] = plan.dtype

@@ -11,14 +11,37 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
+
+from precision_convert.progress import shorten
+
+#: Columns of a line written off a terminal (a log, a file, a pipe) when ``COLUMNS`` does not
+#: say: as wide as the line is, so nothing is wrapped, split or elided for a screen that is
+#: not there.
+UNBOUNDED_WIDTH = 10_000
+
+
+class _Console(Console):
+    """A rich console as wide as its lines when it writes to no terminal (rich would wrap at
+    80 columns, or at the width of whatever terminal its other streams reach, splitting words
+    and URLs); ``COLUMNS`` still sets a width, and a terminal keeps its own."""
+
+    def _size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)  # type: ignore[attr-defined]
+        if self._width is None and not self.is_terminal and "COLUMNS" not in os.environ:
+            return ConsoleDimensions(UNBOUNDED_WIDTH, size.height)
+        return size
+
+    size = property(_size, Console.size.fset)  # type: ignore[attr-defined,assignment]
+
 
 #: Progress, warnings and notes: stderr, so they never mix into a report or ``--json`` output.
-console = Console(stderr=True)
+console = _Console(stderr=True)
 #: A command's human-readable report is its output: stdout, so ``| less`` and ``> file`` work.
 #: Commands with ``--json`` print either the report or the JSON there, never both. Rich
 #: honours ``NO_COLOR`` and writes no escape codes when stdout is not a terminal.
-out = Console()
+out = _Console()
 #: Set to 1 to see tracebacks; off by default because they may hold tokens and paths.
 DEBUG_VARIABLE = "PRECISION_CONVERT_DEBUG"
 
@@ -87,9 +110,9 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
     if not enabled or not console.is_terminal:
         yield lambda label, n: None
         return
+    from rich.filesize import decimal
     from rich.progress import (
         BarColumn,
-        DownloadColumn,
         Progress,
         ProgressColumn,
         TextColumn,
@@ -101,23 +124,35 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
     from precision_convert.progress import reporting
 
     class Amount(ProgressColumn):
-        """Bytes and speed on the byte bar; "k of n" on a stage's line."""
+        """Bytes so far and speed on the byte bar (its total is not known: no "1.8/? MB");
+        "k of n" on a stage's line."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.size, self.speed = DownloadColumn(), TransferSpeedColumn()
+            self.speed = TransferSpeedColumn()
 
         def render(self, task: Any) -> Text:
             count = task.fields.get("count")
             if count is not None:
                 return Text(count)
-            return Text.assemble(self.size.render(task), " ", self.speed.render(task))
+            done = Text(decimal(int(task.completed)), style="progress.download")
+            if task.finished_speed is None and task.speed is None:
+                return done  # no "?" before there is a speed to show
+            return Text.assemble(done, " ", self.speed.render(task))
+
+    class Remaining(TimeRemainingColumn):
+        """The ETA once there is one; nothing before ("-:--:--" says nothing)."""
+
+        def render(self, task: Any) -> Text:
+            if task.time_remaining is None and not task.finished:
+                return Text("")
+            return super().render(task)
 
     columns = (
         TextColumn("{task.description}"),
         BarColumn(bar_width=12),
         Amount(),
-        TimeRemainingColumn(),
+        Remaining(),
     )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(description, total=None)
@@ -154,8 +189,8 @@ class _StepDisplay:
         if task is None or done < self.last[label]:
             if task is not None:
                 self.progress.remove_task(task)
-            # Its head is the stage, its tail the model: the middle goes first.
-            short = elide(label, max(20, console.width - 42))
+            # The stages before the model go first, then the words after its class name.
+            short = shorten(label, max(20, console.width - 42))
             task = self.tasks[label] = self.progress.add_task(short, total=total, count="")
         self.last[label] = done
         if total is not None and done >= total:
@@ -164,7 +199,60 @@ class _StepDisplay:
             return
         bound = "at most " if at_most else ""
         count = f"{done} of {bound}{total}" if total is not None else str(done)
+        if total == 1 and not at_most:
+            count = ""  # "0 of 1" says nothing the line itself does not
         self.progress.update(task, completed=done, total=total, count=count)
+
+
+def _no_flag_placeholders(params: list[Any]) -> list[Any]:
+    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included)."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Group(TyperGroup):
+    """The command group, its flags (``--version``, ``--help``) shown without ``<bool>``."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _no_flag_placeholders(super().get_params(ctx))
+
+
+class Command(TyperCommand):
+    """A command whose help reads like a command line: the usage names its arguments as the
+    README does (``model [OPTIONS] SOURCE``, not ``{source}``), and a flag shows no value
+    placeholder (``--overwrite``, not ``--overwrite <bool>``: a flag takes none)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _no_flag_placeholders(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar or (param.name or "").upper()
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces += param.get_usage_pieces(ctx)
+        return pieces
+
+
+def one_line_usage_errors(app: typer.Typer) -> None:
+    """Run ``app`` with a usage error (a missing argument, an unknown option) reported as one
+    line on stderr, exit 2, like every other error, instead of typer's box."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # click's usage errors, as typer vendors them
+        message = exc.format_message().strip().rstrip(".")
+        context = getattr(exc, "ctx", None)
+        see = f"; see {context.command_path} --help" if context is not None else ""
+        if message:  # no message: the help was asked for by giving no arguments, and shown
+            print(f"precision-convert: {message[:1].lower()}{message[1:]}{see}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 #: Options shared by the commands that run probes (model, validate, inspect --calibrate).
@@ -175,6 +263,15 @@ CoverageOption = Annotated[
         metavar="LEVEL",
         help="Probe budget of calibration and validation: quick, standard (default) or thorough.",
         show_default=False,
+    ),
+]
+#: Where validation (and calibration) run: the same words for every command that has it.
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        metavar="DEVICE",
+        help="Where the models run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.",
     ),
 ]
 CalibrationDataOption = Annotated[

@@ -249,7 +249,14 @@ def print_certificate(certificate: Certificate) -> None:
     """The judged metrics on stdout, folded: one row per output and metric with its worst
     value over every probe (block-wise comparisons folded by layer role), the parity metric
     per probe when several were swept, the failures and the verdict."""
-    from precision_convert.validation.certify.card import folded_metrics, probe_series
+    from precision_convert.validation.certify.card import (
+        BAR_LABEL,
+        compared_with,
+        folded_metrics,
+        outside_bounds,
+        probe_series,
+    )
+    from precision_convert.validation.certify.certificate import SMOKE_PASS
 
     rows = []
     for row in folded_metrics(certificate.metrics):
@@ -265,17 +272,26 @@ def print_certificate(certificate: Certificate) -> None:
             ]
         )
     headers = ["where", "metric", "worst", "bound", "", "worst probe (of n)"]
-    title = f"parity with fp32 ({certificate.target or 'unknown target'})"
+    title = f"{certificate.target or 'unknown target'}: parity with {compared_with(certificate)}"
+    if not certificate.against_source:
+        title += " (a smoke check, never a certification)"
     print_table(title, headers, rows, right=(2,))
     for series in probe_series(certificate.metrics):
         out.print(escape(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
         table = Table()
-        for column in ("probe", series.metric, ""):
+        for column in ("probe", series.metric, BAR_LABEL):
             table.add_column(column, justify="right" if column == series.metric else "left")
         for probe, value, bar in series.rows():
             table.add_row(escape(probe), value, bar)
         out.print(table)
-    for line in certificate.failures:
+    for line in certificate.failures_beside_metrics():
         out.print(f"[red]✗[/] {escape(line)}", soft_wrap=True)
-    colour = "green" if certificate.passed else "red"
+    if outside := outside_bounds(certificate):
+        out.print(
+            f"[red]✗[/] {outside}: the FAIL rows above (every one in {certificate.file_name})",
+            soft_wrap=True,
+        )
+    colour = (
+        "green" if certificate.passed else "yellow" if certificate.verdict == SMOKE_PASS else "red"
+    )
     out.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")

@@ -18,9 +18,12 @@ from precision_convert.cli._common import (
 
 def inspect(
     source: Annotated[
-        str, typer.Argument(help="Model/pipeline/OpenCLIP directory or Hub repo id.")
+        str,
+        typer.Argument(metavar="SOURCE", help="Model/pipeline/OpenCLIP directory or Hub repo id."),
     ],
-    revision: Annotated[str | None, typer.Option(help="Hub revision of SOURCE.")] = None,
+    revision: Annotated[
+        str | None, typer.Option(metavar="REV", help="Hub revision of SOURCE.")
+    ] = None,
     trust_remote_code: Annotated[
         bool,
         typer.Option(
@@ -39,7 +42,8 @@ def inspect(
     chart: Annotated[
         Path | None,
         typer.Option(
-            help="Where --calibrate writes its chart (default: ./<source>-activations.png)."
+            metavar="PNG",
+            help="Where --calibrate writes its chart (default: ./<source>-activations.png).",
         ),
     ] = None,
     coverage: CoverageOption = None,
@@ -53,6 +57,19 @@ def inspect(
     ] = False,
 ) -> None:
     """Show real tensor dtypes per module, the matching recipe, planned islands and hazards."""
+    # Options that only change what --calibrate does: without it they would be ignored, and
+    # a chart asked for would silently never be written.
+    ignored = [
+        flag
+        for flag, value in (("--chart", chart), ("--calibration-data", calibration_data))
+        if value is not None and not calibrate
+    ]
+    if ignored:
+        with reported_errors():
+            from precision_convert.errors import InputError
+
+            verb = "applies" if len(ignored) == 1 else "apply"
+            raise InputError(f"{' and '.join(ignored)} {verb} only with --calibrate: add it")
     with reported_errors():  # heavy imports: a Ctrl-C meanwhile still gets its line
         from precision_convert.api.inspection import inspect_source
 

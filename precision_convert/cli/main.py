@@ -15,6 +15,7 @@ from precision_convert.cli import model as model_cmd
 from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
+from precision_convert.cli._common import Command, Group, one_line_usage_errors
 from precision_convert.hub_client import bound_hub_requests
 
 app = typer.Typer(
@@ -26,13 +27,15 @@ app = typer.Typer(
     # Rich tracebacks print local variables, and push handles tokens: never show them.
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    cls=Group,
 )
-app.command("model")(model_cmd.model)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("validate")(validate_cmd.validate_command)
-app.command("push")(push_cmd.push_command)
-app.command("batch")(batch_cmd.batch)
-app.command("recipes")(recipes_cmd.recipes)
+app.command("model", cls=Command)(model_cmd.model)
+app.command("inspect", cls=Command)(inspect_cmd.inspect)
+app.command("validate", cls=Command)(validate_cmd.validate_command)
+app.command("push", cls=Command)(push_cmd.push_command)
+app.command("batch", cls=Command)(batch_cmd.batch)
+app.command("recipes", cls=Command)(recipes_cmd.recipes)
 
 
 def _version(value: bool) -> None:
@@ -66,4 +69,4 @@ def run() -> None:
     # (seen while torch imports numpy) still stops the run before it renames an output into
     # place or commits to the Hub (see precision_convert.interrupts).
     interrupts.watch()
-    app()
+    one_line_usage_errors(app)

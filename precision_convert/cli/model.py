@@ -10,6 +10,7 @@ import typer
 from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
+    DeviceOption,
     byte_progress,
     emit_json,
     reported_errors,
@@ -19,20 +20,33 @@ from precision_convert.cli.validate import require_pass
 
 def model(
     source: Annotated[
-        str, typer.Argument(help="Model/pipeline/OpenCLIP directory or Hub repo id.")
+        str,
+        typer.Argument(metavar="SOURCE", help="Model/pipeline/OpenCLIP directory or Hub repo id."),
     ],
     to: Annotated[
-        str, typer.Option("--to", help="bf16-safe, fp16-safe, bf16 or fp16 (plain cast).")
+        str,
+        typer.Option(
+            "--to", metavar="TARGET", help="bf16-safe, fp16-safe, bf16 or fp16 (plain cast)."
+        ),
     ],
     output: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="Output directory (default: ./<source>-<target>)."),
+        typer.Option(
+            "-o",
+            "--output",
+            metavar="DIR",
+            help="Output directory (default: ./<source>-<target>).",
+        ),
     ] = None,
     revision: Annotated[
-        str | None, typer.Option(help="Hub revision (branch, tag or commit) of SOURCE.")
+        str | None,
+        typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of SOURCE."),
     ] = None,
     recipe: Annotated[
-        str | None, typer.Option(help="Recipe name or TOML file (default: matched by class).")
+        str | None,
+        typer.Option(
+            metavar="NAME|FILE", help="Recipe name or TOML file (default: matched by class)."
+        ),
     ] = None,
     keep_fp32: Annotated[
         list[str] | None,
@@ -66,7 +80,7 @@ def model(
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Certify parity against fp32.")
     ] = True,
-    device: Annotated[str, typer.Option(help="Validation device: auto, cpu or cuda.")] = "auto",
+    device: DeviceOption = "auto",
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing output directory.")
     ] = False,

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from precision_convert.cli._common import out, reported_errors
 
+if TYPE_CHECKING:
+    from precision_convert.recipes import Recipe
+
 
 def recipes(
-    name: Annotated[str | None, typer.Argument(help="Show this recipe in full.")] = None,
+    name: Annotated[
+        str | None, typer.Argument(metavar="NAME", help="Show this recipe in full.")
+    ] = None,
 ) -> None:
     """List the built-in recipes (one line each), or show one in full."""
     from rich.markup import escape
@@ -31,16 +38,35 @@ def recipes(
             out.print("precision-convert recipes NAME shows one in full")
             return
         recipe = get(name)
-    out.print(f"[bold]{recipe.name}[/] ({recipe.library}) — {recipe.description}")
-    if recipe.class_names or recipe.model_types:
-        out.print(f"matches: {', '.join(recipe.class_names + recipe.model_types)}")
-    out.print(f"normalization layers kept fp32: {'yes' if recipe.keep_normalization else 'no'}")
+    for line in describe(recipe):
+        out.print(line, soft_wrap=True, highlight=False)
+
+
+def describe(recipe: Recipe) -> list[str]:
+    """``recipes NAME``: the recipe in words, a line per fact (rich markup, values escaped);
+    values as the TOML file writes them (``force_upcast = true``), never a Python repr."""
+    from rich.markup import escape
+
+    lines = [f"[bold]{escape(recipe.name)}[/] ({recipe.library}) — {escape(recipe.description)}"]
+    if recipe.class_names:
+        lines.append(f"classes: {escape(', '.join(recipe.class_names))}")
+    if recipe.model_types:
+        lines.append(f"model types: {escape(', '.join(recipe.model_types))}")
+    lines.append(f"normalization layers kept fp32: {'yes' if recipe.keep_normalization else 'no'}")
     for rule in recipe.fp32:
-        line = f"fp32 [{', '.join(rule.targets)}] ({rule.reason}): {', '.join(rule.modules)}"
-        out.print(escape(line + (f" — {rule.why}" if rule.why else "")))
+        why = f": {rule.why}" if rule.why else ""
+        where = f"{', '.join(rule.targets)}; {rule.reason}"
+        lines.append(escape(f"fp32 ({where}): {', '.join(rule.modules)}{why}"))
+    by_flags: dict[str, list[str]] = {}
     for target, flags in recipe.config.items():
-        out.print(f"config for {target}: {dict(flags)}")
+        by_flags.setdefault(_assignments(flags), []).append(target)
+    lines += [escape(f"config for {', '.join(ts)}: {flags}") for flags, ts in by_flags.items()]
     if recipe.validation:
-        out.print(f"validation: {dict(recipe.validation)}")
-    for hazard in recipe.hazards:
-        out.print(f"[yellow]hazard[/]: {escape(hazard)}")
+        lines.append(escape(f"validation: {_assignments(recipe.validation)}"))
+    lines += [f"[yellow]hazard[/]: {escape(hazard)}" for hazard in recipe.hazards]
+    return lines
+
+
+def _assignments(values: Mapping[str, Any]) -> str:
+    """``key = value, …`` with TOML's spelling of each value (JSON's is the same for these)."""
+    return ", ".join(f"{key} = {json.dumps(value)}" for key, value in values.items())

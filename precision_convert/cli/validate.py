@@ -10,6 +10,7 @@ import typer
 from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
+    DeviceOption,
     emit_json,
     reported_errors,
     step_progress,
@@ -21,28 +22,35 @@ if TYPE_CHECKING:
 
 def validate_command(
     converted: Annotated[
-        Path, typer.Argument(help="A directory written by `precision-convert model`.")
+        Path,
+        typer.Argument(
+            metavar="CONVERTED", help="A directory written by `precision-convert model`."
+        ),
     ],
     baseline: Annotated[
         str | None,
         typer.Option(
-            help="Source to compare against (directory or Hub id); without it, the converted "
-            "weights upcast to fp32 (weight rounding is then not measured)."
+            metavar="SOURCE",
+            help="The source to certify against (directory or Hub id). Without it, only a "
+            "smoke check: the converted weights against themselves upcast to fp32, which "
+            "never certifies (verdict smoke-pass at best).",
         ),
     ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    device: DeviceOption = "auto",
     inputs: Annotated[
         Path | None,
         typer.Option(
+            metavar="FILE",
             help="safetensors file of named tensors to feed instead of the built inputs "
-            "(pipelines: <component>/<argument>)."
+            "(pipelines: <component>/<argument>).",
         ),
     ] = None,
     max_memory: Annotated[
         str | None,
         typer.Option(
+            metavar="SIZE",
             help="Memory budget, e.g. 8GB; a model whose fp32 copy does not fit is compared "
-            "block by block."
+            "block by block.",
         ),
     ] = None,
     coverage: CoverageOption = None,
@@ -122,12 +130,19 @@ def verify_files(converted: Path, json_output: bool) -> None:
         )
 
 
+#: Targets that cast every floating tensor (no fp32 islands), offered to show why the safe
+#: ones exist.
+PLAIN_CASTS = ("bf16", "fp16")
+
+
 def require_pass(certificate: Certificate, converted: Path) -> None:
-    """Raise CheckFailed (exit 1) naming the first problem unless the verdict is pass."""
+    """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
+    not a certification, whatever it found)."""
     from precision_convert.errors import CheckFailed
 
     if not certificate.passed:
-        first = certificate.failures[0] if certificate.failures else "no metric was judged"
-        raise CheckFailed(
-            f"{converted}: not certified ({len(certificate.failures)} problems, first: {first})"
-        )
+        why = certificate.why_not_certified(converted)
+        if certificate.verdict == "fail" and certificate.target in PLAIN_CASTS:
+            safe = f"{certificate.target}-safe"
+            why += f"; a plain cast keeps nothing in fp32, --to {safe} keeps what needs it"
+        raise CheckFailed(f"{converted}: not certified: {why}")

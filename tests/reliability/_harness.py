@@ -665,6 +665,10 @@ def push(
     local = {
         p.relative_to(output).as_posix(): p.read_bytes() for p in output.rglob("*") if p.is_file()
     }
+    # The card as pushed names the repo in its loading snippet; every other byte is the same.
+    local["README.md"] = local["README.md"].replace(
+        b'"<this repo or dir>"', f'"{repo_id}"'.encode()
+    )
     repo = hub.repos.get(repo_id)
     remote = {} if repo is None or "main" not in repo.refs else hub.files(repo_id)
     remote.pop(".gitattributes", None)

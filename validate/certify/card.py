@@ -5,12 +5,14 @@ library, and a ``precision_convert:`` summary); the body is a table of the judge
 reader on the Hub sees why the conversion is trusted without opening the JSON, and a loading
 section that says, for every way of loading the files, what a user gets.
 
-Tags: ``parity-certified`` only when the certificate passed *and* the library's plain
-``from_pretrained`` with default arguments was checked and passed (for a pipeline: every plain
-load recorded); a passing certificate whose plain load was not checked (a model validated
-block by block, or a certificate from before load paths were recorded) is tagged
-``parity-certified-pc-load-only``; a failed one carries neither. The card is a pure function of
-the certificate (and the activation charts beside it), so it can be checked by regenerating it.
+Tags: ``parity-certified`` only when the certificate passed (a comparison with the source)
+*and* the library's plain ``from_pretrained`` with default arguments was checked and passed
+(for a pipeline: every plain load recorded); a passing certificate whose plain load was not
+checked (a model validated block by block, or a certificate from before load paths were
+recorded) is tagged ``parity-certified-pc-load-only``; a failed one, or a smoke check (the
+converted weights compared with themselves), carries neither, and its card says what it was
+compared with. The card is a pure function of the certificate (and the activation charts beside
+it, and the repo it is pushed to), so it can be checked by regenerating it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from precision_convert.folding import fold
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
+    SMOKE_PASS,
     Certificate,
     LoadPath,
     write_atomically,
@@ -58,6 +61,8 @@ SERIES_METRIC = "rel_l2"
 #: Width of a per-probe bar, and the decades below the bound its empty end stands for.
 BAR_WIDTH = 20
 BAR_DECADES = 4
+#: The bar column's heading: what a full or an empty bar means.
+BAR_LABEL = f"share of the bound (log scale, 10^-{BAR_DECADES} to 1)"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -67,6 +72,23 @@ def base_model_id(certificate: Certificate) -> str | None:
     if isinstance(source_id, str) and _REPO_ID.match(source_id) and not Path(source_id).exists():
         return source_id
     return None
+
+
+def source_name(certificate: Certificate) -> str | None:
+    """How the card names the source: its Hub id, or its directory's name (never a local
+    path, even from a certificate written before paths were left out); None when the source
+    was not the baseline (a smoke check names the converted directory there)."""
+    source_id = certificate.source.get("id")
+    if not certificate.against_source or not isinstance(source_id, str) or not source_id:
+        return None
+    return base_model_id(certificate) or Path(source_id).name or source_id
+
+
+def compared_with(certificate: Certificate) -> str:
+    """What the baseline was, in words."""
+    if certificate.against_source:
+        return f"the source ({source_name(certificate) or 'not named'}) upcast to fp32"
+    return "the converted weights themselves upcast to fp32"
 
 
 def tags(certificate: Certificate) -> list[str]:
@@ -79,6 +101,24 @@ def tags(certificate: Certificate) -> list[str]:
     if certificate.passed:
         found.append(PLAIN_TAG if plain_load_passed(certificate) else PC_LOAD_ONLY_TAG)
     return found
+
+
+def outside_bounds(certificate: Certificate) -> str | None:
+    """The failed measurements the metric table shows, counted in one clause (their failure
+    lines, one per probe and metric, would repeat the table); None when there are none.
+    Coverage is left to its own failure line, which says what to do."""
+    failed = [m for m in certificate.metrics if not m.passed and m.metric != "coverage"]
+    if not failed:
+        return None
+    kinds = {
+        "with NaN/Inf values": [m for m in failed if m.metric == "nonfinite" and m.value],
+        "with an output missing or reshaped": [
+            m for m in failed if m.metric == "nonfinite" and m.value is None
+        ],
+        "with black frames": [m for m in failed if m.metric == "constant_frames"],
+    }
+    fatal = ", ".join(f"{len(ms)} {kind}" for kind, ms in kinds.items() if ms)
+    return f"{len(failed)} measurements outside their bounds" + (f" ({fatal})" if fatal else "")
 
 
 def plain_load_passed(certificate: Certificate) -> bool:
@@ -96,7 +136,8 @@ def summary(certificate: Certificate) -> dict[str, Any]:
         "target": certificate.target,
         "compute_dtype": certificate.compute_dtype,
         "verdict": certificate.verdict,
-        "baseline": f"{certificate.baseline.get('dtype')} ({certificate.baseline.get('kind')})",
+        "baseline": compared_with(certificate)
+        + ("" if certificate.against_source else " (a smoke check)"),
         "device": certificate.device.get("type"),
         "components": {c.name or c.class_name or "model": c.task for c in certificate.components},
         "metrics_judged": len(certificate.metrics),
@@ -218,8 +259,8 @@ class ProbeSeries:
                 ratio = value / self.threshold
                 level = 0.0 if ratio <= 0 else math.log10(ratio) / BAR_DECADES + 1
                 filled = round(BAR_WIDTH * min(1.0, max(0.0, level)))
-                over = " over the bound" if ratio > 1 else ""
-                bar = "█" * filled + "·" * (BAR_WIDTH - filled) + f" {ratio:.2g}× bound{over}"
+                over = ": over" if ratio > 1 else ""
+                bar = "█" * filled + "·" * (BAR_WIDTH - filled) + f" {ratio:.2g}× the bound{over}"
             out.append((probe, _fmt(value), bar))
         return out
 
@@ -247,7 +288,7 @@ def _probe_chart(metrics: Iterable[Measurement]) -> list[str]:
         lines += [
             f"### `{series.where}`: {series.metric} per probe",
             "",
-            f"| probe | {series.metric} | against the bound |",
+            f"| probe | {series.metric} | {BAR_LABEL} |",
             "|---|---|---|",
             *(f"| `{probe}` | {value} | `{bar}` |" for probe, value, bar in series.rows()),
             "",
@@ -255,8 +296,11 @@ def _probe_chart(metrics: Iterable[Measurement]) -> list[str]:
     return lines
 
 
-def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
-    """The full README.md text for ``certificate``."""
+def render(
+    certificate: Certificate, *, charts: Sequence[str] = (), repo_id: str | None = None
+) -> str:
+    """The full README.md text for ``certificate``; its loading snippet names ``repo_id``
+    (the repo it is pushed to) when given."""
     from huggingface_hub import ModelCardData
 
     inherited = certificate.source.get("card") or {}
@@ -275,28 +319,49 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
         license=inherited.get("license"),
         precision_convert=summary(certificate),
     )
-    source = certificate.source.get("id") or "the source checkpoint"
-    if not certificate.passed:
+    if certificate.verdict == SMOKE_PASS:
+        verdict = "**smoke-checked only, not certified**"
+    elif not certificate.passed:
         verdict = "**not certified**"
     elif plain_load_passed(certificate):
         verdict = "**certified** (through `precision_convert.load` and plain `from_pretrained`)"
     else:
         verdict = "**certified for `precision_convert.load` only** (plain loads not checked)"
+    if certificate.against_source:
+        verdict += f" against {compared_with(certificate)}"
+    else:
+        verdict += f": compared with {compared_with(certificate)}"
     lines = [
         "---",
         data.to_yaml(),
         "---",
         "",
-        f"# {certificate.target} conversion of {source}",
+        f"# {certificate.target} conversion of {source_name(certificate) or 'a model'}",
         "",
         f"Converted with precision-convert {certificate.tool.get('version', '')} to "
         f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and {verdict} "
-        f"against the source upcast to fp32 on {certificate.device.get('type')}.",
+        f"on {certificate.device.get('type')}.",
         "",
         *_cast_warning(certificate),
     ]
+    if not certificate.against_source:
+        lines += [
+            "Comparing the weights with themselves finds overflow and compute-precision loss, "
+            "not the rounding of the weights: to certify, compare with the source "
+            "(`precision-convert validate DIR --baseline SOURCE`).",
+            "",
+        ]
     if certificate.failures:
-        lines += ["## Why it failed", "", *(f"- {f}" for f in certificate.failures), ""]
+        lines += [
+            "## Why it failed",
+            "",
+            *(f"- {f}" for f in certificate.failures_beside_metrics()),
+        ]
+        if outside := outside_bounds(certificate):
+            lines.append(
+                f"- {outside}: the ❌ rows under Parity (every one in `{certificate.file_name}`)"
+            )
+        lines.append("")
     if certificate.metrics:
         lines += [
             "## Parity",
@@ -324,7 +389,7 @@ def render(certificate: Certificate, *, charts: Sequence[str] = ()) -> str:
             f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts
         ]
         lines.append("")
-    lines += _loading(certificate)
+    lines += _loading(certificate, repo_id)
     lines += [
         f"Every file's sha256 is listed in `{certificate.file_name}`; "
         "`precision-convert push` refuses files that differ from it.",
@@ -349,10 +414,13 @@ def _cast_warning(certificate: Certificate) -> list[str]:
     ]
 
 
-def _loading(certificate: Certificate) -> list[str]:
-    """The loading section: the recommended call, then what every way of loading gives."""
+def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
+    """The loading section: the recommended call (from ``repo_id`` when the card is pushed
+    there), then what every way of loading gives."""
     variant = certificate.source.get("variant")
-    where = f'"<this repo or dir>", variant="{variant}"' if variant else '"<this repo or dir>"'
+    where = f'"{repo_id or "<this repo or dir>"}"'
+    if variant:
+        where += f', variant="{variant}"'
     lines = [
         "## Loading",
         "",

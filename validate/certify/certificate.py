@@ -1,7 +1,10 @@
 """``precision_certificate.json``: what was compared, how it went, and which files it covers.
 
 A certificate is data: a :class:`Certificate` dataclass written as JSON by :func:`write` and
-read back by :meth:`Certificate.read`. It lists every metric with its threshold, the inputs,
+read back by :meth:`Certificate.read`, checked against its JSON Schema
+(docs/schema/certificate.schema.json, installed as ``precision_convert.schema``) with
+``jsonschema`` before it is trusted: the format is described once, for the docs, the tests and
+the reader. It lists every metric with its threshold, the inputs,
 device and library versions, the source (id, revision, weight-file hashes) and the sha256 of
 every converted file, so ``push``, ``batch --resume`` and ``validate --verify`` can check that
 the files on disk are the ones that were certified (the one verifier,
@@ -13,21 +16,39 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from precision_convert.validation.probe.metrics import Measurement
+from precision_convert.validation.probe.metrics import METRICS, Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
 #: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
 #: written with ``--variant`` (it sits beside the source repo's files, under its own name).
 CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json")
 CARD_NAME = "README.md"
+#: The JSON Schema certificates are read back against (docs/schema/, installed as
+#: ``precision_convert.schema``).
+SCHEMA_FILE = "certificate.schema.json"
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
-SCHEMA = "precision-convert/certificate/1"
+#: 2: ``verdict`` gained ``smoke-pass`` (a self-comparison never reads ``pass``) and
+#: ``source.id``/``source.path`` name the source by its Hub id or directory name, never a path.
+SCHEMA = "precision-convert/certificate/2"
+#: The first version, still read: its self-comparisons were written with verdict ``pass``.
+SCHEMA_1 = "precision-convert/certificate/1"
+#: What the baseline was: the source (or a baseline the user named), or the converted weights
+#: themselves upcast to fp32 (``validate DIR`` without ``--baseline``).
+SOURCE_BASELINE = "source"
+SELF_BASELINE = "converted-upcast"
+#: The verdicts. Only a comparison with the source earns ``pass``; a comparison of the
+#: converted weights with themselves upcast finds overflow and compute-precision loss but not
+#: the rounding of the weights, so at best it is a smoke check: ``smoke-pass``.
+PASS, SMOKE_PASS, FAIL = "pass", "smoke-pass", "fail"
+VERDICTS = (PASS, SMOKE_PASS, FAIL)
 
 
 @dataclass
@@ -78,11 +99,13 @@ class LoadPath:
 
 @dataclass
 class Certificate:
-    verdict: str  # "pass" or "fail"
+    verdict: str  # one of VERDICTS
     target: str | None
     compute_dtype: str | None
-    source: dict[str, Any]  # {"id", "revision", "path", "files": {name: sha256}}
-    baseline: dict[str, Any]  # {"dtype": "float32", "kind": "source" | "converted-upcast"}
+    #: {"id", "revision", "path", "files": {name: sha256}, "card", "variant"}; the id and path
+    #: are a Hub id or a directory's name, never a local path (the certificate is published).
+    source: dict[str, Any]
+    baseline: dict[str, Any]  # {"dtype": "float32", "kind": SOURCE_BASELINE | SELF_BASELINE}
     device: dict[str, Any]
     versions: dict[str, str]
     components: list[ComponentRecord]
@@ -98,7 +121,37 @@ class Certificate:
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "pass"
+        """Certified: compared with the source, and every check passed."""
+        return self.verdict == PASS
+
+    @property
+    def against_source(self) -> bool:
+        """Whether the baseline was the source (or one the user named), not the converted
+        weights themselves."""
+        return self.baseline.get("kind") == SOURCE_BASELINE
+
+    def failures_beside_metrics(self) -> list[str]:
+        """The failures a table of the metrics does not show: errors, load paths, and what
+        to do about coverage (a failed measurement's own line repeats its table row)."""
+        shown = {
+            line for m in self.metrics if m.metric != "coverage" for line in metric_failures([m])
+        }
+        return [line for line in self.failures if line not in shown]
+
+    def why_not_certified(self, directory: str | Path) -> str | None:
+        """Why the files in ``directory`` are not certified by this certificate (None: they
+        are), with the command that would certify them: one clause for a refusal message."""
+        if self.passed:
+            return None
+        first = self.failures[0] if self.failures else "no reason recorded"
+        if self.against_source:
+            return f"verdict {self.verdict!r} ({len(self.failures)} problems, first: {first})"
+        outcome = "passed" if self.verdict == SMOKE_PASS else f"failed ({first})"
+        return (
+            f"a smoke check that {outcome}: the converted weights were compared with "
+            "themselves upcast to fp32, never with the source; certify against the source: "
+            f"precision-convert validate {directory} --baseline SOURCE"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -106,8 +159,19 @@ class Certificate:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Certificate:
-        values = dict(data)
+    def from_dict(cls, data: Mapping[str, Any], *, check: bool = True) -> Certificate:
+        """The certificate ``data`` describes, checked against its JSON Schema first.
+
+        ``check=False`` only for fields this process has just made (the tests hold those to
+        the schema): a certificate being written is written, and its reader says what is wrong.
+
+        Raises:
+            CertificateError: ``data`` is not a certificate this version reads (another
+                format version, a field missing, unknown or of the wrong type).
+        """
+        values = _upgraded(data)
+        if check:
+            check_schema(values)
         values["components"] = [ComponentRecord(**c) for c in values.get("components", [])]
         values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
         values["load_paths"] = [LoadPath.from_dict(p) for p in values.get("load_paths", [])]
@@ -134,6 +198,75 @@ class Certificate:
             raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
         path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+class CertificateError(ValueError):
+    """A certificate that does not follow the format this version reads."""
+
+
+@cache
+def _validator() -> Any:
+    from jsonschema import Draft202012Validator
+
+    text = resources.files("precision_convert.schema").joinpath(SCHEMA_FILE).read_text("utf-8")
+    return Draft202012Validator(json.loads(text))
+
+
+def check_schema(data: Mapping[str, Any]) -> None:
+    """Check ``data`` against docs/schema/certificate.schema.json (installed with the package),
+    naming the first field at fault.
+
+    Raises:
+        CertificateError: another format version, or a field missing, unknown or mistyped.
+    """
+    if data.get("schema") != SCHEMA:
+        raise CertificateError(
+            f"format {data.get('schema')!r}, not {SCHEMA!r}: written by another version of "
+            "precision-convert; validate the output again with this one"
+        )
+    error = min(_validator().iter_errors(data), key=lambda e: list(e.absolute_path), default=None)
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path) or "the top level"
+        raise CertificateError(f"{where}: {error.message}")
+
+
+def metric_failures(metrics: Iterable[Measurement]) -> list[str]:
+    """One failure line per failed measurement, fatal ones (NaN/Inf, black frames) first."""
+    failed = [m for m in metrics if not m.passed]
+    fatal = [m for m in failed if METRICS[m.metric].fatal_threshold is not None]
+    lines = []
+    for m in fatal + [m for m in failed if m not in fatal]:
+        if m.metric == "nonfinite":
+            what = (
+                "output missing or reshaped"
+                if m.value is None
+                else f"{int(m.value)} NaN/Inf values"
+            )
+            lines.append(f"{m.where}: {what}")
+        elif m.metric == "coverage":
+            lines.append(
+                f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
+                f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
+            )
+        elif m.metric == "constant_frames":
+            lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
+        else:
+            value = "NaN" if m.value is None else f"{m.value:.4g}"
+            sign = "<=" if m.bound == "max" else ">="
+            lines.append(f"{m.where}: {m.metric} {value} (must be {sign} {m.threshold:g})")
+    return lines
+
+
+def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A certificate's fields in the current schema's meaning: a version-1 self-comparison
+    that passed reads ``smoke-pass``, as it would be written now."""
+    values = dict(data)
+    if values.get("schema") == SCHEMA_1:
+        values["schema"] = SCHEMA
+        baseline = values.get("baseline") or {}
+        if values.get("verdict") == PASS and baseline.get("kind") == SELF_BASELINE:
+            values["verdict"] = SMOKE_PASS
+    return values
 
 
 def certificate_name(variant: str | None) -> str:

@@ -51,6 +51,7 @@ from precision_convert.conversion.runtime.builders import (
     model_class,
     variant_keyword,
 )
+from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import from_config_string
@@ -370,7 +371,7 @@ def _run(
             return record
         seen[signature] = record
         stage = "run"
-        model = model.to(device)
+        model = move(model, device)
         dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
         outputs = run_probes(model, inputs, device, dtype)
     except LOAD_ERRORS as exc:

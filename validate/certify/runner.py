@@ -10,7 +10,9 @@ validated component by component, then end to end with a short seeded run.
 After ``pc.load``, the candidate is loaded every other way a user would (the library's plain
 ``from_pretrained``, ``dtype="auto"``, the explicit compute dtype; :mod:`.load_paths`), one
 model at a time, on the same probes; the verdict is ``pass`` only when ``pc.load`` and the
-plain default load both pass.
+plain default load both pass, and only against the source: compared with the converted weights
+themselves it is ``smoke-pass`` at best. What the baseline is, and whether this run may replace
+the certificate in place, is settled before anything runs (:mod:`.reference`).
 
 The certificate and the model card are written into the converted directory whatever the
 verdict, so a user can see why a conversion failed; a model that cannot be fed at all
@@ -26,24 +28,40 @@ import re
 import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from precision_convert._version import __version__
-from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
+from precision_convert.conversion.io.source import (
+    ModelSource,
+    PipelineSource,
+    Source,
+    open_source,
+)
 from precision_convert.conversion.io.staging import check_apart
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import stage
+from precision_convert.progress import diffusers_bars_off, stage
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import write_card
-from precision_convert.validation.certify.certificate import Certificate, ComponentRecord, write
+from precision_convert.validation.certify.certificate import (
+    FAIL,
+    PASS,
+    SELF_BASELINE,
+    SMOKE_PASS,
+    SOURCE_BASELINE,
+    Certificate,
+    ComponentRecord,
+    metric_failures,
+    write,
+)
 from precision_convert.validation.certify.components import (
     SEED,
     Component,
@@ -58,7 +76,17 @@ from precision_convert.validation.certify.load_paths import (
     failure_lines,
     skipped_pipeline,
 )
-from precision_convert.validation.certify.verify import hash_files, sha256_files
+from precision_convert.validation.certify.reference import (
+    SourceInfo,
+    check_replaceable,
+    check_same_architecture,
+    models_of,
+    same_conversion,
+    source_files,
+    source_info,
+    without_local_paths,
+)
+from precision_convert.validation.certify.verify import hash_files
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,
@@ -75,7 +103,7 @@ from precision_convert.validation.probe.inputs import (
     inputs_from_tensors,
     pipeline_inputs,
 )
-from precision_convert.validation.probe.metrics import METRICS, Measurement, measure
+from precision_convert.validation.probe.metrics import Measurement, measure
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
 from precision_convert.validation.probe.preflight import check_user_inputs
 from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
@@ -87,16 +115,6 @@ __all__ = ["parse_memory", "thresholds_for", "validate"]
 #: Whole-model validation needs the fp32 weights plus activations, allocator slack and the
 #: outputs kept for comparison; past this share of the budget the model goes block by block.
 WHOLE_MODEL_HEADROOM = 1.25
-
-
-@dataclass(frozen=True)
-class SourceInfo:
-    """Where the baseline comes from, as the certificate records it."""
-
-    path: Path
-    id: str
-    revision: str | None
-    kind: str  # "source", or "converted-upcast" when no source was given
 
 
 # --------------------------------------------------------------------------- public entry
@@ -118,9 +136,10 @@ def validate(
 
     Args:
         converted: a directory written by ``precision-convert model``.
-        baseline: the source (directory or Hub id). Default: the converted weights upcast to
-            fp32, which catches activation overflow and compute-precision loss but not the
-            rounding of the weights themselves (the certificate says which baseline was used).
+        baseline: the source (directory or Hub id); only a comparison with it can certify
+            (verdict ``pass``). Default: the converted weights upcast to fp32, a smoke check
+            that catches activation overflow and compute-precision loss but not the rounding
+            of the weights themselves: its verdict is at best ``smoke-pass``.
         device: ``"auto"``/None (CUDA when present), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         inputs: a safetensors file (or dict) of named tensors to feed instead of the built
             inputs; for a pipeline, names are ``<component>/<argument>``.
@@ -140,8 +159,10 @@ def validate(
         The :class:`Certificate` (also written to ``precision_certificate.json``).
 
     Raises:
-        InputError: ``converted`` or ``baseline`` is not a usable directory; an unknown
-            coverage level; unreadable or malformed calibration data.
+        InputError: ``converted`` or ``baseline`` is not a usable directory; a baseline of
+            another architecture; a certificate in ``converted`` that this run would replace
+            with a weaker or unrelated one (made against the source, or against another
+            source); an unknown coverage level; unreadable or malformed calibration data.
         CannotValidateError: no inputs could be built for a model; pass ``inputs``. A failing
             certificate and card saying so are written first.
     """
@@ -156,8 +177,14 @@ def validate(
     )
     opened = open_source(root)
     source = source_info(baseline, root)
-    if source.kind == "source":  # the certificate and card are written into ``converted``
+    if source.kind == SOURCE_BASELINE:  # the certificate and card are written into ``converted``
         check_apart(root, [source.path], "the converted directory")
+    reference = opened if source.kind == SELF_BASELINE else open_source(source.path)
+    check_same_architecture(opened, reference, root, source)
+    if source.kind == SOURCE_BASELINE and same_conversion(opened, reference):
+        source = replace(source, kind=SELF_BASELINE)  # a copy of the output is not its source
+    weights = source_files(source.path, reference)
+    check_replaceable(root, source, weights)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
@@ -169,23 +196,28 @@ def validate(
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []
     try:
-        for c in components:
-            supplied_here = _inputs_for(supplied, c.name, opened)
-            results.append(_validate_component(c, target_device, budget, supplied_here, sweep_for))
-        if isinstance(opened, PipelineSource):
-            latent_side = budget_for(coverage).pipeline_latent_side
-            results.append(_validate_pipeline(opened, source, results, target_device, latent_side))
+        with _library_bars_off(opened):
+            for c in components:
+                here = _inputs_for(supplied, c.name, opened)
+                results.append(_validate_component(c, target_device, budget, here, sweep_for))
+            if isinstance(opened, PipelineSource):
+                latent_side = budget_for(coverage).pipeline_latent_side
+                results.append(
+                    _validate_pipeline(opened, source, results, target_device, latent_side)
+                )
     except CannotValidateError as exc:
         # Nothing is left half-explained: the output still gets a failing certificate and card
         # that say what is missing and how to supply it; the error still reaches the caller.
         results += _not_run(opened, components, results)
         certificate = _certificate(
-            root, source, components, results, target_device, max_memory, cannot=exc
+            root, source, weights, components, results, target_device, max_memory, cannot=exc
         )
         write(certificate, root)
         write_card(certificate, root)
         raise
-    certificate = _certificate(root, source, components, results, target_device, max_memory)
+    certificate = _certificate(
+        root, source, weights, components, results, target_device, max_memory
+    )
     write(certificate, root)
     write_card(certificate, root)
     return certificate
@@ -194,20 +226,11 @@ def validate(
 # --------------------------------------------------------------------------- setup
 
 
-def source_info(baseline: str | Path | None, converted: Path) -> SourceInfo:
-    """Resolve the baseline to a local directory and name it (Hub id and revision if any)."""
-    if baseline is None:
-        return SourceInfo(converted, str(converted.absolute()), None, "converted-upcast")
-    path = resolve(baseline)
-    text = str(baseline)
-    hub = re.search(
-        r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})", path.absolute().as_posix()
-    )
-    if hub:
-        return SourceInfo(path, f"{hub[1]}/{hub[2]}", hub[3], "source")
-    if not Path(text).expanduser().exists():  # a Hub id resolved some other way
-        return SourceInfo(path, text, None, "source")
-    return SourceInfo(path, str(path.absolute()), None, "source")
+def _library_bars_off(opened: Source) -> AbstractContextManager[None]:
+    """diffusers' own loading bars off while a diffusers model or pipeline is validated (their
+    switch costs diffusers' import, which nothing else here needs)."""
+    uses = any(m.library == "diffusers" for m in models_of(opened).values())
+    return diffusers_bars_off() if uses or isinstance(opened, PipelineSource) else nullcontext()
 
 
 _UNITS = {
@@ -285,8 +308,6 @@ def _components(
     components = []
     for name, model in found:
         baseline_dir = source.path / name if name else source.path
-        if not baseline_dir.is_dir():
-            raise InputError(f"the baseline has no component {name!r}", source.path)
         record = read_record(model)
         components.append(
             Component(
@@ -494,34 +515,10 @@ def _device_record(
     return record
 
 
-def _failure_lines(metrics: list[Measurement]) -> list[str]:
-    lines = []
-    fatal = [m for m in metrics if not m.passed and METRICS[m.metric].fatal_threshold is not None]
-    for m in fatal + [m for m in metrics if not m.passed and m not in fatal]:
-        if m.metric == "nonfinite":
-            what = (
-                "output missing or reshaped"
-                if m.value is None
-                else f"{int(m.value)} NaN/Inf values"
-            )
-            lines.append(f"{m.where}: {what}")
-        elif m.metric == "coverage":
-            lines.append(
-                f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
-                f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
-            )
-        elif m.metric == "constant_frames":
-            lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
-        else:
-            value = "NaN" if m.value is None else f"{m.value:.4g}"
-            sign = "<=" if m.bound == "max" else ">="
-            lines.append(f"{m.where}: {m.metric} {value} (must be {sign} {m.threshold:g})")
-    return lines
-
-
 def _certificate(
     root: Path,
     source: SourceInfo,
+    weights: dict[str, str],
     components: list[Component],
     results: list[ComponentResult],
     device: torch.device,
@@ -531,13 +528,12 @@ def _certificate(
 ) -> Certificate:
     metrics = [m for r in results for m in r.metrics]
     paths = [p for r in results for p in r.load_paths]
-    failures = [e for r in results for e in r.errors] + _failure_lines(metrics)
+    failures = [e for r in results for e in r.errors] + metric_failures(metrics)
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]
     records = {c.record.get("target") for c in components} - {None}
     compute = {c.record.get("compute_dtype") for c in components} - {None}
-    source_files = _source_files(source)
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
         tokenizer = r.record.inputs.get("tokenizer") or {}
@@ -545,13 +541,15 @@ def _certificate(
             notes.append(
                 f"{r.record.name}: {tokenizer['note']}" if r.record.name else tokenizer["note"]
             )
-    if source.kind == "converted-upcast":
+    if source.kind == SELF_BASELINE:
         notes.append(
-            "no --baseline given: the baseline is the converted weights upcast to fp32, "
-            "so weight rounding itself is not measured"
+            "a smoke check, not a certification: the baseline is the converted weights "
+            "upcast to fp32, so overflow and compute precision are measured but the rounding "
+            "of the weights is not; certify with --baseline SOURCE"
         )
-    return Certificate(
-        verdict="pass" if not failures and metrics else "fail",
+    passed = not failures and metrics
+    certificate = Certificate(
+        verdict=(PASS if source.kind == SOURCE_BASELINE else SMOKE_PASS) if passed else FAIL,
         target=next(iter(records)) if len(records) == 1 else ",".join(sorted(records)) or None,
         compute_dtype=next(iter(compute))
         if len(compute) == 1
@@ -559,8 +557,8 @@ def _certificate(
         source={
             "id": source.id,
             "revision": source.revision,
-            "path": str(source.path.absolute()),
-            "files": source_files,
+            "path": source.id,
+            "files": weights,
             "card": source_card_data(source.path),
             # A --variant output: its files are added to the source repo under this variant.
             "variant": next((c.converted.variant for c in components if c.converted.variant), None),
@@ -576,6 +574,7 @@ def _certificate(
         tool={"name": "precision-convert", "version": __version__},
         load_paths=paths,
     )
+    return without_local_paths(certificate, {root: ".", source.path: source.id})
 
 
 def _not_run(
@@ -641,10 +640,3 @@ def source_card_data(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, TypeError):
         return {}
     return {k: data[k] for k in INHERITED_CARD_FIELDS if isinstance(data.get(k), str)}
-
-
-def _source_files(source: SourceInfo) -> dict[str, str]:
-    """sha256 of the weight files the baseline was built from."""
-    opened = open_source(source.path)
-    models = opened.components.values() if isinstance(opened, PipelineSource) else [opened]
-    return sha256_files(source.path, [f.path for model in models for f in model.files])

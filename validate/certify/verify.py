@@ -95,10 +95,7 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
             f"{certificate_name}: records variant {recorded!r} but is named for {variant!r}"
         )
     if not certificate.passed:
-        first = certificate.failures[0] if certificate.failures else "no reason recorded"
-        problems.append(
-            f"{certificate_name}: verdict {certificate.verdict!r}, not 'pass' ({first})"
-        )
+        problems.append(f"{certificate_name}: {certificate.why_not_certified(root)}")
     files = hash_paths(root, paths, blocks=blocks)
     covered = {p: f.sha256 for p, f in files.items() if not _uncovered(p)}
     problems += differences(covered, certificate)
@@ -219,11 +216,12 @@ def _sha256_source_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def render_card(certificate: Certificate, directory: Path) -> str:
+def render_card(certificate: Certificate, directory: Path, repo_id: str | None = None) -> str:
     """The card :func:`~precision_convert.validation.certify.card.write_card` writes for
-    ``certificate`` into ``directory`` (a pure function of both), without writing it."""
+    ``certificate`` into ``directory`` (a pure function of both), without writing it; with
+    ``repo_id``, the card as pushed there (its loading snippet names the repo)."""
     charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
-    return render(certificate, charts=charts)
+    return render(certificate, charts=charts, repo_id=repo_id)
 
 
 def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
@@ -232,7 +230,10 @@ def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
     if not names:
         raise NotAsCertified(
             root,
-            [f"{CERTIFICATE_NAME}: missing (certify the output first: precision-convert validate)"],
+            [
+                f"{CERTIFICATE_NAME}: missing (certify the output against its source first: "
+                f"precision-convert validate {root} --baseline SOURCE)"
+            ],
         )
     if len(names) > 1:
         raise NotAsCertified(root, [f"more than one certificate ({', '.join(sorted(names))})"])

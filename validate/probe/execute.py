@@ -196,11 +196,27 @@ def run_probes(
     outputs: Outputs = SpilledOutputs(spill) if spill is not None else {}
     precision = from_torch(dtype).short if dtype is not None else "stored dtypes"
     what = f"{type(model).__name__} {precision} probes"
-    for k, probe in enumerate(resolve_partial(inputs, outputs)):
-        report(what, k, len(inputs.probes))
-        outputs[probe.name] = call_probe(model, probe, device, dtype)
+    with _no_denoising_bar(model):
+        for k, probe in enumerate(resolve_partial(inputs, outputs)):
+            report(what, k, len(inputs.probes))
+            outputs[probe.name] = call_probe(model, probe, device, dtype)
     report(what, len(inputs.probes), len(inputs.probes))
     return outputs
+
+
+@contextmanager
+def _no_denoising_bar(model: Any) -> Iterator[None]:
+    """A diffusers pipeline's own bar over its denoising steps off while probes run it (the
+    probes report their own progress); the pipeline's setting is put back afterwards."""
+    if not callable(getattr(model, "set_progress_bar_config", None)):
+        yield
+        return
+    before = dict(getattr(model, "_progress_bar_config", None) or {})
+    model.set_progress_bar_config(**before, disable=True)
+    try:
+        yield
+    finally:
+        model.set_progress_bar_config(**before)
 
 
 class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):

@@ -1176,7 +1176,7 @@ def _text_probes(
         lines = data.text_lines or tuple(range(1, len(data.texts) + 1))
         how = {
             "kind": "user-text",
-            "file": str(data.path),
+            "file": data.path.name,  # the name only: the certificate is published
             "lines": [lines[group[0]], lines[group[-1]]],  # first and last file line
             "samples": len(group),
         }
@@ -1241,7 +1241,7 @@ def _record_probes(
                 kwargs["decoder_input_ids"] = torch.cat(
                     [torch.full((ids.shape[0], 1), start, dtype=ids.dtype), ids[:, :-1]], 1
                 )
-        how = {"kind": "user-jsonl", "file": str(data.path), "line": line}
+        how = {"kind": "user-jsonl", "file": data.path.name, "line": line}
         label = f"user-{line}"
         if autoencoder:
             decode = next((p for p in chosen.probes if p.method == "decode"), None)

@@ -51,7 +51,7 @@ class CalibrationData:
         return "text" if self.texts else "jsonl"
 
     def describe(self) -> dict[str, Any]:
-        return {"file": str(self.path), "kind": self.kind, "samples": len(self)}
+        return {"file": self.path.name, "kind": self.kind, "samples": len(self)}
 
     def __len__(self) -> int:
         return len(self.texts) or len(self.records)
