@@ -336,7 +336,7 @@ def test_revision_refs_pr_pushes_into_that_pull_request(
     assert f"updated pull request #{pr.num} on {repo_id} (into main)" in done.stderr
     assert len(repo.discussions) == 1 and repo.refs["main"] == main
     pushed = _local_files(_download(repo_id, tmp_path / "cache", revision=f"refs/pr/{pr.num}"))
-    assert pushed == _local_files(served.output)  # the variant weights it held are gone
+    assert pushed == _as_pushed(served.output, repo_id)  # the variant weights it held are gone
 
 
 def test_revision_refs_pr_must_be_an_open_pull_request(served: Served, hub: FakeHub) -> None:
