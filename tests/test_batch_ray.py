@@ -74,4 +74,4 @@ def test_ray_gives_the_same_outputs_certificates_and_report(
     assert theirs["executor"] == "ray" and ours["executor"] == "local"
     assert theirs["threads_per_job"] == ours["threads_per_job"]
     assert _comparable(ours, local.root) == _comparable(theirs, remote.root)
-    assert re.search(r"broken-bf16: convert: ", remote.stderr)
+    assert re.search(r"✗ broken-bf16: convert: ", remote.stdout)
