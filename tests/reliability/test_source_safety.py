@@ -229,6 +229,30 @@ def test_validate_of_an_output_kept_inside_its_source_is_refused(tmp_path: Path)
     )
 
 
+def test_validate_keeps_the_card_of_a_folder_it_did_not_write(tmp_path: Path) -> None:
+    """The card goes into README.md: a folder of the user's own keeps its README; an output
+    of ``model`` (whose README is the source's copy) gets the card."""
+    import shutil
+
+    import _models
+
+    src = _models.save("bert", tmp_path / "src")
+    (src / "README.md").write_text("# my notes\n")
+    mine = tmp_path / "mine"
+    shutil.copytree(src, mine)
+    _refused(
+        ["validate", str(mine), "--baseline", str(src)],
+        tmp_path,
+        fragments=(f"{mine}: ", "README.md is this folder's own", "move it aside"),
+    )
+    out = tmp_path / "out"
+    assert _invoke(_model(src, out))[0] == 0
+    assert (out / "README.md").read_text() == "# my notes\n"
+    code, _, stderr = _invoke(["validate", str(out), "--baseline", str(src), "--coverage", "quick"])
+    assert code == 0, stderr
+    assert (out / "README.md").read_text().startswith("---\n")  # the card replaced the copy
+
+
 # -- batch -----------------------------------------------------------------------------------
 
 

@@ -23,9 +23,11 @@ from precision_convert.conversion.io.source import (
     Source,
     resolve,
 )
+from precision_convert.conversion.io.staging import written_here
 from precision_convert.conversion.runtime.loader import read_record
 from precision_convert.errors import InputError
 from precision_convert.validation.certify.certificate import (
+    CARD_NAME,
     SELF_BASELINE,
     SOURCE_BASELINE,
     Certificate,
@@ -148,9 +150,18 @@ def check_replaceable(root: Path, source: SourceInfo, weights: Mapping[str, str]
     files). A re-validation against the same source replaces it, whatever its verdict: it is
     the newer answer to the same question.
 
+    Nor is a README.md this tool did not write (the card goes there): a folder of the user's
+    own, not an output of ``precision-convert model``, keeps its card.
+
     Raises:
-        InputError: naming the certificate, its source and what to pass instead.
+        InputError: naming the certificate, its source and what to pass instead, or the card.
     """
+    if (root / CARD_NAME).exists() and not written_here(root):
+        raise InputError(
+            f"{CARD_NAME} is this folder's own (it is not an output of precision-convert) and "
+            "validate writes its card there: move it aside, or validate a converted output",
+            root,
+        )
     try:
         existing = Certificate.read(root)
     except (OSError, ValueError, TypeError, KeyError):
