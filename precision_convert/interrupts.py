@@ -13,16 +13,31 @@ owns its process) calls :func:`watch`; for a library caller nothing is recorded 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
+from typing import Any
 
 #: Set by the handler on every SIGINT; never cleared: the process is on its way out.
 _interrupted = threading.Event()
 
 
 def watch() -> None:
-    """Record every SIGINT of this process, then raise ``KeyboardInterrupt`` as Python would."""
+    """Record every SIGINT of this process, then raise ``KeyboardInterrupt`` as Python would.
+
+    A ``KeyboardInterrupt`` raised inside a finalizer (``__del__``, a weakref callback, a
+    garbage collection) cannot propagate: Python prints it with a traceback as "Exception
+    ignored" and runs on. The flag keeps it, so that print is dropped: the command's own
+    one line says it was interrupted, at the next :func:`check`.
+    """
     signal.signal(signal.SIGINT, _on_sigint)
+    previous = sys.unraisablehook
+
+    def unraisable(report: Any) -> None:
+        if not isinstance(report.exc_value, KeyboardInterrupt):
+            previous(report)
+
+    sys.unraisablehook = unraisable
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:

@@ -72,3 +72,53 @@ def test_a_swallowed_ctrl_c_stops_the_push_before_its_commit(
     assert done.exit_code == 130, done.output
     assert "interrupted" in done.stderr
     assert not [path for _, path in _writes(served.hub) if "/commit/" in path]
+
+
+#: A SIGINT that lands in a finalizer: Python cannot raise it there and prints it as ignored.
+_IN_A_FINALIZER = """
+import gc, os, signal
+from precision_convert import interrupts
+interrupts.watch()
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+
+Finalized()
+gc.collect()
+try:
+    interrupts.check()
+except KeyboardInterrupt:
+    print("stopped at the check")
+"""
+
+
+def test_a_ctrl_c_in_a_finalizer_prints_no_traceback_and_still_stops_the_run() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _IN_A_FINALIZER], capture_output=True, text=True, timeout=60
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.strip() == "stopped at the check"
+
+
+def test_a_ctrl_c_before_a_command_sets_up_its_handler_still_gets_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from precision_convert.cli import model
+
+    def interrupted(path: Path) -> None:
+        raise KeyboardInterrupt
+
+    # model looks up its target before it writes anything: the earliest point of its own
+    monkeypatch.setattr(model, "_inode", interrupted)
+    src = tiny_source(tmp_path / "src")
+
+    done = CliRunner().invoke(app, ["model", str(src), "--to", "bf16", "-o", str(tmp_path / "o")])
+
+    assert done.exit_code == 130, done.output
+    assert done.stderr.strip().splitlines() == [
+        "precision-convert: interrupted; nothing was written"
+    ]
+    assert not (tmp_path / "o").exists()

@@ -227,6 +227,13 @@ class Command(TyperCommand):
     def get_params(self, ctx: Any) -> list[Any]:
         return _no_flag_placeholders(super().get_params(ctx))
 
+    def invoke(self, ctx: Any) -> Any:
+        # A command wraps everything it may write in reported_errors; a Ctrl-C before that
+        # (while its arguments are converted, or its first imports run) wrote nothing, and
+        # would otherwise end in typer's silent exit 130.
+        with reported_errors():
+            return super().invoke(ctx)
+
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
@@ -243,6 +250,9 @@ def one_line_usage_errors(app: typer.Typer) -> None:
     line on stderr, exit 2, like every other error, instead of typer's box."""
     try:
         code = app(standalone_mode=False)
+    except KeyboardInterrupt:  # before any command began (typer still building the commands)
+        print(f"precision-convert: interrupted; {NOTHING_WRITTEN}", file=sys.stderr)
+        sys.exit(130)
     except typer.TyperException as exc:  # click's usage errors, as typer vendors them
         message = exc.format_message().strip().rstrip(".")
         context = getattr(exc, "ctx", None)

@@ -92,6 +92,11 @@ def batch(
                     overwrite=overwrite,
                     on_event=progress.event,
                 )
+            print_report(report)
+            latest = report.output_dir / REPORT_NAME
+            console.print(
+                f"report: {report.file} (latest: {latest})", highlight=False, soft_wrap=True
+            )
         except KeyboardInterrupt:
             print(
                 "precision-convert: interrupted; jobs that finished are kept in "
@@ -99,9 +104,6 @@ def batch(
                 file=sys.stderr,
             )
             raise typer.Exit(130) from None
-    print_report(report)
-    latest = report.output_dir / REPORT_NAME
-    console.print(f"report: {report.file} (latest: {latest})", highlight=False, soft_wrap=True)
     if report.failed:
         raise typer.Exit(1)
 

@@ -137,37 +137,39 @@ def model(
     def on_disk() -> str:
         return interrupted_output(target, before, source, push)
 
-    with reported_errors(on_disk), byte_progress("converting", not json_output) as progress:
-        try:
-            result = convert(
-                source,
-                to,
-                output,
-                validate=validate,
-                device=None if device == "auto" else device,
-                revision=revision,
-                recipe=recipe,
-                keep_fp32=keep_fp32 or (),
-                calibrate=calibrate,
-                overwrite=overwrite,
-                trust_remote_code=trust_remote_code,
-                on_progress=progress,
-                coverage=coverage,
-                calibration_data=calibration_data,
-                inputs=inputs,
-                variant=variant,
-            )
-        except CannotValidateError:  # the output is written, with a failing certificate
-            note_unvalidated(target)
-            raise
-    if json_output:
-        emit_json(result.to_json())
-    else:
-        print_conversion(result)
-    if result.certificate is not None:
-        if not json_output:
-            print_certificate(result.certificate)
-        with reported_errors(on_disk):
+    # One handler from the first write to the last line printed: a Ctrl-C while the report
+    # prints still says what is on disk.
+    with reported_errors(on_disk):
+        with byte_progress("converting", not json_output) as progress:
+            try:
+                result = convert(
+                    source,
+                    to,
+                    output,
+                    validate=validate,
+                    device=None if device == "auto" else device,
+                    revision=revision,
+                    recipe=recipe,
+                    keep_fp32=keep_fp32 or (),
+                    calibrate=calibrate,
+                    overwrite=overwrite,
+                    trust_remote_code=trust_remote_code,
+                    on_progress=progress,
+                    coverage=coverage,
+                    calibration_data=calibration_data,
+                    inputs=inputs,
+                    variant=variant,
+                )
+            except CannotValidateError:  # the output is written, with a failing certificate
+                note_unvalidated(target)
+                raise
+        if json_output:
+            emit_json(result.to_json())
+        else:
+            print_conversion(result)
+        if result.certificate is not None:
+            if not json_output:
+                print_certificate(result.certificate)
             require_pass(result.certificate, result.output)
             if push is not None:
                 from precision_convert.cli.push import push_and_report

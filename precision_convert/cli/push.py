@@ -88,7 +88,7 @@ def push_command(
             commit_message=commit_message,
             token=token,
         )
-    typer.echo(result.url)
+        typer.echo(result.url)
 
 
 def push_and_report(
