@@ -1,8 +1,9 @@
 """``inspect``: what a checkpoint really holds, and what would go wrong in low precision.
 
-Dtypes come from the tensor headers, never from ``config.json``. Hazards are the failures in
-DESIGN.md's table: a module whose parameters disagree in dtype (CogVLM's fp16 weight + fp32
-bias), weights beyond fp16's range, weights that fp16 would flush to zero, NaN/Inf weights.
+Dtypes come from the tensor headers, never from ``config.json``. Hazards are what breaks a
+low-precision copy before it runs: a module whose parameters disagree in dtype (CogVLM's fp16
+weight + fp32 bias), weights beyond fp16's range, weights that fp16 would flush to zero,
+NaN/Inf weights.
 """
 
 from __future__ import annotations

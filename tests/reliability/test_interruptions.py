@@ -80,8 +80,8 @@ def test_interrupted_at_random(
 def test_ctrl_c_during_validation_leaves_nothing_and_says_so(
     sources: _harness.Sources, tmp_path: Path
 ) -> None:
-    """The defect issue 12 opened with: Ctrl-C while ``model`` validated printed "no output
-    was written" although the converted weights were already committed. Now ``model``
+    """A defect once shipped: Ctrl-C while ``model`` validated printed "no output was
+    written" although the converted weights were already committed. Now ``model``
     validates in the staging directory and renames the output into place with its
     certificate, so a Ctrl-C then leaves nothing at the target, and the line says so."""
     target = tmp_path / "out"
