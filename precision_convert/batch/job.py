@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.batch.etiquette import Etiquette, publish_politely
+from precision_convert.batch.etiquette import Etiquette, push_politely
 from precision_convert.batch.manifest import Job
 from precision_convert.batch.state import STATE_DIR, JobState, Start, StateStore
 from precision_convert.errors import CheckFailed, PrecisionConvertError
 
 if TYPE_CHECKING:
-    from precision_convert.api.conversion import ComponentResult
+    from precision_convert.api.conversion import ConvertedComponent
     from precision_convert.validation.certify.certificate import Certificate
 
 #: Outcome statuses: certified (and pushed, when configured); kept by --resume; failed.
@@ -242,7 +242,7 @@ def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:
     if job.push is not None:
         spec = job.push
         with _stage(outcome, "push"):
-            result = publish_politely(
+            result = push_politely(
                 job.output,
                 spec.repo_id,
                 create_pr=spec.create_pr,
@@ -303,7 +303,7 @@ def key_metric(certificate: Certificate) -> dict[str, Any] | None:
     }
 
 
-def fp32_share(components: list[ComponentResult]) -> float:
+def fp32_share(components: list[ConvertedComponent]) -> float:
     """Share of floating-point parameters kept in fp32, over every component."""
     total = kept = 0.0
     for component in components:
