@@ -17,23 +17,16 @@ from typing import Any
 # The record's key, where the io layer (which recognises this tool's outputs) keeps it.
 from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
-from precision_convert.dtypes import BF16, FP16, FP16_MAX, FP32, DType
+from precision_convert.dtypes import FP16_MAX, FP32, TARGETS, DType, Target
 from precision_convert.errors import InputError
 from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
-from precision_convert.recipes import ISLAND_REASONS, TARGETS, Recipe
+from precision_convert.recipes import ISLAND_REASONS, Recipe
 
 #: Its key in a diffusers model's config: diffusers warns about every config key its class does
 #: not take (the whole record, on every load, for every user) but passes over keys that start
 #: with "_". Readers accept both names.
 DIFFUSERS_RECORD_KEY = "_precision_convert"
 
-#: Compute dtype of each target.
-COMPUTE_DTYPE: Mapping[str, DType] = {
-    "bf16-safe": BF16,
-    "fp16-safe": FP16,
-    "bf16": BF16,
-    "fp16": FP16,
-}
 #: A tensor of which at least this share of non-zero values would round to zero in fp16 has
 #: lost its information wholesale; it is treated like an overflowing one.
 FLUSH_FRACTION = 0.5
@@ -80,13 +73,16 @@ class RangeStats:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    target: str
-    compute: DType
+    target: Target
     recipe: str
     tensors: tuple[TensorPlan, ...]
     islands: tuple[Island, ...]
     config_flags: Mapping[str, Any]
     warnings: tuple[str, ...]
+
+    @property
+    def compute(self) -> DType:
+        return self.target.compute
 
     @property
     def fp32_modules(self) -> list[str]:
@@ -103,7 +99,7 @@ class ModelPlan:
     @property
     def sha256(self) -> str:
         payload = {
-            "target": self.target,
+            "target": self.target.value,
             "tensors": [
                 [t.name, t.source.code, t.stored.code, list(t.shape)] for t in self.tensors
             ],
@@ -116,7 +112,7 @@ class ModelPlan:
         """The ``precision_convert`` object for shard metadata and config (docs/format.md)."""
         return {
             "version": version,
-            "target": self.target,
+            "target": self.target.value,
             "compute_dtype": self.compute.torch_name,
             "fp32_modules": self.fp32_modules,
             "islands": {i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
@@ -125,10 +121,12 @@ class ModelPlan:
         }
 
 
-def check_target(target: str) -> str:
-    if target not in TARGETS:
+def check_target(target: str) -> Target:
+    """The :class:`~precision_convert.dtypes.Target` named ``target``; bad input is refused."""
+    found = Target.lookup(target)
+    if found is None:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
-    return target
+    return found
 
 
 def build_plan(
@@ -142,8 +140,8 @@ def build_plan(
     extra_islands: Iterable[Island] = (),
 ) -> ModelPlan:
     """Decide the stored dtype of every tensor for ``target``."""
-    check_target(target)
-    safe = target.endswith("-safe")
+    decoded = check_target(target)
+    safe = decoded.safe
     unit_of = units(t.name for t in tensors)
     all_units = sorted(set(unit_of.values()))
     islands: dict[str, Island] = {}
@@ -179,17 +177,17 @@ def build_plan(
 
     warnings: list[str] = []
     # fp16's range only matters to fp16 targets; bf16 has fp32's exponent.
-    fp16_ranges = ranges if COMPUTE_DTYPE[target] == FP16 else None
+    fp16_ranges = ranges if decoded.range_limited else None
     for name, stats in (fp16_ranges or {}).items():
         problem = _range_problem(stats)
         if problem is None:
             continue
-        if target == "fp16-safe":
+        if safe:
             keep(unit_of[name], "range", f"weights {problem}")
         else:
             warnings.append(f"{name}: {problem}; stored in fp16 anyway (target {target})")
 
-    compute = COMPUTE_DTYPE[target]
+    compute = decoded.compute
     planned = tuple(
         TensorPlan(
             t.name,
@@ -204,8 +202,7 @@ def build_plan(
     float_units = {t.unit for t in planned if t.source.is_float}
     kept = tuple(islands[u] for u in sorted(islands) if u in float_units)
     return ModelPlan(
-        target,
-        compute,
+        decoded,
         recipe.name,
         planned,
         kept,

@@ -32,6 +32,7 @@ from precision_convert.conversion.plan import (
     check_target,
     scan_ranges,
 )
+from precision_convert.dtypes import Target
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ComponentResult:
+class ConvertedComponent:
     """What happened to one model (the model itself, or one pipeline component)."""
 
     name: str  # "" for a single model, the component folder for pipelines
@@ -85,8 +86,8 @@ RESULT_SCHEMA = "precision-convert/conversion/1"
 class ConversionResult:
     source: str
     output: Path
-    target: str
-    components: list[ComponentResult]
+    target: Target
+    components: list[ConvertedComponent]
     files: list[str] = field(default_factory=list)
     certificate: Any | None = None  # a validate.certificate.Certificate when validation ran
 
@@ -149,21 +150,21 @@ def plan_model(
         if recipe
         else match_recipe(model.library, model.class_name, model.model_type)
     )
+    decoded = check_target(target)
     tensors = list(model.tensors())
-    safe = target.endswith("-safe")
     if normalization is not None:
         norms = set(normalization)
-    elif safe and chosen.keep_normalization:
+    elif decoded.safe and chosen.keep_normalization:
         norms = normalization_modules(model, trust_remote_code=trust_remote_code)
     else:
         norms = set()
-    if ranges is None and target in ("fp16", "fp16-safe"):
+    if ranges is None and decoded.range_limited:
         ranges = scan_ranges(tensors if pool is None else [PooledTensor(t, pool) for t in tensors])
 
     def plan_with(extra: Sequence[Island]) -> ModelPlan:
         return build_plan(
             tensors,
-            target=target,
+            target=decoded,
             recipe=chosen,
             normalization=norms,
             keep_fp32=keep_fp32,
@@ -171,7 +172,7 @@ def plan_model(
             extra_islands=extra,
         )
 
-    if not (calibrate and safe):
+    if not (calibrate and decoded.safe):
         return plan_with(()), None
     from precision_convert.conversion.analysis.calibration import calibrated_plan
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
@@ -179,7 +180,7 @@ def plan_model(
     try:
         return calibrated_plan(
             model,
-            target,
+            decoded,
             plan_with,
             search=search,
             trust_remote_code=trust_remote_code,
@@ -244,7 +245,7 @@ def convert(
     Returns:
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
-    check_target(to)
+    target = check_target(to)
     check_variant(variant)
     data = read_user_data(calibration_data, coverage)
     supplied = None
@@ -253,7 +254,7 @@ def convert(
 
         supplied = read_inputs(inputs)
     root = resolve(source, revision, timeout=hub_timeout)
-    target_dir = Path(output) if output is not None else default_output(source, to)
+    target_dir = Path(output) if output is not None else default_output(source, target)
     staged = StagedOutput(target_dir, overwrite=overwrite, sources=(root,))
     staged.check()
     opened = open_source(root)
@@ -267,19 +268,20 @@ def convert(
     models = _models(opened)
     if variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
-    if calibrate is None:
-        calibrate = to == "fp16-safe"
+    if calibrate is None:  # on where fp16's range is at stake
+        calibrate = target.safe and target.range_limited
     # Validated in the staging directory and renamed into place with its certificate, so the
     # target holds nothing or a complete, certified output, however the run is stopped.
     with staged:
         components, written = _plan_and_write(
-            opened, models, staged, target_dir, to, on_progress, variant,
+            opened, models, staged, target_dir, target, on_progress, variant,
             recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code,
             calibrate=calibrate, coverage=coverage, calibration_data=data,
         )  # fmt: skip
         certificate = None
         if validate:
             from precision_convert.validation.certify.runner import validate as run_validation
+            from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
             try:
                 certificate = run_validation(
@@ -287,7 +289,7 @@ def convert(
                     baseline=root,
                     device=device,
                     inputs=supplied,
-                    coverage=coverage or "standard",
+                    coverage=coverage or DEFAULT_LEVEL,
                     calibration_data=data,
                     trust_remote_code=trust_remote_code,
                 )
@@ -298,7 +300,7 @@ def convert(
     return ConversionResult(
         source=str(source),
         output=target_dir,
-        target=to,
+        target=target,
         components=components,
         files=sorted(written),
         certificate=certificate,
@@ -310,11 +312,11 @@ def _plan_and_write(
     models: dict[str, ModelSource],
     staged: StagedOutput,
     target_dir: Path,
-    to: str,
+    target: Target,
     on_progress: ProgressHook | None,
     variant: str | None,
     **planning: Any,
-) -> tuple[list[ComponentResult], list[str]]:
+) -> tuple[list[ConvertedComponent], list[str]]:
     """Plan every model and write the output into the staging directory."""
     # The run's buffers and prefetch thread: all released, the thread joined, before
     # validation (whether the conversion succeeds or fails).
@@ -322,11 +324,11 @@ def _plan_and_write(
         # Read the weights into the page cache while planning imports torch/transformers.
         io.prefetch(t for model in models.values() for t in model.tensors())
         planned = {
-            name: plan_model(model, to, pool=io.reads, component=name, **planning)
+            name: plan_model(model, target, pool=io.reads, component=name, **planning)
             for name, model in models.items()
         }
         components = [
-            ComponentResult(name, m.library, m.class_name, *planned[name])
+            ConvertedComponent(name, m.library, m.class_name, *planned[name])
             for name, m in models.items()
         ]
         try:
@@ -367,7 +369,7 @@ def _models(opened: Source) -> dict[str, ModelSource]:
 def _write(
     opened: Source,
     models: dict[str, ModelSource],
-    components: list[ComponentResult],
+    components: list[ConvertedComponent],
     staging: Path,
     on_progress: ProgressHook | None,
     io: IOContext,
@@ -392,7 +394,7 @@ def _write(
     return written
 
 
-def _write_chart(component: ComponentResult, directory: Path) -> str:
+def _write_chart(component: ConvertedComponent, directory: Path) -> str:
     from precision_convert.conversion.analysis.chart import CHART_NAME, activation_chart
 
     assert component.calibration is not None
