@@ -25,7 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,20 +153,9 @@ def convert_stage(
     scratch = settings.scratch(job)
     with _stage(outcome, "convert"):
         shutil.rmtree(scratch, ignore_errors=True)  # an earlier try whose worker died
-        result = convert(
-            outcome.baseline,
-            job.target,
-            scratch,
-            validate=False,
-            recipe=options.recipe,
-            keep_fp32=options.keep_fp32,
-            calibrate=options.calibrate,
-            trust_remote_code=options.trust_remote_code,
-            coverage=options.coverage,
-            calibration_data=options.calibration_data,
-            inputs=options.inputs,
-            variant=options.variant,
-        )
+        # The source is downloaded already (its revision resolved); validation comes later.
+        unvalidated = replace(options, revision=None, device=None)
+        result = convert(outcome.baseline, job.target, scratch, False, options=unvalidated)
         outcome.fp32_share = fp32_share(result.components)
         previous = settings.store.read(job.key)
         settings.store.write(
