@@ -11,13 +11,13 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # The record's key, where the io layer (which recognises this tool's outputs) keeps it.
 from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
-from precision_convert.dtypes import FP16_MAX, FP32, TARGETS, DType, Target
+from precision_convert.dtypes import FP16_MAX, FP32, TARGETS, DType, Target, from_config_string
 from precision_convert.errors import InputError
 from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
 from precision_convert.recipes import ISLAND_REASONS, Recipe
@@ -108,17 +108,78 @@ class ModelPlan:
         data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(data).hexdigest()
 
-    def block(self, version: str) -> dict[str, Any]:
-        """The ``precision_convert`` object for shard metadata and config (docs/format.md)."""
-        return {
-            "version": version,
-            "target": self.target.value,
-            "compute_dtype": self.compute.torch_name,
-            "fp32_modules": self.fp32_modules,
-            "islands": {i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
+    def record(self, version: str) -> PlanRecord:
+        """The record of this plan that shard metadata and config carry (docs/format.md)."""
+        return PlanRecord(
+            version=version,
+            target=self.target.value,
+            compute_dtype=self.compute.torch_name,
+            fp32_modules=tuple(self.fp32_modules),
+            islands={i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
+            recipe=self.recipe,
+            plan_sha256=self.sha256,
+        )
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """The ``precision_convert`` record of a converted model (docs/format.md): written into
+    its config and every shard's metadata by the converter and a re-save, read back by the
+    loader and validation. Fields another version wrote are kept in ``extra`` and written back
+    as they were; a field that was absent stays absent."""
+
+    version: str | None = None
+    target: str | None = None
+    compute_dtype: str | None = None  # a torch dtype name, e.g. "float16"
+    fp32_modules: tuple[str, ...] = ()
+    islands: Mapping[str, str] = field(default_factory=dict)  # fp32 name -> reason
+    recipe: str | None = None
+    plan_sha256: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def compute(self) -> DType | None:
+        """The compute dtype, when the record names a floating dtype the table knows."""
+        found = from_config_string(self.compute_dtype) if self.compute_dtype else None
+        return found if found is not None and found.is_float else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object, fields in the documented order."""
+        fields = {
+            "version": self.version,
+            "target": self.target,
+            "compute_dtype": self.compute_dtype,
+            "fp32_modules": list(self.fp32_modules),
+            "islands": dict(self.islands),
             "recipe": self.recipe,
-            "plan_sha256": self.sha256,
+            "plan_sha256": self.plan_sha256,
         }
+        return {**{k: v for k, v in fields.items() if v is not None}, **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlanRecord:
+        """Read a record; ``ValueError`` when it is not an object with an ``fp32_modules``
+        list and an ``islands`` object."""
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        modules, islands = data.get("fp32_modules", []), data.get("islands", {})
+        if not isinstance(modules, list) or not isinstance(islands, dict):
+            raise ValueError("fp32_modules must be a list and islands an object")
+        return cls(
+            **{k: _text(data.get(k)) for k in _RECORD_TEXT_FIELDS},
+            fp32_modules=tuple(str(m) for m in modules),
+            islands={str(k): str(v) for k, v in islands.items()},
+            extra={k: v for k, v in data.items() if k not in _RECORD_FIELDS},
+        )
+
+
+#: The record's fields that hold one string, and all of its fields.
+_RECORD_TEXT_FIELDS = ("version", "target", "compute_dtype", "recipe", "plan_sha256")
+_RECORD_FIELDS = frozenset({*_RECORD_TEXT_FIELDS, "fp32_modules", "islands"})
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def check_target(target: str) -> Target:
