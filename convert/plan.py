@@ -145,7 +145,7 @@ class PlanRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object, fields in the documented order."""
-        fields = {
+        written = {
             "version": self.version,
             "target": self.target,
             "compute_dtype": self.compute_dtype,
@@ -154,7 +154,7 @@ class PlanRecord:
             "recipe": self.recipe,
             "plan_sha256": self.plan_sha256,
         }
-        return {**{k: v for k, v in fields.items() if v is not None}, **self.extra}
+        return {**{k: v for k, v in written.items() if v is not None}, **self.extra}
 
     @classmethod
     def from_dict(cls, data: Any) -> PlanRecord:
