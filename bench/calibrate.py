@@ -19,7 +19,7 @@ Usage::
 
     python bench/calibrate.py          # prints one JSON object
 
-Target (issue 4): calibration ≤ 2x a plain forward; report the search's evaluations.
+Target: calibration ≤ 2x a plain forward; report the search's evaluations.
 """
 
 from __future__ import annotations

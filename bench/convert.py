@@ -22,7 +22,7 @@ Usage::
     python bench/convert.py --size-gb 1 --repeat 1   # a quick run
     python bench/convert.py --skip-transformers --cache all
 
-Targets (issue 2): conversion wall ≤ 1.0× ``cp -r``+``sync``; converter peak RSS ≤ 1 GiB.
+Targets: conversion wall ≤ 1.0× ``cp -r``+``sync``; converter peak RSS ≤ 1 GiB.
 """
 
 from __future__ import annotations

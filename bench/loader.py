@@ -24,7 +24,7 @@ Usage::
     python bench/loader.py               # prints one JSON object
     python bench/loader.py --runs 30 --seq-len 256
 
-Target (issue 3): forward overhead of the loaded model ≤ 3 % over the plain cast.
+Target: forward overhead of the loaded model ≤ 3 % over the plain cast.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Usage::
     python bench/startup.py                 # prints one JSON object
     python bench/startup.py --repeat 9 --model t5
 
-Target (issue: start-up): second runs of both commands ≤ 1.5× the bare import.
+Target: second runs of both commands ≤ 1.5× the bare import.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def write_model(
     if io is None:
         with IOContext() as own:
             return write_model(model, plan, out_dir, on_progress, io=own, variant=variant)
-    block = plan.block(__version__)
+    block = plan.record(__version__).to_dict()
     stored = {t.name: t.stored for t in plan.tensors}
     written: list[str] = []
     for entry in sorted(model.root.iterdir()):

@@ -11,29 +11,22 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # The record's key, where the io layer (which recognises this tool's outputs) keeps it.
 from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
-from precision_convert.dtypes import BF16, FP16, FP16_MAX, FP32, DType
+from precision_convert.dtypes import FP16_MAX, FP32, TARGETS, DType, Target, from_config_string
 from precision_convert.errors import InputError
 from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
-from precision_convert.recipes import ISLAND_REASONS, TARGETS, Recipe
+from precision_convert.recipes import ISLAND_REASONS, Recipe
 
 #: Its key in a diffusers model's config: diffusers warns about every config key its class does
 #: not take (the whole record, on every load, for every user) but passes over keys that start
 #: with "_". Readers accept both names.
 DIFFUSERS_RECORD_KEY = "_precision_convert"
 
-#: Compute dtype of each target.
-COMPUTE_DTYPE: Mapping[str, DType] = {
-    "bf16-safe": BF16,
-    "fp16-safe": FP16,
-    "bf16": BF16,
-    "fp16": FP16,
-}
 #: A tensor of which at least this share of non-zero values would round to zero in fp16 has
 #: lost its information wholesale; it is treated like an overflowing one.
 FLUSH_FRACTION = 0.5
@@ -80,13 +73,16 @@ class RangeStats:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    target: str
-    compute: DType
+    target: Target
     recipe: str
     tensors: tuple[TensorPlan, ...]
     islands: tuple[Island, ...]
     config_flags: Mapping[str, Any]
     warnings: tuple[str, ...]
+
+    @property
+    def compute(self) -> DType:
+        return self.target.compute
 
     @property
     def fp32_modules(self) -> list[str]:
@@ -103,7 +99,7 @@ class ModelPlan:
     @property
     def sha256(self) -> str:
         payload = {
-            "target": self.target,
+            "target": self.target.value,
             "tensors": [
                 [t.name, t.source.code, t.stored.code, list(t.shape)] for t in self.tensors
             ],
@@ -112,23 +108,86 @@ class ModelPlan:
         data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(data).hexdigest()
 
-    def block(self, version: str) -> dict[str, Any]:
-        """The ``precision_convert`` object for shard metadata and config (docs/format.md)."""
-        return {
-            "version": version,
+    def record(self, version: str) -> PlanRecord:
+        """The record of this plan that shard metadata and config carry (docs/format.md)."""
+        return PlanRecord(
+            version=version,
+            target=self.target.value,
+            compute_dtype=self.compute.torch_name,
+            fp32_modules=tuple(self.fp32_modules),
+            islands={i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
+            recipe=self.recipe,
+            plan_sha256=self.sha256,
+        )
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """The ``precision_convert`` record of a converted model (docs/format.md): written into
+    its config and every shard's metadata by the converter and a re-save, read back by the
+    loader and validation. Fields another version wrote are kept in ``extra`` and written back
+    as they were; a field that was absent stays absent."""
+
+    version: str | None = None
+    target: str | None = None
+    compute_dtype: str | None = None  # a torch dtype name, e.g. "float16"
+    fp32_modules: tuple[str, ...] = ()
+    islands: Mapping[str, str] = field(default_factory=dict)  # fp32 name -> reason
+    recipe: str | None = None
+    plan_sha256: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def compute(self) -> DType | None:
+        """The compute dtype, when the record names a floating dtype the table knows."""
+        found = from_config_string(self.compute_dtype) if self.compute_dtype else None
+        return found if found is not None and found.is_float else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object, fields in the documented order."""
+        written = {
+            "version": self.version,
             "target": self.target,
-            "compute_dtype": self.compute.torch_name,
-            "fp32_modules": self.fp32_modules,
-            "islands": {i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
+            "compute_dtype": self.compute_dtype,
+            "fp32_modules": list(self.fp32_modules),
+            "islands": dict(self.islands),
             "recipe": self.recipe,
-            "plan_sha256": self.sha256,
+            "plan_sha256": self.plan_sha256,
         }
+        return {**{k: v for k, v in written.items() if v is not None}, **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlanRecord:
+        """Read a record; ``ValueError`` when it is not an object with an ``fp32_modules``
+        list and an ``islands`` object."""
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        modules, islands = data.get("fp32_modules", []), data.get("islands", {})
+        if not isinstance(modules, list) or not isinstance(islands, dict):
+            raise ValueError("fp32_modules must be a list and islands an object")
+        return cls(
+            **{k: _text(data.get(k)) for k in _RECORD_TEXT_FIELDS},
+            fp32_modules=tuple(str(m) for m in modules),
+            islands={str(k): str(v) for k, v in islands.items()},
+            extra={k: v for k, v in data.items() if k not in _RECORD_FIELDS},
+        )
 
 
-def check_target(target: str) -> str:
-    if target not in TARGETS:
+#: The record's fields that hold one string, and all of its fields.
+_RECORD_TEXT_FIELDS = ("version", "target", "compute_dtype", "recipe", "plan_sha256")
+_RECORD_FIELDS = frozenset({*_RECORD_TEXT_FIELDS, "fp32_modules", "islands"})
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def check_target(target: str) -> Target:
+    """The :class:`~precision_convert.dtypes.Target` named ``target``; bad input is refused."""
+    found = Target.lookup(target)
+    if found is None:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
-    return target
+    return found
 
 
 def build_plan(
@@ -142,8 +201,8 @@ def build_plan(
     extra_islands: Iterable[Island] = (),
 ) -> ModelPlan:
     """Decide the stored dtype of every tensor for ``target``."""
-    check_target(target)
-    safe = target.endswith("-safe")
+    decoded = check_target(target)
+    safe = decoded.safe
     unit_of = units(t.name for t in tensors)
     all_units = sorted(set(unit_of.values()))
     islands: dict[str, Island] = {}
@@ -179,17 +238,17 @@ def build_plan(
 
     warnings: list[str] = []
     # fp16's range only matters to fp16 targets; bf16 has fp32's exponent.
-    fp16_ranges = ranges if COMPUTE_DTYPE[target] == FP16 else None
+    fp16_ranges = ranges if decoded.range_limited else None
     for name, stats in (fp16_ranges or {}).items():
         problem = _range_problem(stats)
         if problem is None:
             continue
-        if target == "fp16-safe":
+        if safe:
             keep(unit_of[name], "range", f"weights {problem}")
         else:
             warnings.append(f"{name}: {problem}; stored in fp16 anyway (target {target})")
 
-    compute = COMPUTE_DTYPE[target]
+    compute = decoded.compute
     planned = tuple(
         TensorPlan(
             t.name,
@@ -204,8 +263,7 @@ def build_plan(
     float_units = {t.unit for t in planned if t.source.is_float}
     kept = tuple(islands[u] for u in sorted(islands) if u in float_units)
     return ModelPlan(
-        target,
-        compute,
+        decoded,
         recipe.name,
         planned,
         kept,

@@ -1,12 +1,15 @@
 """The one table of dtypes: safetensors codes, torch dtypes, target names and config strings.
 
 Everything that turns a name into a dtype goes through here so that "bf16", "BF16",
-"bfloat16" and ``torch.bfloat16`` can never drift apart.
+"bfloat16" and ``torch.bfloat16`` can never drift apart; so does every reading of a target
+name (:class:`Target`): its compute dtype, whether it keeps fp32 islands, whether fp16's range
+binds it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,6 +68,56 @@ BF16 = BY_CODE["BF16"]
 FP16_MAX = 65504.0
 #: Smallest positive fp16 subnormal is 2**-24; values below half of it round to zero.
 FP16_FLUSH_BELOW = 2.0**-25
+
+
+class Target(StrEnum):
+    """A conversion target, read once: ``<dtype>-safe`` keeps fp32 islands (recipe and
+    analysis), ``<dtype>`` casts every floating tensor (offered to show why the safe ones
+    exist). A member is its name as a string, so it prints, compares and serializes as one."""
+
+    BF16_SAFE = "bf16-safe"
+    FP16_SAFE = "fp16-safe"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def compute(self) -> DType:
+        """The dtype every module outside an fp32 island is stored and runs in."""
+        return BY_SHORT[self.removesuffix("-safe")]
+
+    @property
+    def safe(self) -> bool:
+        """Whether modules that need fp32 keep it."""
+        return self.endswith("-safe")
+
+    @property
+    def range_limited(self) -> bool:
+        """Whether it computes in fp16, whose largest finite value (65504) weights and
+        activations must stay under; bf16 has fp32's exponent."""
+        return self.compute == FP16
+
+    @property
+    def plain(self) -> Target:
+        """The plain cast to the same dtype (``bf16`` for ``bf16-safe``)."""
+        return Target(self.compute.short)
+
+    @property
+    def with_islands(self) -> Target:
+        """The safe target of the same dtype (``bf16-safe`` for ``bf16``)."""
+        return Target(f"{self.compute.short}-safe")
+
+    @classmethod
+    def lookup(cls, name: object) -> Target | None:
+        """The target named ``name`` (as a certificate or record spells it); None if none is."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None
+
+
+#: Target names, safe ones first (the order of choices in messages).
+TARGETS: tuple[str, ...] = tuple(t.value for t in Target)
+SAFE_TARGETS: tuple[str, ...] = tuple(t.value for t in Target if t.safe)
 
 
 def from_torch(dtype: torch.dtype) -> DType:

@@ -98,7 +98,7 @@ _PULL_REQUEST = re.compile(r"refs/pr/([1-9][0-9]*)")
 
 @dataclass(frozen=True)
 class PushResult:
-    """What :func:`publish` did."""
+    """What :func:`push_with_result` did."""
 
     url: str  # the pull request's URL, or the commit's
     repo_id: str
@@ -179,7 +179,7 @@ def push(
         PushRefused: the certificate gate refused (see :func:`check`); nothing was sent.
         HubAuthError, HubPermissionError, InputError, PushFailed: see the module docstring.
     """
-    return publish(
+    return push_with_result(
         converted,
         repo_id,
         create_pr=create_pr,
@@ -191,7 +191,7 @@ def push(
     ).url
 
 
-def publish(
+def push_with_result(
     converted: str | Path,
     repo_id: str,
     *,

@@ -16,11 +16,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from precision_convert.dtypes import SAFE_TARGETS as SAFE_TARGETS
+from precision_convert.dtypes import TARGETS as TARGETS
 from precision_convert.errors import InputError
 from precision_convert.names import validate_pattern
 
-TARGETS = ("bf16-safe", "fp16-safe", "bf16", "fp16")
-SAFE_TARGETS = ("bf16-safe", "fp16-safe")
 #: Why a module stays fp32; the loader lets a "precision" island hand its output back in the
 #: compute dtype, and lets every other kind's fp32 output flow on (see docs/format.md).
 ISLAND_REASONS = ("precision", "range", "search", "user")

@@ -463,25 +463,25 @@ def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import precision_convert.hub as hub_module
-    from precision_convert.batch.etiquette import Etiquette, publish_politely
+    from precision_convert.batch.etiquette import Etiquette, push_politely
     from precision_convert.errors import PushFailed
 
     answers: list[Exception | str] = [_failed(429, 3.0), _failed(503), "pushed"]
     calls: list[str] = []
 
-    def publish(converted: Path, repo_id: str, **options: object) -> str:
+    def push_with_result(converted: Path, repo_id: str, **options: object) -> str:
         calls.append(repo_id)
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    monkeypatch.setattr(hub_module, "publish", publish)
+    monkeypatch.setattr(hub_module, "push_with_result", push_with_result)
     waits: list[float] = []
     etiquette = Etiquette(tmp_path / "locks", interval=60.0, retries=4, backoff=2.0)
 
     def push(repo_id: str) -> object:
-        return publish_politely(
+        return push_politely(
             tmp_path,
             repo_id,
             create_pr=False,

@@ -1,4 +1,4 @@
-"""Calibration watches everything that can overflow fp16 (issue 9).
+"""Calibration watches everything that can overflow fp16.
 
 Every module's output is judged, containers included (a decoder layer's output is the residual
 stream, which no weighted module outputs), and so is what each weighted module receives. A

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from precision_convert.api.conversion import convert
+from precision_convert.api.options import ConversionOptions
 from precision_convert.names import units
 
 TARGETS = ["bf16-safe", "fp16-safe", "bf16", "fp16"]
@@ -300,6 +301,21 @@ def test_keep_fp32_adds_user_islands(tiny_model: Callable[[str], Path], tmp_path
     islands = {i.name: i.reason for i in result.components[0].plan.islands}
     assert islands == {"encoder.block.1.layer.0.SelfAttention.o": "user"}
     check_converted(tiny_model("t5-encoder"), tmp_path / "out", "fp16")
+
+
+def test_options_object_or_keywords_not_both(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """``options=`` gives the same output as the keywords it holds; both at once is refused
+    (one of them would be dropped silently)."""
+    pattern = "encoder.block.1.layer.0.SelfAttention.o"
+    options = ConversionOptions(keep_fp32=(pattern,))
+    result = convert(tiny_model("t5-encoder"), "fp16", tmp_path / "a", False, options=options)
+    assert {i.name: i.reason for i in result.components[0].plan.islands} == {pattern: "user"}
+    check_converted(tiny_model("t5-encoder"), tmp_path / "a", "fp16")
+    with pytest.raises(TypeError, match="recipe"):
+        convert(tiny_model("t5-encoder"), "fp16", tmp_path / "b", options=options, recipe="t5")
+    assert not (tmp_path / "b").exists()
 
 
 def _tree_digest(root: Path) -> str:

@@ -1,4 +1,4 @@
-"""Every way users load a converted checkpoint is certified or flagged (issue 9).
+"""Every way users load a converted checkpoint is certified or flagged.
 
 Tiny real models, real conversions, real library loads: the numbers are compared with the fp32
 source, and the files are re-opened the way a user would (``from_pretrained`` with default
@@ -57,7 +57,8 @@ def config(directory: Path) -> dict[str, Any]:
 
 
 def set_config_dtype(directory: Path, dtype: str) -> None:
-    """What config.json said before issue 9: the compute dtype, whatever the islands."""
+    """What config.json said before plain loads were certified: the compute dtype, whatever
+    the islands."""
     data = config(directory)
     data["dtype"] = dtype
     (directory / "config.json").write_text(json.dumps(data, indent=2))

@@ -13,10 +13,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precision_convert.conversion.plan import Island, ModelPlan, build_plan
+from precision_convert.conversion.plan import Island, ModelPlan, PlanRecord, build_plan
 from precision_convert.dtypes import BY_CODE, DType
 from precision_convert.recipes import ISLAND_REASONS, Fp32Rule, Recipe
 
@@ -83,7 +84,24 @@ def test_digest_is_sha256_of_the_documented_payload() -> None:
     }
     data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     assert base.sha256 == hashlib.sha256(data).hexdigest()
-    assert base.block("0.1.0")["plan_sha256"] == base.sha256
+    assert base.record("0.1.0").plan_sha256 == base.sha256
+
+
+def test_record_is_the_documented_object_and_reads_back_as_written() -> None:
+    """The record's JSON keeps the documented fields in order; read back and written again
+    (a re-save) it is the same object, fields of another version and absent ones included."""
+    written = plan().record("0.1.0").to_dict()
+    assert list(written) == [
+        "version", "target", "compute_dtype", "fp32_modules", "islands", "recipe", "plan_sha256"
+    ]  # fmt: skip
+    assert written["target"] == "fp16-safe" and written["compute_dtype"] == "float16"
+    assert PlanRecord.from_dict(written).to_dict() == written
+    other = {"version": "9.0", "fp32_modules": ["a"], "islands": {"a": "range"}, "new": [1]}
+    assert PlanRecord.from_dict(other).to_dict() == other
+    assert PlanRecord.from_dict(other).compute is None
+    for broken in ([], {"fp32_modules": "a"}, {"islands": ["a"]}):
+        with pytest.raises(ValueError):
+            PlanRecord.from_dict(broken)
 
 
 def test_same_inputs_give_the_same_digest() -> None:

@@ -658,12 +658,12 @@ def test_retry_after_is_read_as_seconds_or_an_http_date(
     from email.utils import formatdate
 
     from precision_convert.errors import PushFailed
-    from precision_convert.hub import publish
+    from precision_convert.hub import push_with_result
 
     value = "30" if form == "seconds" else formatdate(time.time() + 30, usegmt=True)
     hub.inject(r"/commit/", status=429, headers={"Retry-After": value})
     with pytest.raises(PushFailed) as refused:
-        publish(served.output, f"ns/tiny-429-{form}")
+        push_with_result(served.output, f"ns/tiny-429-{form}")
     assert refused.value.status == 429
     assert refused.value.retry_after is not None and 28 <= refused.value.retry_after <= 30
 

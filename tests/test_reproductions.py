@@ -1,4 +1,6 @@
-"""The seed failures of DESIGN.md, each shown failing without the loader and running with it.
+"""Reproductions: the dtype-boundary failures users hit with low-precision copies (T5's fp32
+``wo`` before a fused RMSNorm, CogVLM's fp16 weights with fp32 biases, OpenCLIP's bf16 LayerNorm,
+OneTrainer's fp32 side inputs), each shown failing without the loader and running with it.
 
 Every model is a real transformers / diffusers / open_clip architecture with a tiny config; every
 conversion goes through the real converter (API or CLI); every overflow is real arithmetic on

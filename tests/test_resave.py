@@ -1,6 +1,6 @@
 """A converted model survives its user's round trip: ``pc.load``, ``save_pretrained``, load.
 
-The case that broke (issue 17): an fp16-safe Llama whose layer-1 MLP is a range island — its
+The case that broke: an fp16-safe Llama whose layer-1 MLP is a range island — its
 real weights scaled until the fp32 ``down_proj`` output really exceeds fp16's 65504. The
 library's own save kept the island fp32 in the file but wrote ``config.json``'s ``dtype`` as
 float16 and dropped the record from the shards, so a plain ``from_pretrained`` flattened the

@@ -1,4 +1,4 @@
-"""Token probes work with any tokenizer a model ships, or none (issue 17).
+"""Token probes work with any tokenizer a model ships, or none.
 
 Each kind real checkpoints ship is built offline: fast byte-level BPE without a pad token (Llama
 3, GPT-2), pad = eos, a slow sentencepiece tokenizer, a sentencepiece model converted by

@@ -1,4 +1,4 @@
-"""Reproductions: real conversions of tiny real architectures, certified or refused.
+"""Certification end to end: real conversions of tiny real architectures, certified or refused.
 
 Every correct conversion must be certified; every broken one (fp16 overflow: NaN/Inf, or
 T5's fp16 clamp: finite but wrong) must be refused with a certificate that says why.

@@ -104,7 +104,7 @@ def _check_certified(source: Path, result: Any) -> None:
         assert written == json.loads(index.read_text())["weight_map"]
 
 
-#: Figures of the standard-coverage run (2 CPU threads): see the closing note of issue 17.
+#: Slow: every family at standard coverage, both safe targets, on CPU.
 @pytest.mark.slow
 @pytest.mark.parametrize("target", SAFE_TARGETS)
 @pytest.mark.parametrize("name", FAMILIES)

@@ -57,7 +57,7 @@ from precision_convert.conversion.plan import Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.dtypes import FP16_MAX
+from precision_convert.dtypes import FP16_MAX, Target
 from precision_convert.names import module_of
 from precision_convert.progress import stage
 from precision_convert.validation.probe.execute import (
@@ -141,7 +141,7 @@ class Calibration:
 @stage("calibration")
 def calibrated_plan(
     model: ModelSource,
-    target: str,
+    target: Target,
     plan_with: PlanWith,
     *,
     search: bool = True,
@@ -168,7 +168,7 @@ def calibrated_plan(
     )
     base = plan_with(())
     fp32 = load_fp32(model.root, trust_remote_code=trust_remote_code).eval()
-    simulate = torch.bfloat16 if target == "bf16-safe" else None
+    simulate = None if target.range_limited else target.compute.torch
     recorded: dict[str, dict[str, ActivationStats]] = {}
 
     def run(candidate_model: Any, inputs: Any) -> Any:
@@ -197,8 +197,8 @@ def calibrated_plan(
     float_units = _float_units(base)
     ordered = _execution_order(float_units, stats)
     free = [u for u in ordered if u not in existing]
-    near = near_limit(stats) if target == "fp16-safe" else []
-    if target == "fp16-safe":
+    near = near_limit(stats) if target.range_limited else []
+    if target.range_limited:
         found = overflowing(stats, free)
         added = [Island(u, "range", f"calibration: {why}") for u, why in found.items()]
         added += _range_from_watch(near, stats, existing, set(float_units), set(found))
@@ -211,7 +211,7 @@ def calibrated_plan(
     thresholds = thresholds_for(task, validation)
     evaluations, passed = 0, None
     carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
-    if search and target == "fp16-safe":
+    if search and target.range_limited:
         with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
             if near:
                 fixes, carried = _carry_in_fp32(
@@ -242,7 +242,7 @@ def calibrated_plan(
             "even with every module in fp32 the fp16 candidate does not match fp32 "
             "(fp16 inputs or outputs overflow); use bf16-safe"
         )
-    if target == "fp16-safe" and plan.fp32_share > FP32_SHARE_LIMIT:
+    if target.range_limited and plan.fp32_share > FP32_SHARE_LIMIT:
         warnings.append(
             f"{plan.fp32_share:.0%} of the parameters stay fp32 (over {FP32_SHARE_LIMIT:.0%}): "
             "fp16-safe saves little here; bf16-safe is recommended"

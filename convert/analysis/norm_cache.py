@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert._version import __version__
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ _DISABLED = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"}
 #: Bump when the layout of an entry or the meaning of its key changes.
 SCHEMA = 1
 #: Top-level config fields that name, date or type a checkpoint without shaping its modules
-#: (``precision_convert`` is our own record, written into converted configs).
+#: (and our own record, written into converted configs under either name).
 IGNORED_CONFIG_KEYS = frozenset(
     {
         "_name_or_path",
@@ -48,7 +49,8 @@ IGNORED_CONFIG_KEYS = frozenset(
         "_diffusers_version",
         "torch_dtype",
         "dtype",
-        "precision_convert",
+        RECORD_KEY,
+        DIFFUSERS_RECORD_KEY,
     }
 )
 #: The distribution of each library a skeleton is built by.

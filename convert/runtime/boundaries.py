@@ -1,9 +1,11 @@
 """Dtype boundaries of a mixed-precision model, and the hooks that make them safe to cross.
 
 A model loaded from a ``-safe`` checkpoint computes in one dtype (bf16/fp16) except for fp32
-islands. Every failure in DESIGN.md's table is a tensor crossing such a boundary in the wrong
-dtype, so the rule is: a floating tensor entering a module is cast to that module's dtype. What
-an island hands on depends on why it exists (docs/format.md):
+islands. The failures users hit with such models (T5's fp32 ``wo`` before a fused RMSNorm,
+CogVLM's fp16 weight with an fp32 bias, OpenCLIP's LayerNorm given bf16, fp32 side inputs reaching
+fp16 layers) are each a tensor crossing such a boundary in the wrong dtype, so the rule is: a
+floating tensor entering a module is cast to that module's dtype. What an island hands on depends
+on why it exists (docs/format.md):
 
 * a **precision** island (a norm) hands its output back in the compute dtype, so nothing
   downstream ever sees fp32;

@@ -16,6 +16,7 @@ treated as one whose fp32 output must flow on.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from precision_convert.conversion.io.source import (
     resolve,
 )
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
-from precision_convert.conversion.plan import RECORD_KEY
+from precision_convert.conversion.plan import RECORD_KEY, PlanRecord
 from precision_convert.conversion.runtime.builders import (
     KeyMap,
     build_pretrained,
@@ -40,7 +41,7 @@ from precision_convert.conversion.runtime.record import (
     tensors_under,
 )
 from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_save
-from precision_convert.dtypes import FP32, DType, from_config_string
+from precision_convert.dtypes import FP32, DType
 from precision_convert.errors import InputError
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
     model = build_pretrained(source, compute.torch, trust_remote_code=trust_remote_code, cls=cls)
     key_of = key_map(model, source)
     _restore_stored_dtypes(model, tensors, key_of, compute, source)
-    reasons = model_reasons(record.get("islands", {}) if record else {}, tensors, key_of)
+    reasons = model_reasons(record.islands if record else {}, tensors, key_of)
     install(model, find_boundaries(model, compute=compute.torch, reasons=reasons))
     if record is not None:  # a re-save writes back what the library's save drops
         keep_plan_on_save(model, SavedPlan.of(source, record))
@@ -153,15 +154,14 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
 
 
 def _compute_dtype(
-    record: dict[str, Any] | None, tensors: list[LazyTensor], source: ModelSource
+    record: PlanRecord | None, tensors: list[LazyTensor], source: ModelSource
 ) -> DType:
     """The record's compute dtype; for an unrecorded checkpoint the one most elements are in."""
     if record is not None:
-        found = from_config_string(str(record.get("compute_dtype", "")))
-        if found is None or not found.is_float:
+        found = record.compute
+        if found is None:
             raise InputError(
-                f"{RECORD_KEY} record has no usable compute_dtype "
-                f"({record.get('compute_dtype')!r})",
+                f"{RECORD_KEY} record has no usable compute_dtype ({record.compute_dtype!r})",
                 source.root / source.config_name,
             )
         return found
@@ -173,7 +173,7 @@ def _compute_dtype(
 
 
 def model_reasons(
-    islands: dict[str, str], tensors: list[LazyTensor], key_of: KeyMap
+    islands: Mapping[str, str], tensors: list[LazyTensor], key_of: KeyMap
 ) -> dict[str, str]:
     """Island reasons re-keyed from checkpoint names to the model's module names."""
     out: dict[str, str] = {}

@@ -11,19 +11,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import LazyTensor
-from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, PlanRecord
 from precision_convert.dtypes import FP32
 from precision_convert.errors import InputError
 
 __all__ = ["check_record", "read_record", "record_mismatch", "tensors_under"]
 
 
-def read_record(source: ModelSource) -> dict[str, Any] | None:
-    """The ``precision_convert`` block: from the config, else from the first shard's metadata
+def read_record(source: ModelSource) -> PlanRecord | None:
+    """The ``precision_convert`` record: from the config, else from the first shard's metadata
     (a ``--variant`` output keeps the source's config, so only its shards carry it)."""
     block = source.config.get(RECORD_KEY, source.config.get(DIFFUSERS_RECORD_KEY))
     where: Path = source.root / source.config_name
@@ -41,9 +40,12 @@ def read_record(source: ModelSource) -> dict[str, Any] | None:
             block = json.loads(raw)
         except ValueError:
             raise InputError(f"{RECORD_KEY} metadata is not valid JSON", where) from None
-    if not isinstance(block, dict) or not isinstance(block.get("fp32_modules", []), list):
-        raise InputError(f"{RECORD_KEY} record is not an object with an fp32_modules list", where)
-    return block
+    try:
+        return PlanRecord.from_dict(block)
+    except ValueError:
+        raise InputError(
+            f"{RECORD_KEY} record is not an object with an fp32_modules list", where
+        ) from None
 
 
 def tensors_under(name: str, tensors: Iterable[LazyTensor]) -> list[LazyTensor]:
@@ -51,11 +53,11 @@ def tensors_under(name: str, tensors: Iterable[LazyTensor]) -> list[LazyTensor]:
     return [t for t in tensors if t.name == name or t.name.startswith(name + ".")]
 
 
-def record_mismatch(record: dict[str, Any], tensors: list[LazyTensor]) -> str | None:
+def record_mismatch(record: PlanRecord, tensors: list[LazyTensor]) -> str | None:
     """How ``tensors`` contradict ``record`` (an island with no tensor, or one not stored in
     fp32), or None when they hold it."""
-    for island in record.get("fp32_modules", []):
-        covered = tensors_under(str(island), tensors)
+    for island in record.fp32_modules:
+        covered = tensors_under(island, tensors)
         if not covered:
             return f"the {RECORD_KEY} record keeps {island!r} in fp32 but no tensor belongs to it"
         wrong = next((t for t in covered if t.dtype.is_float and t.dtype != FP32), None)
@@ -67,7 +69,7 @@ def record_mismatch(record: dict[str, Any], tensors: list[LazyTensor]) -> str | 
     return None
 
 
-def check_record(record: dict[str, Any], tensors: list[LazyTensor], source: ModelSource) -> None:
+def check_record(record: PlanRecord, tensors: list[LazyTensor], source: ModelSource) -> None:
     """Refuse weights that contradict their record: the plan is only worth what the files hold."""
     mismatch = record_mismatch(record, tensors)
     if mismatch is not None:

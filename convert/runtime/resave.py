@@ -38,7 +38,7 @@ from typing import Any
 
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.source import ModelSource, open_source
-from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
+from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, PlanRecord
 from precision_convert.conversion.runtime.record import record_mismatch
 
 __all__ = ["SavedPlan", "keep_plan_on_save", "write_plan"]
@@ -56,11 +56,11 @@ class SavedPlan:
     """What a re-save writes back: the record, and the dtype the loaded ``config.json`` gave a
     plain load (transformers only; None: leave the library's)."""
 
-    record: dict[str, Any]
+    record: PlanRecord
     dtype: str | None
 
     @classmethod
-    def of(cls, source: ModelSource, record: dict[str, Any]) -> SavedPlan:
+    def of(cls, source: ModelSource, record: PlanRecord) -> SavedPlan:
         found = next((source.config[k] for k in DTYPE_KEYS if k in source.config), None)
         plain = found if source.library == "transformers" and isinstance(found, str) else None
         return cls(record, plain)
@@ -115,12 +115,13 @@ def write_plan(directory: Path, plan: SavedPlan, variant: str | None = None) -> 
         if any([config.pop(key, None) for key in (RECORD_KEY, DIFFUSERS_RECORD_KEY)]):
             _replace_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return
-    config[DIFFUSERS_RECORD_KEY if saved.library == "diffusers" else RECORD_KEY] = plan.record
+    record = plan.record.to_dict()
+    config[DIFFUSERS_RECORD_KEY if saved.library == "diffusers" else RECORD_KEY] = record
     for key in DTYPE_KEYS:
         if key in config and plan.dtype is not None:
             config[key] = plan.dtype
     _replace_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    metadata = {RECORD_KEY: json.dumps(plan.record, separators=(",", ":"))}
+    metadata = {RECORD_KEY: json.dumps(record, separators=(",", ":"))}
     for weight_file in saved.files:
         if weight_file.path.suffix == ".safetensors":
             add_metadata(weight_file.path, metadata)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from precision_convert.api.options import ConversionOptions
 from precision_convert.conversion.analysis.norms import normalization_modules
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import (
@@ -32,6 +33,7 @@ from precision_convert.conversion.plan import (
     check_target,
     scan_ranges,
 )
+from precision_convert.dtypes import Target
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
@@ -39,11 +41,12 @@ from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
     from precision_convert.conversion.analysis.calibration import Calibration
+    from precision_convert.validation.certify.certificate import Certificate
     from precision_convert.validation.probe.userdata import CalibrationData
 
 
 @dataclass(frozen=True)
-class ComponentResult:
+class ConvertedComponent:
     """What happened to one model (the model itself, or one pipeline component)."""
 
     name: str  # "" for a single model, the component folder for pipelines
@@ -85,8 +88,8 @@ RESULT_SCHEMA = "precision-convert/conversion/1"
 class ConversionResult:
     source: str
     output: Path
-    target: str
-    components: list[ComponentResult]
+    target: Target
+    components: list[ConvertedComponent]
     files: list[str] = field(default_factory=list)
     certificate: Any | None = None  # a validate.certificate.Certificate when validation ran
 
@@ -149,21 +152,21 @@ def plan_model(
         if recipe
         else match_recipe(model.library, model.class_name, model.model_type)
     )
+    decoded = check_target(target)
     tensors = list(model.tensors())
-    safe = target.endswith("-safe")
     if normalization is not None:
         norms = set(normalization)
-    elif safe and chosen.keep_normalization:
+    elif decoded.safe and chosen.keep_normalization:
         norms = normalization_modules(model, trust_remote_code=trust_remote_code)
     else:
         norms = set()
-    if ranges is None and target in ("fp16", "fp16-safe"):
+    if ranges is None and decoded.range_limited:
         ranges = scan_ranges(tensors if pool is None else [PooledTensor(t, pool) for t in tensors])
 
     def plan_with(extra: Sequence[Island]) -> ModelPlan:
         return build_plan(
             tensors,
-            target=target,
+            target=decoded,
             recipe=chosen,
             normalization=norms,
             keep_fp32=keep_fp32,
@@ -171,7 +174,7 @@ def plan_model(
             extra_islands=extra,
         )
 
-    if not (calibrate and safe):
+    if not (calibrate and decoded.safe):
         return plan_with(()), None
     from precision_convert.conversion.analysis.calibration import calibrated_plan
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
@@ -179,7 +182,7 @@ def plan_model(
     try:
         return calibrated_plan(
             model,
-            target,
+            decoded,
             plan_with,
             search=search,
             trust_remote_code=trust_remote_code,
@@ -199,6 +202,7 @@ def convert(
     validate: bool = True,
     device: str | None = None,
     *,
+    options: ConversionOptions | None = None,
     revision: str | None = None,
     recipe: str | None = None,
     keep_fp32: Sequence[str] = (),
@@ -219,20 +223,13 @@ def convert(
         to: ``bf16-safe``, ``fp16-safe``, ``bf16`` or ``fp16``.
         output: output directory; default ``./<source-name>-<to>``.
         validate: run the validation stage and write ``precision_certificate.json``.
-        recipe: a built-in recipe name or a TOML file; default: matched by class/model_type.
-        keep_fp32: extra module patterns to keep in fp32 (``*`` one component, ``**`` many).
-        calibrate: run the model in fp32 to find islands the recipe does not name (and, for
-            fp16-safe, check and search); default on for ``fp16-safe`` only, where range
-            matters; on for ``bf16-safe`` it looks for layers that lose their mantissa.
-        coverage: the probe budget of calibration and validation: ``quick``, ``standard``
-            (default) or ``thorough``.
-        calibration_data: text lines or JSONL of model inputs, added to the probes of
-            calibration and validation.
-        inputs: a safetensors file of named inputs that replaces validation's probes.
-        variant: write the weights under the Hub's variant names (``model.<variant>.
-            safetensors``…) and keep the source's config files unchanged, so the output can
-            be added to the source repo and loaded with ``from_pretrained(..., variant=)``;
-            the certificate is ``precision_certificate.<variant>.json``.
+        options: every other choice of the conversion in one
+            :class:`~precision_convert.api.options.ConversionOptions`; or pass them as
+            keywords of the same names (``device``, ``revision``, ``recipe``, ``keep_fp32``,
+            ``calibrate``, ``trust_remote_code``, ``coverage``, ``calibration_data``,
+            ``inputs``, ``variant``, each described there), not both.
+        overwrite: replace an output directory this tool wrote before (or an empty one).
+        on_progress: called with (what is being written, source bytes just consumed).
         hub_timeout: seconds a Hub download may wait for metadata (see
             :func:`~precision_convert.conversion.io.source.resolve`); default: the
             huggingface_hub settings.
@@ -244,77 +241,114 @@ def convert(
     Returns:
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
-    check_target(to)
-    check_variant(variant)
-    data = read_user_data(calibration_data, coverage)
+    chosen = ConversionOptions.given(
+        options, device=device, revision=revision, recipe=recipe, keep_fp32=keep_fp32,
+        calibrate=calibrate, trust_remote_code=trust_remote_code, coverage=coverage,
+        calibration_data=calibration_data, inputs=inputs, variant=variant,
+    )  # fmt: skip
+    run = _Run(validate, overwrite, on_progress, hub_timeout)
+    return _convert(source, check_target(to), output, chosen, run)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How one call runs, beside what it converts: which stages, and who hears of progress."""
+
+    validate: bool
+    overwrite: bool
+    on_progress: ProgressHook | None
+    hub_timeout: float | None
+
+
+def _convert(
+    source: str | Path,
+    target: Target,
+    output: str | Path | None,
+    options: ConversionOptions,
+    run: _Run,
+) -> ConversionResult:
+    """:func:`convert`, its options gathered: every input checked before the staging
+    directory is made, then plan, write and (with ``run.validate``) certify there."""
+    check_variant(options.variant)
+    data = read_user_data(options.calibration_data, options.coverage)
     supplied = None
-    if validate and inputs is not None:  # a bad --inputs file: refused before any writing
+    if run.validate and options.inputs is not None:  # bad --inputs: refused before any writing
         from precision_convert.validation.certify.runner import read_inputs
 
-        supplied = read_inputs(inputs)
-    root = resolve(source, revision, timeout=hub_timeout)
-    target_dir = Path(output) if output is not None else default_output(source, to)
-    staged = StagedOutput(target_dir, overwrite=overwrite, sources=(root,))
+        supplied = read_inputs(options.inputs)
+    root = resolve(source, options.revision, timeout=run.hub_timeout)
+    target_dir = Path(output) if output is not None else default_output(source, target)
+    staged = StagedOutput(target_dir, overwrite=run.overwrite, sources=(root,))
     staged.check()
     opened = open_source(root)
     if data is not None or supplied is not None:
         from precision_convert.validation.probe.preflight import check_user_inputs
 
         check_user_inputs(
-            opened, data=data, inputs=supplied, inputs_path=inputs,
-            trust_remote_code=trust_remote_code, warn_of_cuts=not validate,
+            opened, data=data, inputs=supplied, inputs_path=options.inputs,
+            trust_remote_code=options.trust_remote_code, warn_of_cuts=not run.validate,
         )  # fmt: skip
     models = _models(opened)
-    if variant is not None and any(m.library == "open_clip" for m in models.values()):
+    if options.variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
-    if calibrate is None:
-        calibrate = to == "fp16-safe"
+    if options.calibrate is None:  # on where fp16's range is at stake
+        options = replace(options, calibrate=target.safe and target.range_limited)
     # Validated in the staging directory and renamed into place with its certificate, so the
     # target holds nothing or a complete, certified output, however the run is stopped.
     with staged:
         components, written = _plan_and_write(
-            opened, models, staged, target_dir, to, on_progress, variant,
-            recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code,
-            calibrate=calibrate, coverage=coverage, calibration_data=data,
-        )  # fmt: skip
+            opened, models, staged, target, options, data, run.on_progress
+        )
         certificate = None
-        if validate:
-            from precision_convert.validation.certify.runner import validate as run_validation
-
-            try:
-                certificate = run_validation(
-                    staged.path,
-                    baseline=root,
-                    device=device,
-                    inputs=supplied,
-                    coverage=coverage or "standard",
-                    calibration_data=data,
-                    trust_remote_code=trust_remote_code,
-                )
-            except CannotValidateError:
-                staged.commit()  # kept, with the failing certificate that says what is missing
-                raise
+        if run.validate:
+            certificate = _certify(staged, root, options, supplied, data)
         staged.commit()
     return ConversionResult(
         source=str(source),
         output=target_dir,
-        target=to,
+        target=target,
         components=components,
         files=sorted(written),
         certificate=certificate,
     )
 
 
+def _certify(
+    staged: StagedOutput,
+    root: Path,
+    options: ConversionOptions,
+    supplied: Any,
+    data: CalibrationData | None,
+) -> Certificate:
+    """Validate the staged output against ``root``; a run that cannot validate keeps its
+    output, with the failing certificate that says what is missing."""
+    from precision_convert.validation.certify.runner import validate
+    from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
+
+    try:
+        return validate(
+            staged.path,
+            baseline=root,
+            device=options.device,
+            inputs=supplied,
+            coverage=options.coverage or DEFAULT_LEVEL,
+            calibration_data=data,
+            trust_remote_code=options.trust_remote_code,
+        )
+    except CannotValidateError:
+        staged.commit()
+        raise
+
+
 def _plan_and_write(
     opened: Source,
     models: dict[str, ModelSource],
     staged: StagedOutput,
-    target_dir: Path,
-    to: str,
+    target: Target,
+    options: ConversionOptions,
+    data: CalibrationData | None,
     on_progress: ProgressHook | None,
-    variant: str | None,
-    **planning: Any,
-) -> tuple[list[ComponentResult], list[str]]:
+) -> tuple[list[ConvertedComponent], list[str]]:
     """Plan every model and write the output into the staging directory."""
     # The run's buffers and prefetch thread: all released, the thread joined, before
     # validation (whether the conversion succeeds or fails).
@@ -322,17 +356,30 @@ def _plan_and_write(
         # Read the weights into the page cache while planning imports torch/transformers.
         io.prefetch(t for model in models.values() for t in model.tensors())
         planned = {
-            name: plan_model(model, to, pool=io.reads, component=name, **planning)
+            name: plan_model(
+                model,
+                target,
+                pool=io.reads,
+                component=name,
+                recipe=options.recipe,
+                keep_fp32=options.keep_fp32,
+                trust_remote_code=options.trust_remote_code,
+                calibrate=bool(options.calibrate),
+                coverage=options.coverage,
+                calibration_data=data,
+            )
             for name, model in models.items()
         }
         components = [
-            ComponentResult(name, m.library, m.class_name, *planned[name])
+            ConvertedComponent(name, m.library, m.class_name, *planned[name])
             for name, m in models.items()
         ]
         try:
-            written = _write(opened, models, components, staged.path, on_progress, io, variant)
+            written = _write(
+                opened, models, components, staged.path, on_progress, io, options.variant
+            )
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
-            raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
+            raise InputError(f"cannot write output: {exc.strerror or exc}", staged.given) from None
     return components, written
 
 
@@ -367,7 +414,7 @@ def _models(opened: Source) -> dict[str, ModelSource]:
 def _write(
     opened: Source,
     models: dict[str, ModelSource],
-    components: list[ComponentResult],
+    components: list[ConvertedComponent],
     staging: Path,
     on_progress: ProgressHook | None,
     io: IOContext,
@@ -392,7 +439,7 @@ def _write(
     return written
 
 
-def _write_chart(component: ComponentResult, directory: Path) -> str:
+def _write_chart(component: ConvertedComponent, directory: Path) -> str:
     from precision_convert.conversion.analysis.chart import CHART_NAME, activation_chart
 
     assert component.calibration is not None

@@ -1,8 +1,9 @@
 """``inspect``: what a checkpoint really holds, and what would go wrong in low precision.
 
-Dtypes come from the tensor headers, never from ``config.json``. Hazards are the failures in
-DESIGN.md's table: a module whose parameters disagree in dtype (CogVLM's fp16 weight + fp32
-bias), weights beyond fp16's range, weights that fp16 would flush to zero, NaN/Inf weights.
+Dtypes come from the tensor headers, never from ``config.json``. Hazards are what breaks a
+low-precision copy before it runs: a module whose parameters disagree in dtype (CogVLM's fp16
+weight + fp32 bias), weights beyond fp16's range, weights that fp16 would flush to zero,
+NaN/Inf weights.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.conversion.analysis.norms import normalization_modules
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
 from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
-from precision_convert.dtypes import FP16_MAX, from_config_string
+from precision_convert.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
 from precision_convert.names import units
-from precision_convert.recipes import SAFE_TARGETS
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class ComponentReport:
         (or over it), worst first, at most ``count``."""
         if self.calibration is None:
             return []
-        fp16_islands = self.islands.get("fp16-safe", {})
+        fp16_islands = self.islands.get(Target.FP16_SAFE, {})
         weighted = {m.name for m in self.modules}  # containers repeat their children's peaks
         stats = [
             s
@@ -182,7 +182,7 @@ def _calibrate(
 
     plan, calibration = plan_model(
         model,
-        "fp16-safe",
+        Target.FP16_SAFE,
         calibrate=True,
         search=False,
         trust_remote_code=trust_remote_code,
@@ -192,13 +192,13 @@ def _calibrate(
         calibration_data=probes.data,
         component=report.component,
     )
-    report.islands["fp16-safe"] = {i.name: i.reason for i in plan.islands}
+    report.islands[Target.FP16_SAFE] = {i.name: i.reason for i in plan.islands}
     report.calibration = calibration
     if calibration is not None:
         units = list(dict.fromkeys(t.unit for t in plan.tensors if t.source.is_float))
         title = f"{report.component or report.class_name}: peak |activation| per module"
         report.chart = activation_chart(
-            calibration.stats, units, report.islands["fp16-safe"], chart, title
+            calibration.stats, units, report.islands[Target.FP16_SAFE], chart, title
         )
 
 

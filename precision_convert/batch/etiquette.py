@@ -45,7 +45,7 @@ class Etiquette:
     backoff: float = 2.0  # first retry delay, doubled each time, plus up to as much jitter
 
 
-def publish_politely(
+def push_politely(
     converted: Path,
     repo_id: str,
     *,
@@ -54,14 +54,14 @@ def publish_politely(
     etiquette: Etiquette,
     sleep: Callable[[float], None] = time.sleep,
 ) -> PushResult:
-    """:func:`precision_convert.hub.publish` within the repo's turn, retried as above."""
+    """:func:`precision_convert.hub.push_with_result` within the repo's turn, retried as above."""
     from tenacity import Retrying, retry_if_exception, stop_after_attempt
 
-    from precision_convert.hub import publish
+    from precision_convert.hub import push_with_result
 
     def attempt() -> PushResult:
         with _turn(etiquette, repo_id, sleep):
-            return publish(converted, repo_id, create_pr=create_pr, private=private)
+            return push_with_result(converted, repo_id, create_pr=create_pr, private=private)
 
     retrying = Retrying(
         retry=retry_if_exception(transient),

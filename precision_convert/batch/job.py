@@ -25,17 +25,17 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.batch.etiquette import Etiquette, publish_politely
+from precision_convert.batch.etiquette import Etiquette, push_politely
 from precision_convert.batch.manifest import Job
 from precision_convert.batch.state import STATE_DIR, JobState, Start, StateStore
 from precision_convert.errors import CheckFailed, PrecisionConvertError
 
 if TYPE_CHECKING:
-    from precision_convert.api.conversion import ComponentResult
+    from precision_convert.api.conversion import ConvertedComponent
     from precision_convert.validation.certify.certificate import Certificate
 
 #: Outcome statuses: certified (and pushed, when configured); kept by --resume; failed.
@@ -153,20 +153,9 @@ def convert_stage(
     scratch = settings.scratch(job)
     with _stage(outcome, "convert"):
         shutil.rmtree(scratch, ignore_errors=True)  # an earlier try whose worker died
-        result = convert(
-            outcome.baseline,
-            job.target,
-            scratch,
-            validate=False,
-            recipe=options.recipe,
-            keep_fp32=options.keep_fp32,
-            calibrate=options.calibrate,
-            trust_remote_code=options.trust_remote_code,
-            coverage=options.coverage,
-            calibration_data=options.calibration_data,
-            inputs=options.inputs,
-            variant=options.variant,
-        )
+        # The source is downloaded already (its revision resolved); validation comes later.
+        unvalidated = replace(options, revision=None, device=None)
+        result = convert(outcome.baseline, job.target, scratch, False, options=unvalidated)
         outcome.fp32_share = fp32_share(result.components)
         previous = settings.store.read(job.key)
         settings.store.write(
@@ -242,7 +231,7 @@ def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:
     if job.push is not None:
         spec = job.push
         with _stage(outcome, "push"):
-            result = publish_politely(
+            result = push_politely(
                 job.output,
                 spec.repo_id,
                 create_pr=spec.create_pr,
@@ -303,7 +292,7 @@ def key_metric(certificate: Certificate) -> dict[str, Any] | None:
     }
 
 
-def fp32_share(components: list[ComponentResult]) -> float:
+def fp32_share(components: list[ConvertedComponent]) -> float:
     """Share of floating-point parameters kept in fp32, over every component."""
     total = kept = 0.0
     for component in components:

@@ -25,26 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert._version import __version__
+from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
 from precision_convert.errors import InputError, printable
 from precision_convert.recipes import TARGETS
 
 #: ``[[model]]`` keys that only an entry can have.
 ENTRY_KEYS = frozenset({"source", "name"})
-#: Options of ``precision-convert model`` that an entry or ``[defaults]`` may set.
+#: Options of ``precision-convert model`` that an entry or ``[defaults]`` may set: the
+#: targets, every conversion option, and where to push.
 OPTION_KEYS = frozenset(
     {
         "to",
-        "revision",
-        "recipe",
-        "keep_fp32",
-        "calibrate",
-        "calibration_data",
-        "inputs",
-        "coverage",
-        "device",
-        "trust_remote_code",
-        "variant",
+        *OPTION_NAMES,
         "push",
         "create_pr",
         "private",
@@ -76,22 +69,6 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 
 @dataclass(frozen=True)
-class Options:
-    """What ``convert`` and ``validate`` are given for one job (paths made absolute)."""
-
-    revision: str | None = None
-    recipe: str | None = None
-    keep_fp32: tuple[str, ...] = ()
-    calibrate: bool | None = None
-    calibration_data: str | None = None
-    inputs: str | None = None
-    coverage: str | None = None
-    device: str | None = None  # None: the validation slot's device (CUDA when present)
-    trust_remote_code: bool = False
-    variant: str | None = None
-
-
-@dataclass(frozen=True)
 class PushSpec:
     """Where a certified output goes: a repo of its own, or a variant PR into the source."""
 
@@ -111,7 +88,7 @@ class Job:
     target: str
     source: str  # an absolute local directory or a Hub repo id
     output: Path
-    options: Options
+    options: ConversionOptions  # paths made absolute; device None: the validation slot's
     push: PushSpec | None
     line: int  # the ``[[model]]`` line it comes from
 
@@ -382,7 +359,7 @@ def _jobs(
     push_value = values.pop("push", None)
     create_pr = values.pop("create_pr", False)
     private = values.pop("private", None)
-    options = Options(**values)
+    options = ConversionOptions(**values)
     jobs = []
     for target in dict.fromkeys(targets):
         push = None
@@ -407,7 +384,7 @@ def _push(
     target: str,
     source: str,
     on_hub: bool,
-    options: Options,
+    options: ConversionOptions,
 ) -> str | None:
     """The repo id a job pushes to: the pattern filled in, or the source repo for ``"pr"``;
     None when it cannot be (the problem is noted)."""

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from precision_convert.cli._common import console, elide, out
+from precision_convert.dtypes import Target
 from precision_convert.folding import Role, fold
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def _print_calibration(component: ComponentReport) -> None:
     """The modules within 8x of fp16's limit, folded by role (``model.layers.{2..31}.
     input_layernorm``: the instances that came near, with their worst peaks), nearest first."""
     near = {row["module"]: row for row in component.nearest_to_limit(len(component.modules))}
-    islands = component.islands.get("fp16-safe", {})
+    islands = component.islands.get(Target.FP16_SAFE, {})
     roles = sorted(fold(near), key=lambda r: min(near[m]["fp16_headroom"] for m in r.members))
     rows = []
     for role in roles[:MAX_NEAR_ROLES]:

@@ -124,6 +124,7 @@ def model(
             raise InputError("--push needs a certificate: drop --no-validate")
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
         from precision_convert.api.conversion import convert, default_output
+        from precision_convert.api.options import ConversionOptions
         from precision_convert.cli._reports import (
             note_unvalidated,
             print_certificate,
@@ -142,23 +143,26 @@ def model(
     with reported_errors(on_disk):
         with byte_progress("converting", not json_output) as progress:
             try:
+                options = ConversionOptions(
+                    revision=revision,
+                    recipe=recipe,
+                    keep_fp32=tuple(keep_fp32 or ()),
+                    calibrate=calibrate,
+                    calibration_data=calibration_data,
+                    inputs=inputs,
+                    coverage=coverage,
+                    device=None if device == "auto" else device,
+                    trust_remote_code=trust_remote_code,
+                    variant=variant,
+                )
                 result = convert(
                     source,
                     to,
                     output,
                     validate=validate,
-                    device=None if device == "auto" else device,
-                    revision=revision,
-                    recipe=recipe,
-                    keep_fp32=keep_fp32 or (),
-                    calibrate=calibrate,
+                    options=options,
                     overwrite=overwrite,
-                    trust_remote_code=trust_remote_code,
                     on_progress=progress,
-                    coverage=coverage,
-                    calibration_data=calibration_data,
-                    inputs=inputs,
-                    variant=variant,
                 )
             except CannotValidateError:  # the output is written, with a failing certificate
                 note_unvalidated(target)

@@ -105,10 +105,10 @@ def push_and_report(
     """Push and say what happened on stderr (``with_url``: the URL too, for ``model --push``,
     whose stdout is the conversion's report); for ``push`` and for ``model … --push`` (call it
     inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
-    from precision_convert.hub import publish
+    from precision_convert.hub import push_with_result
 
     with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
-        result = publish(
+        result = push_with_result(
             converted,
             repo_id,
             create_pr=create_pr,

@@ -76,9 +76,10 @@ def validate_command(
         from precision_convert.cli._reports import note_unvalidated, print_certificate
         from precision_convert.errors import CannotValidateError
         from precision_convert.validation.certify.runner import validate
+        from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
     if verify:
-        verify_files(converted, json_output)
+        verify_only(converted, json_output)
         return
 
     def on_disk() -> str:
@@ -93,7 +94,7 @@ def validate_command(
                     device,
                     inputs=inputs,
                     max_memory=max_memory,
-                    coverage=coverage or "standard",
+                    coverage=coverage or DEFAULT_LEVEL,
                     calibration_data=calibration_data,
                     trust_remote_code=trust_remote_code,
                 )
@@ -107,7 +108,7 @@ def validate_command(
         require_pass(certificate, converted)
 
 
-def verify_files(converted: Path, json_output: bool) -> None:
+def verify_only(converted: Path, json_output: bool) -> None:
     """``--verify``: the one verifier ``push`` and ``batch --resume`` use too, offline; exit 1
     naming each file at fault (or a verdict other than pass)."""
     from precision_convert.validation.certify.verify import verify
@@ -130,19 +131,16 @@ def verify_files(converted: Path, json_output: bool) -> None:
         )
 
 
-#: Targets that cast every floating tensor (no fp32 islands), offered to show why the safe
-#: ones exist.
-PLAIN_CASTS = ("bf16", "fp16")
-
-
 def require_pass(certificate: Certificate, converted: Path) -> None:
     """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
     not a certification, whatever it found)."""
+    from precision_convert.dtypes import Target
     from precision_convert.errors import CheckFailed
 
     if not certificate.passed:
         why = certificate.why_not_certified(converted)
-        if certificate.verdict == "fail" and certificate.target in PLAIN_CASTS:
-            safe = f"{certificate.target}-safe"
+        target = Target.lookup(certificate.target)
+        if certificate.verdict == "fail" and target is not None and not target.safe:
+            safe = target.with_islands
             why += f"; a plain cast keeps nothing in fp32, --to {safe} keeps what needs it"
         raise CheckFailed(f"{converted}: not certified: {why}")

@@ -1,7 +1,7 @@
 """Running out of resources: a file system that fills up mid-write, and a memory budget far
 below the model.
 
-``tests/test_interrupt.py`` fakes ENOSPC inside the process (a patched ``pwrite``); here the
+``test_interruptions.py`` fakes ENOSPC inside the process (a patched ``pwrite``); here the
 kernel refuses the write: the command runs with ``RLIMIT_FSIZE`` below the size of its output
 file (and SIGXFSZ ignored, so that ``write`` fails with EFBIG the way a full disk fails with
 ENOSPC), in a real process.

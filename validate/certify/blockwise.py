@@ -370,7 +370,7 @@ def _candidate_pass(
     candidate = streamer.model
     # The boundaries pc.load would install: same record, same key map, same reasons.
     reasons = model_reasons(
-        dict(component.record.get("islands", {})),
+        dict(component.record.islands),
         list(component.converted.tensors()),
         streamer.key_of,
     )

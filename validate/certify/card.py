@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from precision_convert.dtypes import BY_TORCH_NAME, Target
 from precision_convert.folding import fold
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -48,8 +49,6 @@ WAY_NAMES = {
     "resave:auto": 're-saved, `"auto"` dtype',
     "resave:pc.load": "re-saved, precision-convert",
 }
-#: Bytes per element of the dtypes a load path records.
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 #: The activation-range chart the analysis stage saves; shown in the card when present.
 CHART_NAME = "precision_activations.png"
 #: Most metric rows in the card; the certificate keeps all of them.
@@ -92,12 +91,14 @@ def compared_with(certificate: Certificate) -> str:
 
 
 def tags(certificate: Certificate) -> list[str]:
-    target = certificate.target or ""
     found = ["precision-convert"]
-    if target:
-        found += list(dict.fromkeys([target, target.removesuffix("-safe")]))
-    if target.endswith("-safe"):
-        found.append("precision-safe")
+    target = Target.lookup(certificate.target)
+    if target is not None:
+        found += list(dict.fromkeys([target.value, target.plain.value]))
+        if target.safe:
+            found.append("precision-safe")
+    elif certificate.target:  # several components with different targets
+        found.append(certificate.target)
     if certificate.passed:
         found.append(PLAIN_TAG if plain_load_passed(certificate) else PC_LOAD_ONLY_TAG)
     return found
@@ -471,7 +472,10 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
 
 
 def _nbytes(dtypes: dict[str, int]) -> int:
-    return sum(n * _ITEMSIZE.get(d, 4) for d, n in dtypes.items())
+    """Bytes of the floating elements a load path records per dtype (4 for one not known)."""
+    return sum(
+        n * (BY_TORCH_NAME[d].itemsize if d in BY_TORCH_NAME else 4) for d, n in dtypes.items()
+    )
 
 
 def _size(n: int) -> str:

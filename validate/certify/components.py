@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 
 from precision_convert.conversion.io.source import ModelSource
-from precision_convert.dtypes import from_config_string
+from precision_convert.conversion.plan import PlanRecord
 from precision_convert.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
 from precision_convert.validation.probe.execute import Outputs
@@ -30,13 +29,13 @@ class Component:
     name: str
     converted: ModelSource
     baseline_dir: Path
-    record: Mapping[str, Any]
+    record: PlanRecord  # empty when the model carries none
     trust_remote_code: bool = False  # the user allowed the model's own code (auto_map) to run
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        found = from_config_string(str(self.record.get("compute_dtype", "")))
-        return found.torch if found is not None and found.is_float else torch.float32
+        found = self.record.compute
+        return found.torch if found is not None else torch.float32
 
     @property
     def fp32_bytes(self) -> int:
@@ -58,7 +57,7 @@ def component_record(
 
     The task is the recipe's ``[validation] task`` when it names one, else the inputs' own.
     """
-    validation = recipe_validation(component.record.get("recipe"))
+    validation = recipe_validation(component.record.recipe)
     task = str(validation.get("task", inputs_task))
     record = ComponentRecord(
         name=component.name,
@@ -66,8 +65,8 @@ def component_record(
         library=component.converted.library,
         task=task,
         mode=mode,
-        recipe=component.record.get("recipe"),
-        plan_sha256=component.record.get("plan_sha256"),
+        recipe=component.record.recipe,
+        plan_sha256=component.record.plan_sha256,
         inputs=inputs.describe(),
         **extra,
     )

@@ -54,7 +54,6 @@ from precision_convert.conversion.runtime.builders import (
 from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.dtypes import from_config_string
 from precision_convert.errors import InputError
 from precision_convert.validation.certify.certificate import LoadPath
 from precision_convert.validation.certify.components import Component
@@ -314,8 +313,8 @@ def pipeline_compute(models: Iterable[ModelSource]) -> torch.dtype | None:
     counts: dict[torch.dtype, int] = {}
     for model in models:
         record = read_record(model)
-        found = from_config_string(str(record.get("compute_dtype", ""))) if record else None
-        if found is not None and found.is_float:
+        found = record.compute if record else None
+        if found is not None:
             counts[found.torch] = counts.get(found.torch, 0) + 1
     return max(counts, key=counts.__getitem__) if counts else None
 

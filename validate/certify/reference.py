@@ -136,7 +136,7 @@ def same_conversion(converted: Source, baseline: Source) -> bool:
     mine, theirs = models_of(converted), models_of(baseline)
     for name, model in mine.items():
         ours, its = read_record(model), read_record(theirs[name])
-        if not ours or not its or ours.get("plan_sha256") != its.get("plan_sha256"):
+        if not ours or not its or ours.plan_sha256 != its.plan_sha256:
             return False
     return True
 

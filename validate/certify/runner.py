@@ -43,6 +43,7 @@ from precision_convert.conversion.io.source import (
     open_source,
 )
 from precision_convert.conversion.io.staging import check_apart
+from precision_convert.conversion.plan import PlanRecord
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
@@ -308,16 +309,8 @@ def _components(
     components = []
     for name, model in found:
         baseline_dir = source.path / name if name else source.path
-        record = read_record(model)
-        components.append(
-            Component(
-                name,
-                model,
-                baseline_dir,
-                record if isinstance(record, dict) else {},
-                trust_remote_code,
-            )
-        )
+        record = read_record(model) or PlanRecord()
+        components.append(Component(name, model, baseline_dir, record, trust_remote_code))
     return components
 
 
@@ -532,8 +525,8 @@ def _certificate(
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]
-    records = {c.record.get("target") for c in components} - {None}
-    compute = {c.record.get("compute_dtype") for c in components} - {None}
+    records = {c.record.target for c in components} - {None}
+    compute = {c.record.compute_dtype for c in components} - {None}
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
         tokenizer = r.record.inputs.get("tokenizer") or {}
@@ -591,8 +584,8 @@ def _not_run(
             library=c.converted.library,
             task="unknown",
             mode="not-run",
-            recipe=c.record.get("recipe"),
-            plan_sha256=c.record.get("plan_sha256"),
+            recipe=c.record.recipe,
+            plan_sha256=c.record.plan_sha256,
         )
         for c in components
         if c.name not in done

@@ -1,0 +1,66 @@
+"""How to convert and certify one source: every choice ``model`` and a batch entry share.
+
+One object carries them from the command line (``precision-convert model``), a batch manifest
+entry and a library call to :func:`~precision_convert.api.conversion.convert`, so an option
+added here reaches all three, and a batch job's digest (what ``--resume`` compares) covers it.
+It imports nothing heavy: the batch manifest reads it before any conversion starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConversionOptions:
+    """The options of one conversion, beside its source, target and output folder.
+
+    Attributes:
+        revision: the branch, tag or commit of a Hub source.
+        recipe: a built-in recipe name or a TOML file; default: matched by class/model_type.
+        keep_fp32: extra module patterns to keep in fp32 (``*`` one component, ``**`` many).
+        calibrate: run the model in fp32 to find islands the recipe does not name (and, for
+            fp16-safe, check and search); default on for ``fp16-safe`` only, where range
+            matters; on for ``bf16-safe`` it looks for layers that lose their mantissa.
+        calibration_data: text lines or JSONL of model inputs, added to the probes of
+            calibration and validation.
+        inputs: a safetensors file of named inputs that replaces validation's probes.
+        coverage: the probe budget of calibration and validation: ``quick``, ``standard``
+            (default) or ``thorough``.
+        device: where validation runs (``cpu``, ``cuda``…); default CUDA when present.
+        trust_remote_code: let a model's own code (``auto_map``) run.
+        variant: write the weights under the Hub's variant names (``model.<variant>.
+            safetensors``…) and keep the source's config files unchanged, so the output can
+            be added to the source repo and loaded with ``from_pretrained(..., variant=)``;
+            the certificate is ``precision_certificate.<variant>.json``.
+    """
+
+    revision: str | None = None
+    recipe: str | None = None
+    keep_fp32: tuple[str, ...] = ()
+    calibrate: bool | None = None
+    calibration_data: str | Path | None = None
+    inputs: str | Path | None = None
+    coverage: str | None = None
+    device: str | None = None
+    trust_remote_code: bool = False
+    variant: str | None = None
+
+    @classmethod
+    def given(cls, options: ConversionOptions | None, **keywords: Any) -> ConversionOptions:
+        """``options``, or the loose ``keywords`` of the same names (``convert()``'s own):
+        one or the other, so no value is silently dropped."""
+        defaults = cls()
+        keywords["keep_fp32"] = tuple(keywords.get("keep_fp32", ()))
+        changed = {k: v for k, v in keywords.items() if v != getattr(defaults, k)}
+        if options is None:
+            return cls(**changed)
+        if changed:
+            raise TypeError(f"pass options= or {', '.join(sorted(changed))}, not both")
+        return options
+
+
+#: Option names, in declaration order (a batch manifest's keys among them).
+OPTION_NAMES = tuple(f.name for f in fields(ConversionOptions))
