@@ -18,6 +18,7 @@ from precision_convert.validation.probe.execute import Outputs
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.metrics import Measurement
 from precision_convert.validation.probe.parity import recipe_validation, thresholds_for
+from precision_convert.validation.probe.positions import reach
 
 #: Seed of every built input: fixed, so two certificates of one model are comparable.
 SEED = 0
@@ -68,10 +69,19 @@ def component_record(
         mode=mode,
         recipe=component.record.get("recipe"),
         plan_sha256=component.record.get("plan_sha256"),
-        inputs=inputs.describe(),
+        inputs=_with_reach(inputs),
         **extra,
     )
     return record, thresholds_for(task, validation)
+
+
+def _with_reach(inputs: ModelInputs) -> dict[str, Any]:
+    """The probes' record, with what the token probes reached and left untested."""
+    record = inputs.describe()
+    reached = reach(inputs)
+    if reached:
+        record["reach"] = reached
+    return record
 
 
 def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:

@@ -53,6 +53,11 @@ from precision_convert.validation.probe.inputs import (
     input_candidates,
     tensor_digest,
 )
+from precision_convert.validation.probe.positions import (
+    OFFSET_POSITIONS,
+    position_probes,
+    token_limits,
+)
 from precision_convert.validation.probe.tokenizers import (
     ProbeTokenizer,
     pad_rows,
@@ -184,9 +189,6 @@ TRAIN_TIMESTEPS = 1000
 #: hidden states carry a few channels near +-30, the rest near unit scale.
 CONDITIONING_OUTLIER = 30.0
 
-#: Model types whose learned positions start after the padding index (usable length = limit-2).
-_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer", "luke"})
-
 #: Config keys naming special token ids.
 _SPECIAL_KEYS = (
     "bos_token_id",
@@ -286,6 +288,12 @@ def sweep(
         probes += user_probes(
             model, chosen, data, tokenizer=tok, budget=budget, component=component
         )
+    first = chosen.probes[0] if chosen.probes else None
+    spec = (
+        token_spec(model, first, tok, chosen.task)
+        if first is not None and first.method == "forward" and chosen.task != "pipeline"
+        else None
+    )
     taken = {p.name for p in chosen.probes}
     unique = []
     for probe in probes:
@@ -298,6 +306,7 @@ def sweep(
         notes=(*chosen.notes, *notes),
         coverage=budget.level,
         memory=memory,
+        limits=token_limits(spec) if spec is not None else None,
     )
 
 
@@ -505,6 +514,15 @@ def _built(
         made, made_notes = _token_probes(spec, chosen, budget, tokenizer)
         probes += made
         notes += made_notes
+        probes += position_probes(
+            model,
+            spec,
+            chosen,
+            budget,
+            probes,
+            tokens=lambda ids: with_tokens(spec, first.kwargs, ids),
+            generator=lambda name: generator(chosen.seed, name),
+        )
     if chosen.task in ("vision", "clip") and not any(
         k in first.kwargs for k in ("input_ids", "text")
     ):
@@ -597,7 +615,7 @@ def token_spec(
         return None
     vocab = int(vocab)
     limit = int(limit) if limit else UNKNOWN_POSITION_LIMIT
-    if str(_get(config, "model_type") or "") in _OFFSET_POSITIONS:
+    if str(_get(config, "model_type") or "") in OFFSET_POSITIONS:  # usable length = limit - 2
         limit -= 2
     specials: set[int] = set()
     for key in _SPECIAL_KEYS:
