@@ -372,6 +372,7 @@ def render(
         ]
     else:
         lines += ["## Parity", "", "Nothing was compared with fp32.", ""]
+    lines += _reach(certificate)
     lines += [
         "## Components",
         "",
@@ -396,6 +397,40 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _reach(certificate: Certificate) -> list[str]:
+    """The card's coverage section: per token model, the positions, context length and
+    vocabulary ids the probes reached, and every range they left untested."""
+    lines = []
+    for c in certificate.components:
+        reach = c.inputs.get("reach")
+        if not reach:
+            continue
+        who = f"`{c.name}`: " if c.name else ""
+        level = c.inputs.get("coverage") or "no sweep"
+        positions, context, vocab = reach["positions"], reach["context"], reach["vocabulary"]
+        text = (
+            f"- {who}positions reached: {positions['reached']} of {positions['limit']}"
+            + _untested(positions["untested"], positions.get("why"))
+        )
+        text += f"; context length run: {context['reached']} of {context['limit']} tokens" + (
+            f" (contexts of {context['reached'] + 1} to {context['limit']} tokens untested)"
+            if context["untested"]
+            else ""
+        )
+        text += f"; token ids reached: {vocab['reached']} of {vocab['size']}."
+        lines.append(text + f" Coverage `{level}`, {c.mode} validation.")
+    if not lines:
+        return []
+    return ["## Inputs reached", "", *lines, ""]
+
+
+def _untested(ranges: list[Any], why: str | None) -> str:
+    if not ranges:
+        return ""
+    shown = ", ".join(r if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
+    return f" (untested: {shown}{'; ' + why if why else ''})"
 
 
 def _cast_warning(certificate: Certificate) -> list[str]:
