@@ -90,7 +90,7 @@ def kind_of(output: str, *, images: bool) -> OutputKind:
 #: Rows (tokens) compared at a time: a 128k-vocabulary probe never holds more than this many
 #: rows of float64 temporaries (256 x 128k x 8 B = 256 MB at the widest), however long it is.
 ROW_BLOCK = 256
-#: A token's error is relative to its own norm plus this share of the typical token's norm: a
+#: A token's error is relative to its own norm plus this share of the median token's norm: a
 #: token whose baseline is near zero (a padded row, an attention sink's quiet neighbour) is
 #: not judged on a ratio of two roundings, and an attention sink's huge norm is its own scale.
 TOKEN_FLOOR = 0.1
@@ -190,7 +190,7 @@ class _Sums:
         """The worst token: NaN/Inf count, and the largest error relative to its own norm."""
         if not self.token_norm.numel():
             return {"nonfinite_tokens": 0.0, "token_error": 0.0}
-        typical = float(self.token_norm.square().mean().sqrt())
+        typical = float(self.token_norm.median())  # an attention sink does not move it
         scale = self.token_norm + TOKEN_FLOOR * typical
         ratio = torch.where(scale > 0, self.token_diff / scale, self.token_diff)
         worst = float("nan") if bool(ratio.isnan().any()) else float(ratio.max())
