@@ -52,11 +52,14 @@ def position_probes(
     *,
     tokens: Callable[[torch.Tensor], dict[str, Any]],
     generator: Callable[[str], torch.Generator],
+    trimmed_tokens: int,
 ) -> list[Probe]:
     """Rows with ``position_ids`` offsets covering the positions past the longest row of
     ``chosen`` and ``built`` (the other sweep probes) up to ``spec.limit`` (a
     :class:`~.sweep.TokenSpec`); ``tokens`` makes a probe's keyword arguments from its ids,
-    ``generator`` a seeded generator per probe name.
+    ``generator`` a seeded generator per probe name; ``trimmed_tokens`` the tokens a probe
+    may hold when the head keeps one position's logits (the model's memory without a row of
+    logits per token).
 
     None for models whose forward takes no ``position_ids`` (:func:`reach` says what stayed
     untested), fixed-length text (OpenCLIP, always fed whole) and encoder-decoders (whose
@@ -73,7 +76,8 @@ def position_probes(
     starts = list(range(start, spec.limit, width))
     starts[-1] = min(starts[-1], spec.limit - width)  # full rows, the last ends at the limit
     trimmed = "logits_to_keep" in _signature(model.forward)
-    rows_per_probe = max(1, budget.tokens_per_probe // width)
+    per_probe = trimmed_tokens if trimmed and not budget.memory_bound else budget.tokens_per_probe
+    rows_per_probe = max(1, per_probe // width)
     if len(starts) > cap * rows_per_probe:  # spread evenly, first and last kept
         picks = torch.linspace(0, len(starts) - 1, cap * rows_per_probe).round().long()
         starts = [starts[i] for i in sorted(set(picks.tolist()))]

@@ -321,14 +321,15 @@ OUTPUT_MEMORY_SHARE = 0.1
 COMPARE_BYTES = 72
 
 
-def bytes_per_token(model: Any) -> int:
+def bytes_per_token(model: Any, *, logits: bool = True) -> int:
     """Rough fp32 activation bytes one token costs in a forward: the hidden stream and its
-    copies, the MLP's widened activations, and (LM heads) a row of logits."""
+    copies, the MLP's widened activations, and (LM heads, unless ``logits`` is off: a head
+    trimmed to the last position) a row of logits."""
     config = getattr(model, "config", None)
     hidden = _cfg(config, "hidden_size", "d_model", "n_embd", "width") or 1024
     wide = _cfg(config, "intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim") or 4 * hidden
     vocab = _cfg(config, "vocab_size") or 0
-    return 4 * (8 * int(hidden) + 3 * int(wide) + 2 * int(vocab))
+    return 4 * (8 * int(hidden) + 3 * int(wide) + (2 * int(vocab) if logits else 0))
 
 
 #: Models smaller than this (fp32) keep the level's probes: their activations matter on no
@@ -344,7 +345,7 @@ SMALL_MODEL_ACTIVATIONS = 64 * 2**20
 ACTIVATION_SHARE = 0.05
 
 
-def fit_model(budget: Budget, model: Any) -> Budget:
+def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
     """``budget`` with probes no bigger than the model's memory affords.
 
     A probe's activations grow with its tokens (a row of logits each), the model's weights do
@@ -355,7 +356,7 @@ def fit_model(budget: Budget, model: Any) -> Budget:
     """
     weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
     allowance = ACTIVATION_SHARE * weights if weights >= FIT_ABOVE else SMALL_MODEL_ACTIVATIONS
-    affordable = allowance // bytes_per_token(model)
+    affordable = allowance // bytes_per_token(model, logits=logits)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     if tokens == budget.tokens_per_probe:
         return budget
@@ -522,6 +523,9 @@ def _built(
             probes,
             tokens=lambda ids: with_tokens(spec, first.kwargs, ids),
             generator=lambda name: generator(chosen.seed, name),
+            trimmed_tokens=fit_model(
+                budget_for(budget.level), model, logits=False
+            ).tokens_per_probe,
         )
     if chosen.task in ("vision", "clip") and not any(
         k in first.kwargs for k in ("input_ids", "text")
