@@ -7,9 +7,10 @@ keeps the chosen probe first (its outputs are reused) and adds, per family:
 
 - token models: the whole vocabulary in chunks (every id at least once from ``standard`` up),
   the special tokens (bos/eos/pad/unk/cls/sep/mask, added tokens, the chat template), real
-  text, sequence lengths doubling up to the position limit, padded batches with their
-  attention mask, right-padded and (decoder-only models) left-padded as ``generate`` pads
-  them; encoder-decoders feed the decoder the same ids shifted right. Special tokens, text and
+  text, sequence lengths doubling up to the level's longest context, short rows with
+  ``position_ids`` offsets reaching the rest of the position table (:mod:`.positions`),
+  padded batches with their attention mask, right-padded and (decoder-only models)
+  left-padded as ``generate`` pads them; encoder-decoders feed the decoder the same ids shifted right. Special tokens, text and
   padded batches go through the model's own tokenizer when it ships a usable one (each
   probe records ``ids_from``), else they are made of seeded ids;
 - diffusion denoisers: timesteps across the schedule, including its first step (t=999 on the
