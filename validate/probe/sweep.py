@@ -10,9 +10,10 @@ keeps the chosen probe first (its outputs are reused) and adds, per family:
   text, sequence lengths doubling up to the level's longest context, short rows with
   ``position_ids`` offsets reaching the rest of the position table (:mod:`.positions`),
   padded batches with their attention mask, right-padded and (decoder-only models)
-  left-padded as ``generate`` pads them; encoder-decoders feed the decoder the same ids shifted right. Special tokens, text and
-  padded batches go through the model's own tokenizer when it ships a usable one (each
-  probe records ``ids_from``), else they are made of seeded ids;
+  left-padded as ``generate`` pads them; encoder-decoders feed the decoder the same ids
+  shifted right. Special tokens, text and padded batches go through the model's own
+  tokenizer when it ships a usable one (each probe records ``ids_from``), else they are made
+  of seeded ids;
 - diffusion denoisers: timesteps across the schedule, including its first step (t=999 on the
   usual scale, sigma 1.0 for models taking t in [0, 1]), and realistic conditioning magnitudes;
 - autoencoders: larger images; vision and speech encoders: normalized-image contrast and
