@@ -153,3 +153,24 @@ def test_a_model_without_position_ids_says_why_its_positions_were_not_reached() 
     record = reach(build_inputs(model, coverage="quick"))["positions"]
     assert record["untested"] == [[256, 511]]
     assert "position_ids" in record["why"]
+
+
+def test_block_wise_validation_says_which_position_rows_it_ran(
+    source: Path, tmp_path: Path
+) -> None:
+    """Block by block every probe is a pass streaming every block: the position rows are
+    fewer, spread to the table's end, and the record says which ran and what they missed."""
+    convert(source, to="fp16", output=tmp_path / "fp16", validate=False)
+    certificate = validate(tmp_path / "fp16", baseline=source, max_memory="1MB")
+    component = certificate.components[0]
+    assert component.mode == "blockwise" and certificate.verdict == "fail"
+    reached = component.inputs["reach"]
+    assert 0 < reached["probes"]["positions"] <= 2
+    assert reached["positions"]["untested"] and reached["positions"]["reached"] < LIMIT
+    ran = [
+        p
+        for p in component.inputs["probes"].values()
+        if p.get("sweep", {}).get("kind") == "positions"
+    ]
+    assert max(s + p["sweep"]["row"] for p in ran for s in p["sweep"]["starts"]) == LIMIT
+    assert "blockwise validation" in render(certificate)
