@@ -400,27 +400,34 @@ def render(
 
 
 def _reach(certificate: Certificate) -> list[str]:
-    """The card's coverage section: per token model, the positions, context length and
-    vocabulary ids the probes reached, and every range they left untested."""
+    """The card's coverage section: per component, the positions, context length and token
+    ids its probes reached (every range left untested named), or the timesteps they ran at."""
     lines = []
     for c in certificate.components:
-        reach = c.inputs.get("reach")
-        if not reach:
-            continue
-        who = f"`{c.name}`: " if c.name else ""
-        level = c.inputs.get("coverage") or "no sweep"
-        positions, context, vocab = reach["positions"], reach["context"], reach["vocabulary"]
-        text = (
-            f"- {who}positions reached: {positions['reached']} of {positions['limit']}"
-            + _untested(positions["untested"], positions.get("why"))
-        )
-        text += f"; context length run: {context['reached']} of {context['limit']} tokens" + (
-            f" (contexts of {context['reached'] + 1} to {context['limit']} tokens untested)"
-            if context["untested"]
-            else ""
-        )
-        text += f"; token ids reached: {vocab['reached']} of {vocab['size']}."
-        lines.append(text + f" Coverage `{level}`, {c.mode} validation.")
+        reach = c.inputs.get("reach") or {}
+        parts = []
+        if "positions" in reach:
+            positions, context, vocab = reach["positions"], reach["context"], reach["vocabulary"]
+            parts.append(
+                f"positions reached: {positions['reached']} of {positions['limit']}"
+                + _untested(positions["untested"], positions.get("why"))
+            )
+            parts.append(
+                f"context length run: {context['reached']} of {context['limit']} tokens"
+                + (
+                    f" (contexts of {context['reached'] + 1} to {context['limit']} tokens untested)"
+                    if context["untested"]
+                    else ""
+                )
+            )
+            parts.append(f"token ids reached: {vocab['reached']} of {vocab['size']}")
+        if "timesteps" in reach:
+            steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
+            parts.append(f"timesteps run: {steps} (none between)")
+        if parts:
+            who = f"`{c.name}`: " if c.name else ""
+            level = c.inputs.get("coverage") or "no sweep"
+            lines.append(f"- {who}{'; '.join(parts)}. Coverage `{level}`, {c.mode} validation.")
     if not lines:
         return []
     return ["## Inputs reached", "", *lines, ""]

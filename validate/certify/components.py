@@ -76,12 +76,8 @@ def component_record(
 
 
 def _with_reach(inputs: ModelInputs) -> dict[str, Any]:
-    """The probes' record, with what the token probes reached and left untested."""
-    record = inputs.describe()
-    reached = reach(inputs)
-    if reached:
-        record["reach"] = reached
-    return record
+    """The probes' record, with what they reached and left untested."""
+    return {**inputs.describe(), "reach": reach(inputs)}
 
 
 def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:

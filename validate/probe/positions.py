@@ -144,33 +144,45 @@ def token_limits(spec: Any) -> dict[str, Any]:
 
 
 def reach(inputs: ModelInputs) -> dict[str, Any]:
-    """What the token probes of ``inputs`` reached and what they did not: vocabulary ids,
-    positions (through long rows or position offsets) and the longest context run, each
-    with its untested ranges, and how many probes of each kind ran (a block-wise run fits
-    fewer). Empty for models that take no token ids."""
+    """What the probes of ``inputs`` reached and what they did not: how many probes of each
+    kind ran (a block-wise run fits fewer), the timesteps a denoiser ran at, and for token
+    models the vocabulary ids, the positions (through long rows or position offsets) and the
+    longest context run, each with its untested ranges."""
+    kinds: dict[str, int] = {}
+    steps: set[float] = set()
+    for probe in inputs.probes:
+        kind = str(probe.sweep.get("kind", "layout"))
+        kinds[kind] = kinds.get(kind, 0) + 1
+        t = probe.kwargs.get("timestep")
+        if isinstance(t, torch.Tensor) and t.numel():
+            steps.update(float(v) for v in t.flatten().unique())
+    record: dict[str, Any] = {"probes": kinds}
+    if steps:
+        record["timesteps"] = {"reached": sorted(steps, reverse=True)}
     limits = inputs.limits or {}
-    arg = limits.get("argument")
-    if not arg:
-        return {}
+    if limits.get("argument"):
+        record.update(_token_reach(inputs.probes, limits))
+    return record
+
+
+def _token_reach(probes: Sequence[Probe], limits: Mapping[str, Any]) -> dict[str, Any]:
+    arg = str(limits["argument"])
     vocab, limit = int(limits["vocab_size"]), int(limits["position_limit"])
     seen = torch.zeros(vocab, dtype=torch.bool)
     covered = torch.zeros(limit, dtype=torch.bool)
-    kinds: dict[str, int] = {}
-    for probe in inputs.probes:
+    for probe in probes:
         ids = probe.kwargs.get(arg)
         if not isinstance(ids, torch.Tensor) or not ids.dim():
             continue
-        kind = str(probe.sweep.get("kind", "layout"))
-        kinds[kind] = kinds.get(kind, 0) + 1
         flat = ids.reshape(-1)
         seen[flat[(flat >= 0) & (flat < vocab)]] = True
-        if kind == "positions":
+        if probe.sweep.get("kind") == "positions":
             row = int(probe.sweep["row"])
             for start in probe.sweep["starts"]:
                 covered[start : start + row] = True
         else:
             covered[: int(ids.shape[-1])] = True
-    context = longest_row(inputs.probes, arg)
+    context = longest_row(probes, arg)
     positions: dict[str, Any] = {
         "limit": limit,
         "reached": int(covered.sum()),
@@ -190,7 +202,6 @@ def reach(inputs: ModelInputs) -> dict[str, Any]:
             "reached": context,
             "untested": [] if context >= limit else [[context, limit - 1]],
         },
-        "probes": kinds,
     }
 
 
