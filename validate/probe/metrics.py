@@ -105,8 +105,9 @@ def compare(baseline: torch.Tensor, candidate: torch.Tensor, kind: OutputKind) -
     """Every metric of ``kind`` for one output pair, in float64 on the CPU.
 
     Pooled metrics (over the whole output) and per-token ones (a token is one row of the last
-    dimension, one element of a ``NORMS`` output) are reduced :data:`ROW_BLOCK` rows at a
-    time, so no full-size float64 copy, difference or softmax of the output is ever held.
+    dimension, one element of a ``NORMS`` output; images have none) are reduced
+    :data:`ROW_BLOCK` rows at a time, so no full-size float64 copy, difference or softmax of
+    the output is ever held.
     """
     if baseline.shape != candidate.shape:
         raise ValueError(
@@ -124,7 +125,8 @@ def compare(baseline: torch.Tensor, candidate: torch.Tensor, kind: OutputKind) -
         stop = start + ROW_BLOCK
         acc.add(start, b_rows[start:stop].double(), c_rows[start:stop].double())
     values = acc.pooled()
-    values.update(acc.per_token())
+    if kind is not OutputKind.IMAGE:  # an image's rows are no tokens: PSNR judges pixels
+        values.update(acc.per_token())
     if logits:
         values.update(acc.logit_metrics(_groups(b_all.shape, b_rows.shape[0])))
     if kind is OutputKind.IMAGE:
