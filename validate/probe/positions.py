@@ -1,4 +1,4 @@
-"""Position probes, and what every token probe reached and did not.
+"""Position probes, and what every probe family reached and did not.
 
 The context ladder of a sweep runs sequences up to the coverage level's longest length (2048
 at ``standard``): attention over a long context costs quadratically, and real text sits
@@ -11,11 +11,13 @@ the position limit, a cost linear in the positions, at ``standard`` and ``thorou
 LMs that take ``logits_to_keep`` keep the last position's logits and return their hidden
 states instead, so a 128k vocabulary does not make every position cost a row of logits.
 
-:func:`reach` summarizes, from the probes that ran, what each token family reached:
-vocabulary ids, positions and the longest context, with every range left untested.
+:func:`reach` summarizes, from the probes that ran, what they reached: vocabulary ids,
+positions and the longest context of a token model (every range left untested named), the
+timesteps of a denoiser, and how many probes of each kind ran.
 
 Example:
-    >>> probes = position_probes(model, spec, chosen, budget, built)
+    >>> probes = position_probes(model, spec, chosen, budget, built, tokens=..., generator=...,
+    ...                          trimmed_tokens=4096)
     >>> reach(inputs)["positions"]
     {'limit': 4096, 'reached': 4096, 'untested': []}
 """
@@ -55,13 +57,14 @@ def position_probes(
     trimmed_tokens: int,
 ) -> list[Probe]:
     """Rows with ``position_ids`` offsets covering the positions past the longest row of
-    ``chosen`` and ``built`` (the other sweep probes) up to ``spec.limit`` (a
-    :class:`~.sweep.TokenSpec`); ``tokens`` makes a probe's keyword arguments from its ids,
-    ``generator`` a seeded generator per probe name; ``trimmed_tokens`` the tokens a probe
-    may hold when the head keeps one position's logits (the model's memory without a row of
-    logits per token).
+    ``chosen`` and ``built`` (the other sweep probes) up to ``spec.limit`` (``spec`` a
+    :class:`~.sweep.TokenSpec`, ``budget`` a :class:`~.sweep.Budget`: the sweep imports
+    this module, not the other way round). ``tokens``
+    makes a probe's keyword arguments from its ids, ``generator`` a seeded generator per
+    probe name; ``trimmed_tokens`` is what a probe may hold when the head keeps one
+    position's logits (the model's memory without a row of logits per token).
 
-    None for models whose forward takes no ``position_ids`` (:func:`reach` says what stayed
+    Nothing for models whose forward takes no ``position_ids`` (:func:`reach` says what stayed
     untested), fixed-length text (OpenCLIP, always fed whole) and encoder-decoders (whose
     decoder positions the argument does not address).
     """
