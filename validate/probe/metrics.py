@@ -87,9 +87,11 @@ def kind_of(output: str, *, images: bool) -> OutputKind:
     return OutputKind.LOGITS if output.rsplit(".", 1)[-1] == "logits" else OutputKind.TENSOR
 
 
-#: Rows (tokens) compared at a time: a 128k-vocabulary probe never holds more than this many
-#: rows of float64 temporaries (256 x 128k x 8 B = 256 MB at the widest), however long it is.
+#: Rows (tokens) compared at a time, and at most this many elements: a 128k-vocabulary
+#: probe's comparison holds a few float64 temporaries of 32 rows (32 MB each), however long
+#: the probe is.
 ROW_BLOCK = 256
+BLOCK_ELEMENTS = 1 << 22
 #: A token's error is relative to its own norm plus this share of the median token's norm: a
 #: token whose baseline is near zero (a padded row, an attention sink's quiet neighbour) is
 #: not judged on a ratio of two roundings, and an attention sink's huge norm is its own scale.
@@ -106,8 +108,8 @@ def compare(baseline: torch.Tensor, candidate: torch.Tensor, kind: OutputKind) -
 
     Pooled metrics (over the whole output) and per-token ones (a token is one row of the last
     dimension, one element of a ``NORMS`` output; images have none) are reduced
-    :data:`ROW_BLOCK` rows at a time, so no full-size float64 copy, difference or softmax of
-    the output is ever held.
+    :data:`ROW_BLOCK` rows (:data:`BLOCK_ELEMENTS` elements) at a time, so no full-size
+    float64 copy, difference or softmax of the output is ever held.
     """
     if baseline.shape != candidate.shape:
         raise ValueError(
@@ -121,9 +123,9 @@ def compare(baseline: torch.Tensor, candidate: torch.Tensor, kind: OutputKind) -
     c_rows = c_all.reshape(-1, width) if c_all.numel() else c_all.reshape(0, 1)
     logits = kind is OutputKind.LOGITS and width > 1
     acc = _Sums(b_rows.shape[0], logits)
-    for start in range(0, b_rows.shape[0], ROW_BLOCK):
-        stop = start + ROW_BLOCK
-        acc.add(start, b_rows[start:stop].double(), c_rows[start:stop].double())
+    step = max(1, min(ROW_BLOCK, BLOCK_ELEMENTS // width))
+    for start in range(0, b_rows.shape[0], step):
+        acc.add(start, b_rows[start : start + step].double(), c_rows[start : start + step].double())
     values = acc.pooled()
     if kind is not OutputKind.IMAGE:  # an image's rows are no tokens: PSNR judges pixels
         values.update(acc.per_token())
@@ -155,15 +157,17 @@ class _Sums:
         self.nonfinite += float(bad.sum())
         self.token_bad[start:stop] = bad.any(-1)
         diff = c - b
-        self.diff_sq += float((diff * diff).sum())
-        self.b_sq += float((b * b).sum())
-        self.c_sq += float((c * c).sum())
-        self.dot += float((b * c).sum())
+        token_diff = torch.linalg.vector_norm(diff, dim=-1)
+        token_norm = torch.linalg.vector_norm(b, dim=-1)
+        self.token_diff[start:stop] = token_diff
+        self.token_norm[start:stop] = token_norm
+        self.diff_sq += float(token_diff.square().sum())
+        self.b_sq += float(token_norm.square().sum())
+        self.c_sq += float(torch.linalg.vector_norm(c).square())
+        self.dot += float(torch.dot(b.reshape(-1), c.reshape(-1)))
         if diff.numel():
             self.max_abs = _worse(self.max_abs, float(diff.abs().max()))
             self.peak = max(self.peak, float(b.abs().max()))
-        self.token_diff[start:stop] = torch.linalg.vector_norm(diff, dim=-1)
-        self.token_norm[start:stop] = torch.linalg.vector_norm(b, dim=-1)
         if self.logits:
             chosen = b.gather(-1, c.argmax(-1, keepdim=True))[:, 0]  # fp32's logit of c's pick
             self.agree[start:stop] = chosen >= b.max(-1).values - TIE_LOGIT_MARGIN
