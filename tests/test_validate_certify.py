@@ -98,7 +98,8 @@ def assert_certified(out: Path, certificate: Certificate, target: str) -> None:
     assert on_disk["device"]["type"] == "cpu"
     for component in on_disk["components"]:
         assert component["inputs"]["seed"] == 0 and component["inputs"]["probes"]
-    judged = [m for m in on_disk["metrics"] if m["metric"] != "max_abs"]
+    reported = ("max_abs", "nonfinite_tokens")  # shown, never judged (nonfinite judges NaN)
+    judged = [m for m in on_disk["metrics"] if m["metric"] not in reported]
     assert judged and all(m["passed"] and m["threshold"] is not None for m in judged)
     card = ModelCard.load(out / "README.md")
     assert target.removesuffix("-safe") in card.data.tags

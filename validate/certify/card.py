@@ -373,6 +373,7 @@ def render(
         ]
     else:
         lines += ["## Parity", "", "Nothing was compared with fp32.", ""]
+    lines += _reach(certificate)
     lines += [
         "## Components",
         "",
@@ -397,6 +398,47 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _reach(certificate: Certificate) -> list[str]:
+    """The card's coverage section: per component, the positions, context length and token
+    ids its probes reached (every range left untested named), or the timesteps they ran at."""
+    lines = []
+    for c in certificate.components:
+        reach = c.inputs.get("reach") or {}
+        parts = []
+        if "positions" in reach:
+            positions, context, vocab = reach["positions"], reach["context"], reach["vocabulary"]
+            parts.append(
+                f"positions reached: {positions['reached']} of {positions['limit']}"
+                + _untested(positions["untested"], positions.get("why"))
+            )
+            parts.append(
+                f"context length run: {context['reached']} of {context['limit']} tokens"
+                + (
+                    f" (contexts of {context['reached'] + 1} to {context['limit']} tokens untested)"
+                    if context["untested"]
+                    else ""
+                )
+            )
+            parts.append(f"token ids reached: {vocab['reached']} of {vocab['size']}")
+        if "timesteps" in reach:
+            steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
+            parts.append(f"timesteps run: {steps} (none between)")
+        if parts:
+            who = f"`{c.name}`: " if c.name else ""
+            level = c.inputs.get("coverage") or "no sweep"
+            lines.append(f"- {who}{'; '.join(parts)}. Coverage `{level}`, {c.mode} validation.")
+    if not lines:
+        return []
+    return ["## Inputs reached", "", *lines, ""]
+
+
+def _untested(ranges: list[Any], why: str | None) -> str:
+    if not ranges:
+        return ""
+    shown = ", ".join(r if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
+    return f" (untested: {shown}{'; ' + why if why else ''})"
 
 
 def _cast_warning(certificate: Certificate) -> list[str]:

@@ -17,6 +17,7 @@ from precision_convert.validation.probe.execute import Outputs
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.metrics import Measurement
 from precision_convert.validation.probe.parity import recipe_validation, thresholds_for
+from precision_convert.validation.probe.positions import reach
 
 #: Seed of every built input: fixed, so two certificates of one model are comparable.
 SEED = 0
@@ -67,10 +68,15 @@ def component_record(
         mode=mode,
         recipe=component.record.recipe,
         plan_sha256=component.record.plan_sha256,
-        inputs=inputs.describe(),
+        inputs=_with_reach(inputs),
         **extra,
     )
     return record, thresholds_for(task, validation)
+
+
+def _with_reach(inputs: ModelInputs) -> dict[str, Any]:
+    """The probes' record, with what they reached and left untested."""
+    return {**inputs.describe(), "reach": reach(inputs)}
 
 
 def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:

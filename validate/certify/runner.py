@@ -147,8 +147,9 @@ def validate(
         max_memory: memory budget ("8GB", "512MiB" or bytes). A model whose fp32 copy does not
             fit is compared block by block, one block resident at a time.
         coverage: how much of the input space the probes sweep: ``"quick"``, ``"standard"``
-            (default: every vocabulary id, lengths to 2048, timestep quartiles with the first
-            step) or ``"thorough"`` (full position range, every timestep decile); see
+            (default: every vocabulary id and position, contexts to 2048 tokens, timestep
+            quartiles with the first step) or ``"thorough"`` (contexts to the position limit,
+            every timestep decile); see
             :data:`~precision_convert.validation.probe.sweep.BUDGETS`.
         calibration_data: a file of text lines or JSONL model inputs whose probes are added
             to the sweep (see :mod:`~precision_convert.validation.probe.userdata`).

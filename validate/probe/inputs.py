@@ -124,6 +124,9 @@ class ModelInputs:
     memory: int | None = None
     #: The tokenizer the token probes went through, as :meth:`ProbeTokenizer.describe` says.
     tokenizer: Mapping[str, Any] | None = None
+    #: What bounds a token model's inputs (vocabulary, position limit), set by the sweep:
+    #: what :func:`~.positions.reach` measures the probes against.
+    limits: Mapping[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         """Every probe precisely enough to replay it, as the certificate records it.

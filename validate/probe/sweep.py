@@ -7,11 +7,13 @@ keeps the chosen probe first (its outputs are reused) and adds, per family:
 
 - token models: the whole vocabulary in chunks (every id at least once from ``standard`` up),
   the special tokens (bos/eos/pad/unk/cls/sep/mask, added tokens, the chat template), real
-  text, sequence lengths doubling up to the position limit, padded batches with their
-  attention mask, right-padded and (decoder-only models) left-padded as ``generate`` pads
-  them; encoder-decoders feed the decoder the same ids shifted right. Special tokens, text and
-  padded batches go through the model's own tokenizer when it ships a usable one (each
-  probe records ``ids_from``), else they are made of seeded ids;
+  text, sequence lengths doubling up to the level's longest context, short rows with
+  ``position_ids`` offsets reaching the rest of the position table (:mod:`.positions`),
+  padded batches with their attention mask, right-padded and (decoder-only models)
+  left-padded as ``generate`` pads them; encoder-decoders feed the decoder the same ids
+  shifted right. Special tokens, text and padded batches go through the model's own
+  tokenizer when it ships a usable one (each probe records ``ids_from``), else they are made
+  of seeded ids;
 - diffusion denoisers: timesteps across the schedule, including its first step (t=999 on the
   usual scale, sigma 1.0 for models taking t in [0, 1]), and realistic conditioning magnitudes;
 - autoencoders: larger images; vision and speech encoders: normalized-image contrast and
@@ -52,6 +54,11 @@ from precision_convert.validation.probe.inputs import (
     _signature,
     input_candidates,
     tensor_digest,
+)
+from precision_convert.validation.probe.positions import (
+    OFFSET_POSITIONS,
+    position_probes,
+    token_limits,
 )
 from precision_convert.validation.probe.tokenizers import (
     ProbeTokenizer,
@@ -184,9 +191,6 @@ TRAIN_TIMESTEPS = 1000
 #: hidden states carry a few channels near +-30, the rest near unit scale.
 CONDITIONING_OUTLIER = 30.0
 
-#: Model types whose learned positions start after the padding index (usable length = limit-2).
-_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer", "luke"})
-
 #: Config keys naming special token ids.
 _SPECIAL_KEYS = (
     "bos_token_id",
@@ -286,6 +290,12 @@ def sweep(
         probes += user_probes(
             model, chosen, data, tokenizer=tok, budget=budget, component=component
         )
+    first = chosen.probes[0] if chosen.probes else None
+    spec = (
+        token_spec(model, first, tok, chosen.task)
+        if first is not None and first.method == "forward" and chosen.task != "pipeline"
+        else None
+    )
     taken = {p.name for p in chosen.probes}
     unique = []
     for probe in probes:
@@ -298,6 +308,7 @@ def sweep(
         notes=(*chosen.notes, *notes),
         coverage=budget.level,
         memory=memory,
+        limits=token_limits(spec) if spec is not None else None,
     )
 
 
@@ -312,14 +323,15 @@ OUTPUT_MEMORY_SHARE = 0.1
 COMPARE_BYTES = 72
 
 
-def bytes_per_token(model: Any) -> int:
+def bytes_per_token(model: Any, *, logits: bool = True) -> int:
     """Rough fp32 activation bytes one token costs in a forward: the hidden stream and its
-    copies, the MLP's widened activations, and (LM heads) a row of logits."""
+    copies, the MLP's widened activations, and (LM heads, unless ``logits`` is off: a head
+    trimmed to the last position) a row of logits."""
     config = getattr(model, "config", None)
     hidden = _cfg(config, "hidden_size", "d_model", "n_embd", "width") or 1024
     wide = _cfg(config, "intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim") or 4 * hidden
     vocab = _cfg(config, "vocab_size") or 0
-    return 4 * (8 * int(hidden) + 3 * int(wide) + 2 * int(vocab))
+    return 4 * (8 * int(hidden) + 3 * int(wide) + (2 * int(vocab) if logits else 0))
 
 
 #: Models smaller than this (fp32) keep the level's probes: their activations matter on no
@@ -335,7 +347,7 @@ SMALL_MODEL_ACTIVATIONS = 64 * 2**20
 ACTIVATION_SHARE = 0.05
 
 
-def fit_model(budget: Budget, model: Any) -> Budget:
+def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
     """``budget`` with probes no bigger than the model's memory affords.
 
     A probe's activations grow with its tokens (a row of logits each), the model's weights do
@@ -346,7 +358,7 @@ def fit_model(budget: Budget, model: Any) -> Budget:
     """
     weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
     allowance = ACTIVATION_SHARE * weights if weights >= FIT_ABOVE else SMALL_MODEL_ACTIVATIONS
-    affordable = allowance // bytes_per_token(model)
+    affordable = allowance // bytes_per_token(model, logits=logits)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     if tokens == budget.tokens_per_probe:
         return budget
@@ -505,6 +517,18 @@ def _built(
         made, made_notes = _token_probes(spec, chosen, budget, tokenizer)
         probes += made
         notes += made_notes
+        probes += position_probes(
+            model,
+            spec,
+            chosen,
+            budget,
+            probes,
+            tokens=lambda ids: with_tokens(spec, first.kwargs, ids),
+            generator=lambda name: generator(chosen.seed, name),
+            trimmed_tokens=fit_model(
+                budget_for(budget.level), model, logits=False
+            ).tokens_per_probe,
+        )
     if chosen.task in ("vision", "clip") and not any(
         k in first.kwargs for k in ("input_ids", "text")
     ):
@@ -597,7 +621,7 @@ def token_spec(
         return None
     vocab = int(vocab)
     limit = int(limit) if limit else UNKNOWN_POSITION_LIMIT
-    if str(_get(config, "model_type") or "") in _OFFSET_POSITIONS:
+    if str(_get(config, "model_type") or "") in OFFSET_POSITIONS:  # usable length = limit - 2
         limit -= 2
     specials: set[int] = set()
     for key in _SPECIAL_KEYS:
