@@ -66,6 +66,7 @@ from precision_convert.dtypes import from_config_string
 from precision_convert.errors import InputError
 from precision_convert.validation.certify.certificate import LoadPath
 from precision_convert.validation.certify.components import Component
+from precision_convert.validation.probe.attention import switch
 from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs, run_probes
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.metrics import METRICS, Measurement
@@ -177,10 +178,7 @@ def attention_ways(component: Component, implementation: str) -> list[Way]:
 
     def switched() -> Any:
         model = load(source.root, trust_remote_code=component.trust_remote_code)
-        model.set_attn_implementation(implementation)
-        if getattr(model.config, "_attn_implementation", None) != implementation:
-            raise ValueError(f"the model did not switch to {implementation} attention")
-        return model
+        return switch(model, implementation)
 
     pc_call = pc_load_call(component.name, source.variant)
     return [

@@ -62,15 +62,16 @@ def current(model: Any) -> str | None:
 
 
 def _has_attention(model: Any) -> bool:
+    """Whether some module computes attention (a config alone does not: a CNN has one too,
+    and judging it again would only repeat the same numbers)."""
     return any("Attention" in type(m).__name__ for m in model.modules())
 
 
 def attention_choices(model: Any) -> AttentionChoices:
     """Which implementations ``model`` (as loaded, so under its default) is judged under."""
     default = current(model)
-    if default is None or not hasattr(model, "set_attn_implementation"):
-        return AttentionChoices(None, (), {"*": NOT_SWITCHABLE})
-    if not _has_attention(model):
+    switchable = hasattr(model, "set_attn_implementation") and _has_attention(model)
+    if default is None or not switchable:
         return AttentionChoices(None, (), {"*": NOT_SWITCHABLE})
     name = type(model).__name__
     others: list[str] = []
@@ -101,14 +102,23 @@ def attention(model: Any, name: str | None) -> Iterator[Any]:
     if name is None or name == before:
         yield model
         return
-    model.set_attn_implementation(name)
     try:
-        if current(model) != name:
-            raise ValueError(f"{type(model).__name__} did not switch to {name} attention")
-        yield model
+        yield switch(model, name)
     finally:
         if before is not None and current(model) != before:
             model.set_attn_implementation(before)
+
+
+def switch(model: Any, name: str) -> Any:
+    """``model`` set to compute attention with ``name``, as a user would set it.
+
+    Raises:
+        ValueError: the model did not take ``name`` (transformers may only warn).
+    """
+    model.set_attn_implementation(name)
+    if current(model) != name:
+        raise ValueError(f"{type(model).__name__} did not switch to {name} attention")
+    return model
 
 
 def outputs_by_attention(
