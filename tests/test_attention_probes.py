@@ -153,6 +153,8 @@ def test_fp16_safe_is_certified_finite_and_close_in_forward_and_generate(
     assert cert.verdict == "pass", cert.failures
     assert all(p.verdict == "pass" for p in cert.load_paths if p.decides)
     assert "eager" in cert.components[0].attention["judged"]  # type: ignore[index]
+    islands = json.loads((directory / "config.json").read_text())["precision_convert"]["islands"]
+    assert "search" in islands.values()  # found by the search, under eager attention too
     loaded = pc.load(directory)
     reference = _model(family, offset=True)
     implementation = EAGER[family]
@@ -176,6 +178,32 @@ def test_fp16_safe_is_certified_finite_and_close_in_forward_and_generate(
     assert torch.isfinite(scores).all()
     assert _cosine(scores, torch.stack(theirs.scores)) > 0.999
     assert (mine.sequences == theirs.sequences).float().mean() > 0.9
+
+
+@pytest.mark.slow
+def test_fp32_query_and_key_projections_keep_eager_masked_scores_finite(
+    source: Callable[[str, bool], Path], tmp_path: Path
+) -> None:
+    """The other island set: scores computed in fp32 take fp16's -65504 mask without reaching
+    -inf. (The search itself stops at the embedding, the first module that suffices: its fp32
+    output gives the mask float32's minimum.)"""
+    out = tmp_path / "qk"
+    keep = ["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj"]
+    convert(
+        source("qwen2", True),
+        to="fp16-safe",
+        output=out,
+        coverage="quick",
+        keep_fp32=keep,
+        calibrate=False,
+    )
+    cert = Certificate.read(out)
+    assert cert.verdict == "pass", cert.failures
+    assert all(p.verdict == "pass" for p in cert.load_paths if p.attention == "eager")
+    assert (
+        "model.embed_tokens"
+        not in json.loads((out / "config.json").read_text())["precision_convert"]["islands"]
+    )
 
 
 @pytest.mark.slow
