@@ -20,11 +20,15 @@ from typing import Any
 import _models
 import pytest
 import torch
+from transformers import GPT2Config, GPT2DoubleHeadsModel
 
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.certificate import Certificate
 from precision_convert.validation.probe.attention import attention, attention_choices
+from precision_convert.validation.probe.execute import run_probes, select_inputs
+from precision_convert.validation.probe.inputs import input_candidates
+from precision_convert.validation.probe.sweep import sweep
 
 #: The score offset: past fp16's -inf point (16) after Gemma2's softcapping (50 * tanh(x/50)
 #: makes it -22.6), and below 32, where bf16's rounding of the scores (a step of 0.25 there)
@@ -123,6 +127,30 @@ def test_attention_choices_name_the_default_and_the_others() -> None:
     qwen = attention_choices(_model("qwen2", offset=False))
     assert (qwen.default, qwen.others) == ("sdpa", ("eager",))
     assert attention_choices(_models.make("unet")).default is None  # diffusers: no choice here
+
+
+def _sweep_names(model: Any) -> set[str]:
+    chosen, _ = select_inputs(model, input_candidates(model), run_probes)
+    return {p.name for p in sweep(model, chosen, "quick").probes}
+
+
+@pytest.mark.parametrize(
+    ("build", "left"),
+    [
+        (lambda: _models.gpt2(), True),
+        # generate pads its prompts too, yet the class name is no "...LMHeadModel"
+        (lambda: GPT2DoubleHeadsModel(GPT2Config(**_models.GPT2)), True),
+        (lambda: _models.bert(), False),  # encoders: right padding only
+        (lambda: _models.make("bart"), False),  # its encoder takes the prompts, right-padded
+    ],
+)
+def test_left_padded_probes_go_to_every_model_that_generate_pads(
+    build: Callable[[], Any], left: bool
+) -> None:
+    torch.manual_seed(0)
+    names = _sweep_names(build().eval())
+    assert "forward:padded" in names
+    assert ("forward:padded-left" in names) is left
 
 
 # --- the certificate -------------------------------------------------------------------------
