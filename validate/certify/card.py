@@ -443,10 +443,15 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
         return lines
     components = list(dict.fromkeys(p.component for p in certificate.load_paths))
     several = len(components) > 1
+    each = (
+        ", under each attention implementation judged"
+        if any(c.attention for c in certificate.components)
+        else ""
+    )
     lines += [
         "Every way of loading these files, run on the validation inputs and judged against "
         "fp32 like the model itself; the verdict depends on `precision_convert.load` and the "
-        "plain default load.",
+        f"plain default load{each}.",
         "",
         (
             "| component | way | call | loads as | result |"
