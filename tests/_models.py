@@ -63,6 +63,74 @@ GPT2: dict[str, Any] = {
 }
 
 
+#: Decoder-only families of the attention probes: Gemma2 defaults to eager attention (it has
+#: no sdpa), Qwen2 to sdpa. Small vocabularies keep every sweep short.
+GEMMA2: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "query_pre_attn_scalar": 8,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "attention_bias": True,
+}
+QWEN2: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+}
+
+
+def gemma2(**overrides: Any) -> Any:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(**{**GEMMA2, **overrides}))
+
+
+def qwen2(**overrides: Any) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**{**QWEN2, **overrides}))
+
+
+def offset_scores(model: Any, score: float) -> Any:
+    """Put ``-score`` on every attention score of a rope decoder, through real q/k biases.
+
+    In each head, the lowest-frequency rope pair of q_proj and k_proj loses its weights and
+    gets biases ``+a`` and ``-a`` instead (``a * a * scaling = score``): every query-key dot
+    product gains ``-score * cos(angle)``, and that pair's angle stays near 0 across the
+    sequence, so the offset is constant to a few parts in 1e4 and softmax ignores it. Nothing
+    comes near 65504 in any dtype, yet in fp16 eager attention a fully masked row (a left-
+    padded prompt's first positions) sums ``-65504 + -score`` to ``-inf`` once ``score`` is
+    above about 16, and softmax turns the row into NaN.
+    """
+    config = model.config
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    half = head // 2
+    slowest = half - 1
+    scaling = model.model.layers[0].self_attn.scaling
+    a = (score / scaling) ** 0.5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj, sign in ((attn.q_proj, 1.0), (attn.k_proj, -1.0)):
+                for start in range(0, proj.out_features, head):
+                    for dim in (start + slowest, start + slowest + half):
+                        proj.weight[dim] = 0.0
+                        proj.bias[dim] = 0.0
+                    proj.bias[start + slowest] = sign * a
+    return model
+
+
 def t5_encoder(**overrides: Any) -> Any:
     from transformers import T5Config, T5EncoderModel
 

@@ -66,7 +66,7 @@ def set_config_dtype(directory: Path, dtype: str) -> None:
 
 def ways(certificate: Certificate, component: str | None = None) -> dict[str, Any]:
     return {
-        p.way: p for p in certificate.load_paths if component is None or p.component == component
+        p.label: p for p in certificate.load_paths if component is None or p.component == component
     }
 
 
@@ -121,7 +121,19 @@ def test_fp16_safe_t5_with_a_range_island_loads_plainly(tmp_path: Path) -> None:
     certificate = validate(out, baseline=source, coverage=COVERAGE)
     assert certificate.verdict == "pass", certificate.failures
     found = ways(certificate, "")
-    assert set(found) == {"pc.load", "plain", "auto", "compute", *RESAVED.values()}
+    assert set(found) == {
+        "pc.load",
+        "plain",
+        "auto",
+        "compute",
+        *RESAVED.values(),
+        "pc.load+eager",
+        "plain+eager",
+    }
+    assert found["plain+eager"].call == (
+        'T5EncoderModel.from_pretrained("<repo>", attn_implementation="eager")'
+    )
+    assert found["plain+eager"].verdict == "pass" and found["plain+eager"].decides
     assert found["pc.load"].verdict == "pass" and found["pc.load"].decides
     assert set(found["pc.load"].dtypes) == {"float16", "float32"}
     assert found["plain"].verdict == "pass" and found["plain"].decides

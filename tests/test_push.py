@@ -790,7 +790,7 @@ def test_variant_output_keeps_the_source_config_and_names(served: Served) -> Non
     certificate = Certificate.read(out)
     assert certificate.passed and certificate.source["variant"] == VARIANT
     assert certificate.source["id"] == SOURCE_REPO
-    calls = {p.way: p.call for p in certificate.load_paths}
+    calls = {p.label: p.call for p in certificate.load_paths}
     assert calls["plain"] == f'T5EncoderModel.from_pretrained("<repo>", variant="{VARIANT}")'
     assert calls["pc.load"] == f'precision_convert.load("<repo>", variant="{VARIANT}")'
     assert f"precision_certificate.{VARIANT}.json" in (out / "README.md").read_text()

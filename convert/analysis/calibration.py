@@ -31,7 +31,7 @@ import logging
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,11 @@ from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import FP16_MAX, Target
 from precision_convert.names import module_of
 from precision_convert.progress import stage
+from precision_convert.validation.probe.attention import (
+    attention,
+    attention_choices,
+    outputs_by_attention,
+)
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     run_probes,
@@ -189,6 +194,16 @@ def calibrated_plan(
     chosen, baseline = run_sweep(fp32, chosen, swept, run, baseline)
     stats = recorded["stats"]
     frozen = resolve_inputs(chosen, baseline)
+    # The search must satisfy every attention implementation the certificate judges: the
+    # fp32 outputs under each (eager attention's masked scores overflow where sdpa's do not).
+    by_attention: dict[str | None, Any] = {None: baseline}
+    if search and target == "fp16-safe":
+        _, others = outputs_by_attention(
+            fp32,
+            attention_choices(fp32),
+            lambda m: run_probes(m, frozen, "cpu", torch.float32),
+        )
+        by_attention.update(others)
     gone = weakref.ref(fp32)
     del fp32
     free_model(gone)
@@ -226,7 +241,7 @@ def calibrated_plan(
                     Path(scratch),
                     trust_remote_code,
                     frozen,
-                    baseline,
+                    by_attention,
                     thresholds,
                 )
 
@@ -533,35 +548,37 @@ def _execution_order(units: Sequence[str], stats: dict[str, ActivationStats]) ->
     return sorted(units, key=order)
 
 
-def _run_candidate(directory: Path, inputs: Any, plan: ModelPlan, trust_remote_code: bool) -> Any:
-    """The candidate's outputs; it is freed (memory given back) before this returns."""
-    candidate = load(directory, trust_remote_code=trust_remote_code)
-    try:
-        return run_probes(candidate, inputs, "cpu", plan.compute.torch)
-    finally:
-        gone = weakref.ref(candidate)
-        del candidate
-        free_model(gone)
-
-
 def _candidate_passes(
     model: ModelSource,
     plan: ModelPlan,
     scratch: Path,
     trust_remote_code: bool,
     inputs: Any,
-    baseline: Any,
+    baselines: Mapping[str | None, Any],
     thresholds: dict[str, float],
 ) -> bool:
-    """Write ``plan``, load it as a user would, and compare with the fp32 outputs."""
+    """Write ``plan``, load it as a user would, and compare with the fp32 outputs under each
+    attention implementation of ``baselines`` (None: the one it loads with); the candidate is
+    freed (memory given back) before this returns."""
     directory = scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir()
     write_model(model, plan, directory)
+    candidate: Any = None
     try:
-        outputs = _run_candidate(directory, inputs, plan, trust_remote_code)
+        candidate = load(directory, trust_remote_code=trust_remote_code)
+        for implementation, baseline in baselines.items():
+            with attention(candidate, implementation):
+                outputs = run_probes(candidate, inputs, "cpu", plan.compute.torch)
+            rows = compare_outputs("", inputs, baseline, outputs, thresholds)
+            if not all(row.passed for row in rows):
+                return False
+        return True
     except RUN_ERRORS as exc:
         logger.info("candidate failed to run: %s", exc)
         return False
-    rows = compare_outputs("", inputs, baseline, outputs, thresholds)
-    return all(row.passed for row in rows)
+    finally:
+        if candidate is not None:
+            gone = weakref.ref(candidate)
+            del candidate
+            free_model(gone)

@@ -152,7 +152,7 @@ def _loading_summary(certificate: Certificate) -> dict[str, dict[str, str]]:
     """``{component or "model": {way: verdict}}`` for the front matter."""
     out: dict[str, dict[str, str]] = {}
     for p in certificate.load_paths:
-        out.setdefault(p.component or "model", {})[p.way] = p.verdict
+        out.setdefault(p.component or "model", {})[p.label] = p.verdict
     return out
 
 
@@ -486,10 +486,15 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
         return lines
     components = list(dict.fromkeys(p.component for p in certificate.load_paths))
     several = len(components) > 1
+    each = (
+        ", under each attention implementation judged"
+        if any(c.attention for c in certificate.components)
+        else ""
+    )
     lines += [
         "Every way of loading these files, run on the validation inputs and judged against "
         "fp32 like the model itself; the verdict depends on `precision_convert.load` and the "
-        "plain default load.",
+        f"plain default load{each}.",
         "",
         (
             "| component | way | call | loads as | result |"
@@ -500,8 +505,9 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
     ]
     for p in certificate.load_paths:
         reference = certificate.load_path("pc.load", p.component)
+        name = WAY_NAMES.get(p.way, p.way)
         cells = [
-            WAY_NAMES.get(p.way, p.way),
+            f"{name}, {p.attention} attention" if p.attention else name,
             f"`{p.call}`",
             _loads_as(p, reference),
             _result(p),
@@ -510,7 +516,27 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
             cells.insert(0, p.component or "—")
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines.append("")
+    lines += attention_lines(certificate)
     return lines
+
+
+def attention_lines(certificate: Certificate) -> list[str]:
+    """One line per component with a choice of attention: the implementations its probes
+    were judged under, and those that were not (with why)."""
+    lines = []
+    for c in certificate.components:
+        if not c.attention:
+            continue
+        default, judged = c.attention.get("default"), c.attention.get("judged", [])
+        named = [f"`{a}`" + (" (the default)" if a == default else "") for a in judged]
+        skipped = "; ".join(f"`{a}`: {why}" for a, why in c.attention.get("not_judged", {}).items())
+        where = f"{c.name}: " if c.name else ""
+        lines.append(
+            f"{where}Attention judged under {' and '.join(named)}"
+            + (f"; not judged: {skipped}" if skipped else "")
+            + "."
+        )
+    return [*lines, ""] if lines else []
 
 
 def _nbytes(dtypes: dict[str, int]) -> int:

@@ -64,6 +64,9 @@ class ComponentRecord:
     plan_sha256: str | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
     blocks: int | None = None  # blocks compared one at a time (blockwise mode)
+    #: The attention implementations judged (``{"default", "judged", "not_judged"}``); None
+    #: for a model without a choice of attention, or a certificate from before it was recorded.
+    attention: dict[str, Any] | None = None
 
 
 #: Verdicts of one way of loading (see :mod:`.load_paths`).
@@ -89,6 +92,14 @@ class LoadPath:
     detail: str | None = None  # the error, why it was not checked, or a note
     metrics: list[Measurement] = field(default_factory=list)  # each metric's worst value
     failures: list[str] = field(default_factory=list)  # the first failed metrics, worst first
+    #: The attention implementation the way ran under when not the model's default (users
+    #: pick ``eager`` for ``output_attentions``): judged as a way of its own.
+    attention: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The way's name, with its attention implementation when not the default."""
+        return f"{self.way}+{self.attention}" if self.attention else self.way
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LoadPath:
@@ -183,7 +194,14 @@ class Certificate:
         if component is None:
             names = {p.component for p in self.load_paths}
             component = "pipeline" if "pipeline" in names else ""
-        return next((p for p in self.load_paths if p.way == way and p.component == component), None)
+        return next(
+            (
+                p
+                for p in self.load_paths
+                if p.way == way and p.component == component and p.attention is None
+            ),
+            None,
+        )
 
     @property
     def file_name(self) -> str:

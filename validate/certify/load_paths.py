@@ -19,7 +19,15 @@ way          call                                                              d
              OpenCLIP: ``precision="fp16"``)
 ===========  ================================================================  ==========
 
-The certificate's verdict is ``pass`` only when both deciding ways pass; the others are
+A transformers model with attention is loaded the deciding ways again under each other
+attention implementation a user can pick (:mod:`~precision_convert.validation.probe.attention`:
+``eager`` where the default is ``sdpa``, ``sdpa`` where the model supports it and defaults to
+``eager``): ``pc.load`` then ``model.set_attn_implementation(...)``, and ``from_pretrained(dir,
+attn_implementation=...)``, judged against the fp32 baseline run under the same
+implementation. These decide too (their record names the ``attention``): eager attention turns
+a fully masked row into NaN in fp16 where sdpa does not.
+
+The certificate's verdict is ``pass`` only when every deciding way passes; the others are
 recorded (and shown in the model card) so that users know what they get. A way that loads the
 very same tensors in the same dtypes as one already run (transformers' default dtype *is*
 ``"auto"``) is not run again. Block-wise validation never loads the model whole, so there the
@@ -38,7 +46,7 @@ from __future__ import annotations
 import math
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,7 @@ from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import InputError
 from precision_convert.validation.certify.certificate import LoadPath
 from precision_convert.validation.certify.components import Component
+from precision_convert.validation.probe.attention import switch
 from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs, run_probes
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.metrics import METRICS, Measurement
@@ -103,6 +112,7 @@ class Way:
     build: Callable[[], Any] | None  # None: not checked (``why_not`` says why)
     why_not: str | None = None
     input_dtype: torch.dtype | None = None  # None: the loaded model's own dtype
+    attention: str | None = None  # None: the model's default attention implementation
 
     @property
     def decides(self) -> bool:
@@ -153,6 +163,35 @@ def model_ways(component: Component) -> list[Way]:
             f"{call}, {keyword}={_literal(compute)})",
             load(**{keyword: compute}),
             input_dtype=compute,
+        ),
+    ]
+
+
+def attention_ways(component: Component, implementation: str) -> list[Way]:
+    """The deciding ways again with another attention implementation: ``pc.load`` switched
+    after loading (``set_attn_implementation``), and the library's ``from_pretrained`` asked
+    for it (``attn_implementation=``). A user picks one as easily as the default."""
+    source = component.converted
+    plain = next(w for w in model_ways(component) if w.key == PLAIN)
+    trusted = component.trust_remote_code and bool(source.config.get("auto_map"))
+
+    def switched() -> Any:
+        model = load(source.root, trust_remote_code=component.trust_remote_code)
+        return switch(model, implementation)
+
+    pc_call = pc_load_call(component.name, source.variant)
+    return [
+        Way(
+            PC_LOAD,
+            f'model = {pc_call}; model.set_attn_implementation("{implementation}")',
+            switched,
+            attention=implementation,
+        ),
+        Way(
+            PLAIN,
+            f'{plain.call.removesuffix(")")}, attn_implementation="{implementation}")',
+            _from_pretrained(source, trusted, attn_implementation=implementation),
+            attention=implementation,
         ),
     ]
 
@@ -247,14 +286,23 @@ def check_model(
     device: torch.device,
     pc_metrics: list[Measurement],
     pc_errors: list[str],
+    attention: Mapping[str, Outputs] | None = None,
 ) -> list[LoadPath]:
     """Every way of loading one model: ``pc.load`` from its comparison, the others run here,
-    then the re-save round trip (a single model only: a pipeline is re-saved whole)."""
+    the deciding ones again under each other attention implementation (``attention``: the
+    fp32 baseline's outputs under each), then the re-save round trip (a single model only: a
+    pipeline is re-saved whole).
+
+    Each attention implementation is checked apart: ways under different ones never share
+    outputs, even when they load the very same tensors."""
     first = _pc_load(component, pc_metrics, pc_errors)
     records = [
         first,
         *_check(component.name, model_ways(component), inputs, baseline, thresholds, device),
     ]
+    for implementation, outputs in (attention or {}).items():
+        ways = attention_ways(component, implementation)
+        records += _check(component.name, ways, inputs, outputs, thresholds, device)
     if not component.name:
         records += _resaved(component, inputs, baseline, thresholds, device)
     return records
@@ -303,7 +351,15 @@ def skipped_pipeline(opened: PipelineSource, why: str) -> list[LoadPath]:
 
 def _not_checked(component: str, ways: Iterable[Way], why: str) -> list[LoadPath]:
     return [
-        LoadPath(component, w.key, w.call, "not-checked", w.decides, detail=w.why_not or why)
+        LoadPath(
+            component,
+            w.key,
+            w.call,
+            "not-checked",
+            w.decides,
+            detail=w.why_not or why,
+            attention=w.attention,
+        )
         for w in ways
     ]
 
@@ -347,7 +403,7 @@ def _run(
     seen: dict[tuple[Any, ...], LoadPath],
 ) -> LoadPath:
     """Load one way, run the probes, free the model; an error is the way's failure."""
-    record = LoadPath(component, way.key, way.call, "fail", way.decides)
+    record = LoadPath(component, way.key, way.call, "fail", way.decides, attention=way.attention)
     outputs: Outputs | None = None
     model: Any = None
     stage = "load"
@@ -446,11 +502,13 @@ def failure_lines(records: Iterable[LoadPath]) -> list[str]:
     failures the comparison itself lists) that failed."""
     lines = []
     for record in records:
-        if record.way == PC_LOAD or not record.decides or record.verdict != "fail":
+        own = record.way == PC_LOAD and record.attention is None  # listed by the comparison
+        if own or not record.decides or record.verdict != "fail":
             continue
         where = record.component or "model"
         why = record.detail or (record.failures[0] if record.failures else "outputs differ")
-        lines.append(f"{where}: the plain load `{record.call}` {_as_clause(why)}")
+        what = "the load" if record.way == PC_LOAD else "the plain load"
+        lines.append(f"{where}: {what} `{record.call}` {_as_clause(why)}")
     return lines
 
 

@@ -88,6 +88,10 @@ from precision_convert.validation.certify.reference import (
     without_local_paths,
 )
 from precision_convert.validation.certify.verify import hash_files
+from precision_convert.validation.probe.attention import (
+    attention_choices,
+    outputs_by_attention,
+)
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,
@@ -374,12 +378,19 @@ def _validate_whole(
     swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
     check_baseline(base_out, component)
     frozen = resolve_inputs(swept, base_out)
+    # The baseline again under each other attention implementation a user can pick.
+    choices, by_attention = outputs_by_attention(
+        baseline,
+        attention_choices(baseline),
+        lambda model: run_probes(model, frozen, device, torch.float32),
+    )
     # The candidate generator holds the model too: both must go before the candidate loads.
     gone = weakref.ref(baseline)
     del baseline, candidates
     free_model(gone, device)
 
     record, thresholds = component_record(component, chosen.task, swept, "whole")
+    record.attention = choices.to_json() if choices.default else None
     metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
     compared, errors = _compare_candidate(
         lambda: load(
@@ -395,7 +406,9 @@ def _validate_whole(
         component.compute_dtype,
     )
     metrics += compared
-    paths = check_model(component, frozen, base_out, thresholds, device, metrics, errors)
+    paths = check_model(
+        component, frozen, base_out, thresholds, device, metrics, errors, by_attention
+    )
     return ComponentResult(record, metrics, errors, paths)
 
 

@@ -585,6 +585,18 @@ def _ids(value: Any) -> list[int]:
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
+def _generates(model: Any) -> bool:
+    """Whether users batch prompts for ``model.generate``, which pads them on the left: a
+    causal LM head by name, or any transformers model that says it can generate (GPT-2's
+    double-heads model, vision-language models) — the name alone misses those."""
+    if type(model).__name__.endswith(_CAUSAL_HEADS):
+        return True
+    if _get(getattr(model, "config", None), "is_encoder_decoder"):
+        return False  # its encoder takes the prompts, padded on the right
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
+
+
 def token_spec(
     model: Any, probe: Probe, tokenizer: ProbeTokenizer | None, task: str
 ) -> TokenSpec | None:
@@ -646,9 +658,7 @@ def token_spec(
         task=task,
         decoder_start=decoder_start,
         decoder_limit=decoder_limit,
-        causal=arg == "input_ids"
-        and decoder_start is None
-        and type(model).__name__.endswith(_CAUSAL_HEADS),
+        causal=arg == "input_ids" and decoder_start is None and _generates(model),
         positions="position_ids" in params,
     )
 
