@@ -26,8 +26,8 @@ from typing import Any
 
 from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs
 
-#: Implementations judged besides the default, in this order. GPU kernels (flash attention)
-#: and flex attention are recorded as not judged.
+#: Implementations judged besides the default, in this order. Flash attention (a CUDA kernel)
+#: is recorded as not judged; flex attention is left out.
 SWITCHABLE = ("eager", "sdpa")
 #: What a model without switchable attention records (no attention, or not transformers').
 NOT_SWITCHABLE = "the model has no attention implementation to choose"
