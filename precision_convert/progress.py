@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +43,21 @@ def report(what: str, done: int, total: int | None = None, *, at_most: bool = Fa
     reporter = _REPORTER.get()
     if reporter is not None:
         reporter(SEPARATOR.join((*_STAGE.get(), what)), done, total, at_most)
+
+
+#: A file to which every probe run appends one JSON line (its stages, what ran, forwards,
+#: seconds): what a run cost stage by stage, for ``bench/certify.py``. Unset: nothing written.
+LEDGER_VARIABLE = "PRECISION_CONVERT_LEDGER"
+
+
+def record_forwards(what: str, forwards: int, seconds: float) -> None:
+    """Append one probe run to the ledger :data:`LEDGER_VARIABLE` names (if it names one)."""
+    path = os.environ.get(LEDGER_VARIABLE)
+    if not path:
+        return
+    row = {"stage": SEPARATOR.join(_STAGE.get()), "what": what, "forwards": forwards}
+    with open(path, "a", encoding="utf-8") as ledger:
+        ledger.write(json.dumps({**row, "seconds": round(seconds, 3)}) + "\n")
 
 
 def shorten(label: str, width: int) -> str:

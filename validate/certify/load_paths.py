@@ -56,6 +56,7 @@ from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import from_config_string
 from precision_convert.errors import InputError
+from precision_convert.progress import stage
 from precision_convert.validation.certify.certificate import LoadPath
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs, run_probes
@@ -351,7 +352,7 @@ def _run(
     record = LoadPath(component, way.key, way.call, "fail", way.decides)
     outputs: Outputs | None = None
     model: Any = None
-    stage = "load"
+    step = "load"
     try:
         model = way.build()  # type: ignore[misc]
         if hasattr(model, "eval"):
@@ -370,12 +371,13 @@ def _run(
                 record.detail += f"; {same.detail}"
             return record
         seen[signature] = record
-        stage = "run"
+        step = "run"
         model = move(model, device)
         dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
-        outputs = run_probes(model, inputs, device, dtype)
+        with stage(way.key):
+            outputs = run_probes(model, inputs, device, dtype)
     except LOAD_ERRORS as exc:
-        record.detail = f"fails to {stage}: {_error_line(exc)}"
+        record.detail = f"fails to {step}: {_error_line(exc)}"
     finally:
         if model is not None:
             gone = weakref.ref(model)

@@ -368,16 +368,17 @@ def _validate_whole(
         with coverage.track(model):
             return run_probes(model, inputs, device, torch.float32)
 
-    chosen, base_out = select_inputs(baseline, iter(candidates), run)
-    # The layout's probe first (outputs reused), then what the coverage level sweeps.
-    swept = sweep_for.apply(
-        baseline,
-        chosen,
-        tokenizer=tokenizer,
-        component=component.name,
-        directory=component.converted.root,
-    )
-    swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
+    with stage("baseline"):
+        chosen, base_out = select_inputs(baseline, iter(candidates), run)
+        # The layout's probe first (outputs reused), then what the coverage level sweeps.
+        swept = sweep_for.apply(
+            baseline,
+            chosen,
+            tokenizer=tokenizer,
+            component=component.name,
+            directory=component.converted.root,
+        )
+        swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
     check_baseline(base_out, component)
     frozen = resolve_inputs(swept, base_out)
     # The candidate generator holds the model too: both must go before the candidate loads.
@@ -462,7 +463,8 @@ def _compare_candidate(
     candidate: Any = None
     try:
         candidate = load_candidate()
-        outputs = run_probes(candidate, inputs, device, dtype)
+        with stage("pc.load"):
+            outputs = run_probes(candidate, inputs, device, dtype)
         return compare_outputs(name, inputs, baseline, outputs, thresholds), []
     except RUN_ERRORS as exc:
         what = "pipeline" if name == "pipeline" else "model"
