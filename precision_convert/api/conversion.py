@@ -7,6 +7,7 @@ trace; the output path only ever receives a complete, fsynced directory.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,19 +175,23 @@ def plan_model(
     if not (calibrate and safe):
         return plan_with(()), None
     from precision_convert.conversion.analysis.calibration import calibrated_plan
+    from precision_convert.progress import forecasting
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
+    level = coverage or DEFAULT_LEVEL
+    cheaper = "--coverage quick runs fewer probes" if level != "quick" else ""
     try:
-        return calibrated_plan(
-            model,
-            target,
-            plan_with,
-            search=search,
-            trust_remote_code=trust_remote_code,
-            coverage=coverage or DEFAULT_LEVEL,
-            calibration_data=calibration_data,
-            component=component,
-        )
+        with forecasting("calibration", cheaper):
+            return calibrated_plan(
+                model,
+                target,
+                plan_with,
+                search=search,
+                trust_remote_code=trust_remote_code,
+                coverage=level,
+                calibration_data=calibration_data,
+                component=component,
+            )
     except CannotValidateError as exc:
         plan = plan_with(())
         return replace(plan, warnings=(*plan.warnings, f"not calibrated: {exc}")), None
@@ -271,7 +276,8 @@ def convert(
         calibrate = to == "fp16-safe"
     # Validated in the staging directory and renamed into place with its certificate, so the
     # target holds nothing or a complete, certified output, however the run is stopped.
-    with staged:
+    # Calibration's probe outputs wait on disk for validation, which reuses them.
+    with staged, _probe_outputs(calibrate and validate):
         components, written = _plan_and_write(
             opened, models, staged, target_dir, to, on_progress, variant,
             recipe=recipe, keep_fp32=keep_fp32, trust_remote_code=trust_remote_code,
@@ -290,6 +296,11 @@ def convert(
                     coverage=coverage or "standard",
                     calibration_data=data,
                     trust_remote_code=trust_remote_code,
+                    prior={
+                        c.name: c.calibration.runs
+                        for c in components
+                        if c.calibration is not None and c.calibration.runs is not None
+                    },
                 )
             except CannotValidateError:
                 staged.commit()  # kept, with the failing certificate that says what is missing
@@ -299,7 +310,7 @@ def convert(
         source=str(source),
         output=target_dir,
         target=to,
-        components=components,
+        components=[_without_runs(c) for c in components],
         files=sorted(written),
         certificate=certificate,
     )
@@ -334,6 +345,22 @@ def _plan_and_write(
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", target_dir) from None
     return components, written
+
+
+def _probe_outputs(spill: bool) -> AbstractContextManager[None]:
+    """Probe outputs on disk for the whole run when calibration's are kept for validation."""
+    if not spill:
+        return nullcontext()
+    from precision_convert.validation.probe.execute import outputs_on_disk
+
+    return outputs_on_disk()
+
+
+def _without_runs(component: ComponentResult) -> ComponentResult:
+    """``component`` without the probe runs kept for validation (their files are gone)."""
+    if component.calibration is None or component.calibration.runs is None:
+        return component
+    return replace(component, calibration=replace(component.calibration, runs=None))
 
 
 def check_variant(variant: str | None) -> None:
