@@ -114,8 +114,13 @@ class PeakRSS:
 
 def import_baseline() -> int:
     """RSS of a fresh process after the command's imports."""
+    # Elsewhere than the repository: ``-c`` puts the working directory first on the path.
     done = subprocess.run(
-        [sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True
+        [sys.executable, "-c", IMPORTS],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),
     )
     return int(done.stdout.strip().splitlines()[-1])
 
