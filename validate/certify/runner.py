@@ -156,7 +156,8 @@ def validate(
         prior: by component name, what the conversion that wrote ``converted`` already ran
             (``convert`` passes its calibration's): its fp32 sweep stands in for the baseline
             when it was made from the same source with the same probes on the same device, and
-            its last candidate's outputs for ``pc.load``'s when written from the same plan.
+            its last candidate's outputs for ``pc.load``'s when the output's weight files are
+            byte for byte that candidate's.
 
     Returns:
         The :class:`Certificate` (also written to ``precision_certificate.json``).
@@ -359,8 +360,9 @@ def _validate_whole(
 ) -> ComponentResult:
     notes: list[str] = []
     # The conversion's calibration may already have swept this source with these probes here.
-    usable = prior is not None and supplied is None
-    if not usable or not prior.swept.matches(component.baseline_dir, device, sweep_for):
+    if prior is not None and (
+        supplied is not None or not prior.swept.matches(component.baseline_dir, device, sweep_for)
+    ):
         prior = None
     shared = _shared_candidate(component, prior)
     if prior is not None:
