@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +30,12 @@ from contextvars import ContextVar
 #: short of, as the island search does).
 Reporter = Callable[[str, int, int | None, bool], None]
 
+#: ``say(line)``: one sentence about the work ahead (how many forwards, how long), for a line
+#: of its own.
+Sayer = Callable[[str], None]
+
 _REPORTER: ContextVar[Reporter | None] = ContextVar("precision_convert_reporter", default=None)
+_SAYER: ContextVar[Sayer | None] = ContextVar("precision_convert_sayer", default=None)
 _STAGE: ContextVar[tuple[str, ...]] = ContextVar("precision_convert_stage", default=())
 #: Joins nested stage names in a label.
 SEPARATOR = " › "
@@ -41,6 +48,21 @@ def report(what: str, done: int, total: int | None = None, *, at_most: bool = Fa
     reporter = _REPORTER.get()
     if reporter is not None:
         reporter(SEPARATOR.join((*_STAGE.get(), what)), done, total, at_most)
+
+
+#: A file to which every probe run appends one JSON line (its stages, what ran, forwards,
+#: seconds): what a run cost stage by stage, for ``bench/certify.py``. Unset: nothing written.
+LEDGER_VARIABLE = "PRECISION_CONVERT_LEDGER"
+
+
+def record_forwards(what: str, forwards: int, seconds: float) -> None:
+    """Append one probe run to the ledger :data:`LEDGER_VARIABLE` names (if it names one)."""
+    path = os.environ.get(LEDGER_VARIABLE)
+    if not path:
+        return
+    row = {"stage": SEPARATOR.join(_STAGE.get()), "what": what, "forwards": forwards}
+    with open(path, "a", encoding="utf-8") as ledger:
+        ledger.write(json.dumps({**row, "seconds": round(seconds, 3)}) + "\n")
 
 
 def shorten(label: str, width: int) -> str:
@@ -74,13 +96,93 @@ def stage(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def reporting(reporter: Reporter) -> Iterator[None]:
-    """Send the reports made inside to ``reporter``; the previous one comes back on exit."""
+def reporting(reporter: Reporter, sayer: Sayer | None = None) -> Iterator[None]:
+    """Send the reports made inside to ``reporter`` (and :func:`say`'s lines to ``sayer``);
+    the previous ones come back on exit."""
     token = _REPORTER.set(reporter)
+    said = _SAYER.set(sayer)
     try:
         yield
     finally:
+        _SAYER.reset(said)
         _REPORTER.reset(token)
+
+
+def say(text: str) -> None:
+    """Tell the user one thing about the work ahead (nothing happens outside the CLI)."""
+    sayer = _SAYER.get()
+    if sayer is not None:
+        sayer(text)
+
+
+#: An estimate past this many seconds suggests a cheaper coverage level.
+LONG_RUN = 600.0
+_FORECAST: ContextVar[Forecast | None] = ContextVar("precision_convert_forecast", default=None)
+
+
+class Forecast:
+    """The forwards a stretch of work will run, said before they start, and how long they
+    should take, said once the first full-size probe of each precision has run (the layout's
+    own probe is a few tokens: it says nothing about the sweep's pace)."""
+
+    def __init__(self, what: str, hint: str) -> None:
+        self.what = what
+        self.hint = hint  # said with an estimate past LONG_RUN
+        self.total = 0
+        self.done = 0
+        self.paced: set[str] = set()
+
+    def expect(self, forwards: int, detail: str) -> None:
+        """``forwards`` more to run (``detail``: of what), said now."""
+        self.total += forwards
+        say(f"{self.what}: {forwards} forwards to run ({detail})")
+
+    def ran(self, precision: str, seconds: float, full: bool) -> None:
+        self.done += 1
+        left = max(0, self.total - self.done)
+        if not full or precision in self.paced or not left:
+            return
+        self.paced.add(precision)
+        estimate = seconds * left
+        line = (
+            f"{self.what}: about {_duration(estimate)} left ({left} forwards, "
+            f"{seconds:.2f} s per {precision} probe)"
+        )
+        say(f"{line}; {self.hint}" if estimate > LONG_RUN and self.hint else line)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+@contextmanager
+def forecasting(what: str, hint: str = "") -> Iterator[Forecast]:
+    """A :class:`Forecast` that the forwards run inside count against."""
+    ahead = Forecast(what, hint)
+    token = _FORECAST.set(ahead)
+    try:
+        yield ahead
+    finally:
+        _FORECAST.reset(token)
+
+
+def expect(forwards: int, detail: str) -> None:
+    """``forwards`` more to run (``detail``: of what), said now, when a forecast is installed."""
+    ahead = _FORECAST.get()
+    if ahead is not None:
+        ahead.expect(forwards, detail)
+
+
+def forward_ran(precision: str, seconds: float, full: bool) -> None:
+    """One probe ran (``full``: a sweep probe, sized like the rest); counted by the forecast
+    installed, if any."""
+    ahead = _FORECAST.get()
+    if ahead is not None:
+        ahead.ran(precision, seconds, full)
 
 
 _quiet_lock = threading.Lock()

@@ -131,9 +131,16 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def _progress(line: str) -> bool:
+    from precision_convert.cli._common import PROGRESS_PREFIX
+
+    return line.startswith(PROGRESS_PREFIX)
+
+
 def assert_one_error_line(stderr: str, *fragments: str) -> str:
-    """stderr is exactly one ``precision-convert: …`` line holding every fragment."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    """stderr is exactly one ``precision-convert: …`` line holding every fragment (progress
+    lines, which a stderr that is no terminal gets, aside)."""
+    lines = [line for line in stderr.splitlines() if line.strip() and not _progress(line)]
     assert "Traceback" not in stderr, stderr
     assert len(lines) == 1, stderr
     line = lines[0]

@@ -165,11 +165,11 @@ def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
     tiny_model: Callable[[str], Path],
 ) -> None:
     """A 16 MB model with Llama-3's 128k vocabulary fed the level's 1024 tokens would hold
-    0.5 GB of logits per probe: its probes shrink to what a small model may take."""
+    0.5 GB of logits per probe: its probes shrink to what one probe may take."""
     from transformers import AutoModelForCausalLM
 
     from precision_convert.validation.probe.sweep import (
-        SMALL_MODEL_ACTIVATIONS,
+        PROBE_ACTIVATIONS,
         budget_for,
         bytes_per_token,
         fit_model,
@@ -179,7 +179,7 @@ def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
     quick = budget_for("quick")
     fitted = fit_model(quick, model)
     assert fitted.tokens_per_probe < quick.tokens_per_probe
-    assert fitted.tokens_per_probe * bytes_per_token(model) <= SMALL_MODEL_ACTIVATIONS
+    assert fitted.tokens_per_probe * bytes_per_token(model) <= PROBE_ACTIVATIONS
 
 
 def test_quick_coverage_calls_a_pipeline_at_a_small_size(

@@ -114,19 +114,15 @@ class _Recorder:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if self.paused:
                 return
-            main = next(_floats(output), None)
-            if main is not None:
-                self.main_out[name] = _running_max(self.main_out.get(name), _peak(main))
-            for tensor in _floats(output):
-                values = tensor.detach().float().abs()
-                self.max_out[name] = _running_max(self.max_out.get(name), values.amax())
-                self.sum_sq[name] = self.sum_sq.get(name, 0.0) + float(values.square().sum())
-                self.count[name] = self.count.get(name, 0) + values.numel()
-                nonzero = values != 0
-                self.nonzero[name] = self.nonzero.get(name, 0) + int(nonzero.sum())
-                self.flushed[name] = self.flushed.get(name, 0) + int(
-                    (nonzero & (values < FP16_FLUSH_BELOW)).sum()
-                )
+            for index, tensor in enumerate(_floats(output)):
+                seen = _Summary.of(tensor)
+                if index == 0:  # the main output
+                    self.main_out[name] = _running_max(self.main_out.get(name), seen.peak)
+                self.max_out[name] = _running_max(self.max_out.get(name), seen.top)
+                self.sum_sq[name] = self.sum_sq.get(name, 0.0) + seen.sum_sq
+                self.count[name] = self.count.get(name, 0) + tensor.numel()
+                self.nonzero[name] = self.nonzero.get(name, 0) + seen.nonzero
+                self.flushed[name] = self.flushed.get(name, 0) + seen.flushed
             if self.simulate is not None and _is_weighted_leaf(module):
                 self.paused = True
                 try:
@@ -162,10 +158,57 @@ def _floats(value: Any) -> Iterator[torch.Tensor]:
     return (t for t in tensors_in(value) if t.is_floating_point() and t.numel())
 
 
+#: Elements a hook reduces at a time: its temporaries stay this small (one 4096-token probe's
+#: logits over a 32k vocabulary are 131M elements; whole-tensor copies of them were 0.5 GB each).
+CHUNK = 1 << 22
+
+
+def _chunks(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tensor.detach().reshape(-1).split(CHUNK)
+
+
+def _masked_peak(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Largest of ``values`` (absolute) below the masking sentinel, given their largest
+    ``top``: the same unless a sentinel (or NaN) is among them."""
+    return (
+        top if bool(top < MASK_SENTINEL) else torch.where(values < MASK_SENTINEL, values, 0).amax()
+    )
+
+
 def _peak(tensor: torch.Tensor) -> torch.Tensor:
     """Largest |x| of ``tensor`` that is an activation (masking sentinels left out)."""
-    values = tensor.detach().abs()
-    return torch.where(values < MASK_SENTINEL, values, 0).amax().float()
+    peaks = []
+    for chunk in _chunks(tensor):
+        values = chunk.abs()
+        peaks.append(_masked_peak(values, values.amax()))
+    return torch.stack(peaks).amax().float()
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """What the recorder keeps of one output tensor, reduced chunk by chunk in fp32."""
+
+    peak: torch.Tensor  # largest |x| that is an activation (masking sentinels left out)
+    top: torch.Tensor  # largest |x| (NaN when there is one)
+    sum_sq: float
+    nonzero: int
+    flushed: int  # non-zero values fp16 rounds to zero
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Summary:
+        peaks, tops, sum_sq, nonzero, small = [], [], 0.0, 0, 0
+        for chunk in _chunks(tensor):
+            values = chunk.float().abs()
+            top = values.amax()
+            tops.append(top)
+            peaks.append(_masked_peak(values, top))
+            sum_sq += float(torch.dot(values, values))
+            nonzero += int(torch.count_nonzero(values))
+            small += int(torch.count_nonzero(values < FP16_FLUSH_BELOW))  # zeros included
+        zeros = tensor.numel() - nonzero
+        return cls(
+            torch.stack(peaks).amax(), torch.stack(tops).amax(), sum_sq, nonzero, small - zeros
+        )
 
 
 def _max_abs(value: Any) -> torch.Tensor | None:

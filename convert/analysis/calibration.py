@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +59,19 @@ from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import FP16_MAX, Target
 from precision_convert.names import module_of
-from precision_convert.progress import stage
-from precision_convert.validation.probe.attention import (
-    attention,
-    attention_choices,
-    outputs_by_attention,
-)
-from precision_convert.validation.probe.execute import (
-    RUN_ERRORS,
-    run_probes,
-    run_sweep,
-    select_inputs,
-)
-from precision_convert.validation.probe.execute import resolve as resolve_inputs
-from precision_convert.validation.probe.inputs import input_candidates
+from precision_convert.progress import expect, stage
+from precision_convert.validation.probe.attention import attention
+from precision_convert.validation.probe.execute import RUN_ERRORS, Coverage, run_probes
 from precision_convert.validation.probe.parity import (
     compare_outputs,
     recipe_validation,
     thresholds_for,
+)
+from precision_convert.validation.probe.session import (
+    PriorRuns,
+    Swept,
+    fp32_session,
+    weights_digest,
 )
 from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
@@ -141,6 +136,8 @@ class Calibration:
     #: Every module output (containers included) and weighted module input whose fp32 peak
     #: came within the margin of fp16's limit, in execution order (``fp16-safe`` only).
     near_limit: tuple[Watched, ...] = ()
+    #: What ran, for this conversion's validation to reuse (not part of the result).
+    runs: PriorRuns | None = field(default=None, compare=False, repr=False)
 
 
 @stage("calibration")
@@ -163,7 +160,6 @@ def calibrated_plan(
     names a pipeline's component, whose ``<component>/<argument>`` keys it takes and which
     skips data meant for another).
     """
-    import torch
 
     budget_for(coverage)  # an unknown level or unreadable data fails before the model loads
     data = (
@@ -172,41 +168,14 @@ def calibrated_plan(
         else calibration_data
     )
     base = plan_with(())
-    fp32 = load_fp32(model.root, trust_remote_code=trust_remote_code).eval()
-    simulate = None if target.range_limited else target.compute.torch
-    recorded: dict[str, dict[str, ActivationStats]] = {}
-
-    def run(candidate_model: Any, inputs: Any) -> Any:
-        stats, outputs = calibrate(
-            candidate_model,
-            lambda: run_probes(candidate_model, inputs, "cpu", torch.float32),
-            simulate,
-        )
-        recorded["stats"] = stats
-        return outputs
-
-    tokenizer = tokenizer_for(model.root)
-    chosen, baseline = select_inputs(fp32, input_candidates(fp32, seed=0, tokenizer=tokenizer), run)
-    # The chosen layout, then the coverage sweep and user data: one run records them all.
-    swept = SweepSettings(coverage, data).apply(
-        fp32, chosen, tokenizer=tokenizer, component=component, directory=model.root
+    swept, stats = _fp32_sweep(
+        model, target, SweepSettings(coverage, data), component, trust_remote_code, search
     )
-    chosen, baseline = run_sweep(fp32, chosen, swept, run, baseline)
-    stats = recorded["stats"]
-    frozen = resolve_inputs(chosen, baseline)
+    frozen, baseline = swept.resolved, swept.outputs
     # The search must satisfy every attention implementation the certificate judges: the
     # fp32 outputs under each (eager attention's masked scores overflow where sdpa's do not).
-    by_attention: dict[str | None, Any] = {None: baseline}
-    if search and target == "fp16-safe":
-        _, others = outputs_by_attention(
-            fp32,
-            attention_choices(fp32),
-            lambda m: run_probes(m, frozen, "cpu", torch.float32),
-        )
-        by_attention.update(others)
-    gone = weakref.ref(fp32)
-    del fp32
-    free_model(gone)
+    by_attention: dict[str | None, Any] = {None: baseline, **swept.by_attention}
+    candidates: dict[str, Any] = {}  # the last passing candidate: its plan's sha256, outputs
 
     existing = {i.name: i for i in base.islands}
     float_units = _float_units(base)
@@ -222,7 +191,7 @@ def calibrated_plan(
         added = [Island(u, "precision", f"calibration: {why}") for u, why in found.items()]
     plan = plan_with(added)
     validation = recipe_validation(base.recipe)
-    task = str(validation.get("task", chosen.task))
+    task = str(validation.get("task", swept.task))
     thresholds = thresholds_for(task, validation)
     evaluations, passed = 0, None
     carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
@@ -243,6 +212,7 @@ def calibrated_plan(
                     frozen,
                     by_attention,
                     thresholds,
+                    candidates,
                 )
 
             analysed = {i.name for i in added}
@@ -262,10 +232,69 @@ def calibrated_plan(
             f"{plan.fp32_share:.0%} of the parameters stay fp32 (over {FP32_SHARE_LIMIT:.0%}): "
             "fp16-safe saves little here; bf16-safe is recommended"
         )
+    last = candidates if candidates.get("plan") == plan.sha256 else {}  # the plan written
     calibration = Calibration(
-        stats, tuple(added), evaluations, passed, task, tuple(warnings), tuple(watched)
+        stats,
+        tuple(added),
+        evaluations,
+        passed,
+        task,
+        tuple(warnings),
+        tuple(watched),
+        PriorRuns(swept, last.get("weights"), last.get("outputs")),
     )
     return replace(plan, warnings=tuple(warnings)), calibration
+
+
+def _fp32_sweep(
+    model: ModelSource,
+    target: Target,
+    settings: SweepSettings,
+    component: str,
+    trust_remote_code: bool,
+    search: bool,
+) -> tuple[Swept, dict[str, ActivationStats]]:
+    """The fp32 model's session under recording hooks: the probes, their outputs and every
+    module's statistics, all from one run (the outputs are validation's baseline too); with
+    the fp16 search, the outputs under each other attention implementation too."""
+    import torch
+
+    simulate = None if target.range_limited else target.compute.torch
+    searching = search and target.range_limited
+    recorded: dict[str, dict[str, ActivationStats]] = {}
+    used = Coverage()  # recorded too, so that validation can take this run as its baseline
+
+    def run(fp32: Any, inputs: Any) -> Any:
+        with used.track(fp32):
+            stats, outputs = calibrate(
+                fp32, lambda: run_probes(fp32, inputs, "cpu", torch.float32), simulate
+            )
+        recorded["stats"] = stats
+        return outputs
+
+    # The chosen layout, then the coverage sweep and user data: one run records them all.
+    swept = fp32_session(
+        lambda: load_fp32(model.root, trust_remote_code=trust_remote_code).eval(),
+        run,
+        settings,
+        source=model.root,
+        device=torch.device("cpu"),
+        tokenizer=tokenizer_for(model.root),
+        component=component,
+        coverage=lambda: used.fraction,
+        before=lambda inputs: _expect(len(inputs.probes), searching),
+        attention=searching,
+    )
+    return swept, recorded["stats"]
+
+
+def _expect(probes: int, search: bool) -> None:
+    """Say what calibration runs before it runs: the fp32 sweep, and the first candidate's
+    (the search may add more: each is as many forwards again)."""
+    if search:
+        expect(2 * probes, f"fp32 sweep {probes}, first fp16 candidate {probes}")
+    else:
+        expect(probes, f"fp32 sweep {probes}")
 
 
 def _range_from_watch(
@@ -556,10 +585,13 @@ def _candidate_passes(
     inputs: Any,
     baselines: Mapping[str | None, Any],
     thresholds: dict[str, float],
+    passing: dict[str, Any],
 ) -> bool:
     """Write ``plan``, load it as a user would, and compare with the fp32 outputs under each
-    attention implementation of ``baselines`` (None: the one it loads with); the candidate is
-    freed (memory given back) before this returns."""
+    attention implementation of ``baselines`` (None: the one it loads with); a plan that
+    passes leaves its sha256, its files' digest and its default outputs in ``passing``
+    (validation reuses them when the output's files are these). The candidate is freed
+    (memory given back) before this returns."""
     directory = scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir()
@@ -567,12 +599,16 @@ def _candidate_passes(
     candidate: Any = None
     try:
         candidate = load(directory, trust_remote_code=trust_remote_code)
+        loaded_as_is = None
         for implementation, baseline in baselines.items():
             with attention(candidate, implementation):
                 outputs = run_probes(candidate, inputs, "cpu", plan.compute.torch)
             rows = compare_outputs("", inputs, baseline, outputs, thresholds)
             if not all(row.passed for row in rows):
                 return False
+            if implementation is None:
+                loaded_as_is = outputs
+        passing.update(plan=plan.sha256, weights=weights_digest(directory), outputs=loaded_as_is)
         return True
     except RUN_ERRORS as exc:
         logger.info("candidate failed to run: %s", exc)

@@ -7,6 +7,7 @@ trace; the output path only ever receives a complete, fsynced directory.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from precision_convert.recipes import match as match_recipe
 if TYPE_CHECKING:
     from precision_convert.conversion.analysis.calibration import Calibration
     from precision_convert.validation.certify.certificate import Certificate
+    from precision_convert.validation.probe.session import PriorRuns
     from precision_convert.validation.probe.userdata import CalibrationData
 
 
@@ -177,19 +179,23 @@ def plan_model(
     if not (calibrate and decoded.safe):
         return plan_with(()), None
     from precision_convert.conversion.analysis.calibration import calibrated_plan
+    from precision_convert.progress import forecasting
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
+    level = coverage or DEFAULT_LEVEL
+    cheaper = "--coverage quick runs fewer probes" if level != "quick" else ""
     try:
-        return calibrated_plan(
-            model,
-            decoded,
-            plan_with,
-            search=search,
-            trust_remote_code=trust_remote_code,
-            coverage=coverage or DEFAULT_LEVEL,
-            calibration_data=calibration_data,
-            component=component,
-        )
+        with forecasting("calibration", cheaper):
+            return calibrated_plan(
+                model,
+                decoded,
+                plan_with,
+                search=search,
+                trust_remote_code=trust_remote_code,
+                coverage=level,
+                calibration_data=calibration_data,
+                component=component,
+            )
     except CannotValidateError as exc:
         plan = plan_with(())
         return replace(plan, warnings=(*plan.warnings, f"not calibrated: {exc}")), None
@@ -295,19 +301,25 @@ def _convert(
         options = replace(options, calibrate=target.safe and target.range_limited)
     # Validated in the staging directory and renamed into place with its certificate, so the
     # target holds nothing or a complete, certified output, however the run is stopped.
-    with staged:
+    # Calibration's probe outputs wait on disk for validation, which reuses them.
+    with staged, _probe_outputs(bool(options.calibrate) and run.validate):
         components, written = _plan_and_write(
             opened, models, staged, target, options, data, run.on_progress
         )
         certificate = None
         if run.validate:
-            certificate = _certify(staged, root, options, supplied, data)
+            prior = {
+                c.name: c.calibration.runs
+                for c in components
+                if c.calibration is not None and c.calibration.runs is not None
+            }
+            certificate = _certify(staged, root, options, supplied, data, prior)
         staged.commit()
     return ConversionResult(
         source=str(source),
         output=target_dir,
         target=target,
-        components=components,
+        components=[_without_runs(c) for c in components],
         files=sorted(written),
         certificate=certificate,
     )
@@ -319,9 +331,11 @@ def _certify(
     options: ConversionOptions,
     supplied: Any,
     data: CalibrationData | None,
+    prior: dict[str, PriorRuns],
 ) -> Certificate:
-    """Validate the staged output against ``root``; a run that cannot validate keeps its
-    output, with the failing certificate that says what is missing."""
+    """Validate the staged output against ``root`` (reusing ``prior``: calibration's probe
+    runs, by component); a run that cannot validate keeps its output, with the failing
+    certificate that says what is missing."""
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
 
@@ -334,6 +348,7 @@ def _certify(
             coverage=options.coverage or DEFAULT_LEVEL,
             calibration_data=data,
             trust_remote_code=options.trust_remote_code,
+            prior=prior,
         )
     except CannotValidateError:
         staged.commit()
@@ -381,6 +396,22 @@ def _plan_and_write(
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", staged.given) from None
     return components, written
+
+
+def _probe_outputs(spill: bool) -> AbstractContextManager[None]:
+    """Probe outputs on disk for the whole run when calibration's are kept for validation."""
+    if not spill:
+        return nullcontext()
+    from precision_convert.validation.probe.execute import outputs_on_disk
+
+    return outputs_on_disk()
+
+
+def _without_runs(component: ConvertedComponent) -> ConvertedComponent:
+    """``component`` without the probe runs kept for validation (their files are gone)."""
+    if component.calibration is None or component.calibration.runs is None:
+        return component
+    return replace(component, calibration=replace(component.calibration, runs=None))
 
 
 def check_variant(variant: str | None) -> None:

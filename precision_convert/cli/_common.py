@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -105,10 +106,18 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
     """Progress on stderr for one command: a bar fed with (label, bytes) callbacks, plus one
     line per stage the library reports (probe k of n, candidate k of at most m) with an ETA.
 
-    A no-op when disabled or when stderr is not a terminal (logs get no redraw noise).
+    Off a terminal (a log, a pipe) the stages are plain lines instead (:class:`_PlainSteps`):
+    no bar, nothing redrawn, no escape codes. A no-op when disabled.
     """
-    if not enabled or not console.is_terminal:
+    from precision_convert.progress import reporting
+
+    if not enabled:
         yield lambda label, n: None
+        return
+    if not console.is_terminal:
+        plain = _PlainSteps()
+        with reporting(plain.report, plain.write):
+            yield lambda label, n: None
         return
     from rich.filesize import decimal
     from rich.progress import (
@@ -120,8 +129,6 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
         TransferSpeedColumn,
     )
     from rich.text import Text
-
-    from precision_convert.progress import reporting
 
     class Amount(ProgressColumn):
         """Bytes so far and speed on the byte bar (its total is not known: no "1.8/? MB");
@@ -161,7 +168,7 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
         def advance(label: str, n: int) -> None:
             progress.update(task, advance=n, description=f"{description} {label}")
 
-        with reporting(steps.report):
+        with reporting(steps.report, progress.console.print):
             yield advance
 
 
@@ -170,6 +177,44 @@ def step_progress(description: str, enabled: bool) -> Iterator[None]:
     """:func:`byte_progress` for commands that move no bytes worth counting (validate)."""
     with byte_progress(description, enabled):
         yield
+
+
+#: What starts a progress line off a terminal: a log reader (or a script) tells progress from
+#: the ``precision-convert: ...`` lines of errors and warnings.
+PROGRESS_PREFIX = "progress: "
+
+
+class _PlainSteps:
+    """The library's stage reports as plain lines on stderr: one when a stretch of work
+    starts, one at each tenth of it, one when it ends, with its time. A log of a long run shows
+    where it is while it runs, not only at the end."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+        self.started: dict[str, float] = {}
+
+    @staticmethod
+    def write(line: str) -> None:
+        print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
+
+    def report(self, label: str, done: int, total: int | None, at_most: bool) -> None:
+        now = time.monotonic()
+        previous = self.last.get(label)
+        bound = "at most " if at_most else ""
+        if previous is None or done < previous:
+            self.started[label] = now
+            self.write(f"{label}: started" + (f" ({bound}{total})" if total else ""))
+            previous = 0
+        self.last[label] = done
+        if total is None:
+            return
+        if done >= total:
+            self.write(f"{label}: {done} done in {now - self.started.pop(label):.1f} s")
+            del self.last[label]
+            return
+        step = max(1, -(-total // 10))
+        if done // step > previous // step:
+            self.write(f"{label}: {done} of {bound}{total}")
 
 
 class _StepDisplay:

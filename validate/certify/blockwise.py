@@ -43,7 +43,6 @@ from precision_convert.conversion.runtime.streaming import (
 from precision_convert.errors import CannotValidateError, WeightsDoNotMap
 from precision_convert.nested import map_tensors, tensors_in
 from precision_convert.validation.certify.components import (
-    SEED,
     Component,
     ComponentResult,
     check_baseline,
@@ -55,14 +54,10 @@ from precision_convert.validation.probe.execute import (
     Outputs,
     flatten,
     run_probes,
-    run_sweep,
-    select_inputs,
 )
 from precision_convert.validation.probe.execute import resolve as resolve_inputs
 from precision_convert.validation.probe.inputs import (
     ModelInputs,
-    input_candidates,
-    inputs_from_tensors,
 )
 from precision_convert.validation.probe.metrics import Measurement, compare, kind_of, measure
 from precision_convert.validation.probe.parity import (
@@ -70,6 +65,7 @@ from precision_convert.validation.probe.parity import (
     recipe_validation,
     thresholds_for,
 )
+from precision_convert.validation.probe.session import sweep_model
 from precision_convert.validation.probe.sweep import SweepSettings
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 
@@ -303,23 +299,18 @@ def validate_blockwise(
             with coverage.track(model):
                 return run_probes(model, inputs, device, torch.float32)
 
-        tokenizer = tokenizer_for(component.converted.root)
-        if supplied is not None:
-            candidates = iter([inputs_from_tensors(baseline, supplied, seed=SEED)])
-        else:
-            candidates = input_candidates(baseline, seed=SEED, tokenizer=tokenizer)
         with base_pass.installed():
-            chosen, base_out = select_inputs(baseline, candidates, run)
             # The sweep runs in the same pass: every probe's block activations are kept.
-            swept = (sweep_for or SweepSettings()).apply(
+            task, swept, base_out = sweep_model(
                 baseline,
-                chosen,
-                tokenizer=tokenizer,
+                run,
+                sweep_for or SweepSettings(),
+                tokenizer=tokenizer_for(component.converted.root),
                 component=component.name,
                 directory=component.converted.root,
+                supplied=supplied,
                 memory=budget,  # probes sized so one forward fits next to one block
             )
-            swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
         check_baseline(
             base_out,
             component,
@@ -329,7 +320,7 @@ def validate_blockwise(
         frozen = resolve_inputs(swept, base_out)
 
         record, thresholds = component_record(
-            component, chosen.task, swept, "blockwise", blocks=len(blocks)
+            component, task, swept, "blockwise", blocks=len(blocks)
         )
         block_thresholds = thresholds_for("block", recipe_validation(record.recipe))
         metrics = measure(

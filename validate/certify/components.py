@@ -18,9 +18,9 @@ from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.metrics import Measurement
 from precision_convert.validation.probe.parity import recipe_validation, thresholds_for
 from precision_convert.validation.probe.positions import reach
+from precision_convert.validation.probe.session import SEED
 
-#: Seed of every built input: fixed, so two certificates of one model are comparable.
-SEED = 0
+__all__ = ["SEED", "Component", "ComponentResult", "check_baseline", "component_record"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class ComponentResult:
     metrics: list[Measurement]
     errors: list[str]
     load_paths: list[LoadPath] = field(default_factory=list)  # every way of loading it
+    notes: list[str] = field(default_factory=list)  # for the certificate's notes
 
 
 def component_record(

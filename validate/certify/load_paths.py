@@ -63,6 +63,7 @@ from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import InputError
+from precision_convert.progress import stage
 from precision_convert.validation.certify.certificate import LoadPath
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.probe.attention import switch
@@ -296,13 +297,12 @@ def check_model(
     Each attention implementation is checked apart: ways under different ones never share
     outputs, even when they load the very same tensors."""
     first = _pc_load(component, pc_metrics, pc_errors)
-    records = [
-        first,
-        *_check(component.name, model_ways(component), inputs, baseline, thresholds, device),
-    ]
+    spot = spot_inputs(inputs)
+    ways = model_ways(component)
+    records = [first, *_check(component.name, ways, inputs, baseline, thresholds, device, spot)]
     for implementation, outputs in (attention or {}).items():
         ways = attention_ways(component, implementation)
-        records += _check(component.name, ways, inputs, outputs, thresholds, device)
+        records += _check(component.name, ways, inputs, outputs, thresholds, device, spot)
     if not component.name:
         records += _resaved(component, inputs, baseline, thresholds, device)
     return records
@@ -382,15 +382,59 @@ def _check(
     baseline: Outputs,
     thresholds: dict[str, float],
     device: torch.device,
+    spot: ModelInputs | None = None,
 ) -> list[LoadPath]:
+    """Each way loaded and run: a deciding one on every probe, the others on ``spot`` (a
+    recorded subset) when given."""
     records: list[LoadPath] = []
     seen: dict[tuple[Any, ...], LoadPath] = {}
     for way in ways:
         if way.build is None:
             records += _not_checked(component, [way], "")
             continue
-        records.append(_run(component, way, inputs, baseline, thresholds, device, seen))
+        subset = spot if spot is not None and not way.decides else None
+        record = _run(
+            component, way, subset or inputs, baseline, thresholds, device, seen, subset is None
+        )
+        if subset is not None and record.verdict != "not-checked" and record.metrics:
+            scope = _scope(subset, inputs)
+            if not record.detail or not record.detail.startswith("loads the same tensors"):
+                record.detail = f"{record.detail}; {scope}" if record.detail else scope
+        records.append(record)
     return records
+
+
+def spot_inputs(inputs: ModelInputs) -> ModelInputs:
+    """The probes a non-deciding way is checked on (its verdict is shown, never decides):
+    every probe no sweep made, and the first and last of each kind the sweep made (the
+    shortest and longest length, the first and last vocabulary chunk and timestep), already
+    resolved against the fp32 outputs. The certificate names them."""
+    kinds: dict[str, list[str]] = {}
+    for probe in inputs.probes:
+        if probe.sweep:
+            kinds.setdefault(str(probe.sweep.get("kind")), []).append(probe.name)
+    wanted = {names[0] for names in kinds.values()} | {names[-1] for names in kinds.values()}
+    kept = tuple(p for p in inputs.probes if not p.sweep or p.name in wanted)
+    return replace(inputs, probes=kept)
+
+
+def _scope(subset: ModelInputs, inputs: ModelInputs) -> str:
+    names = [p.name for p in subset.probes]
+    return f"checked on {len(names)} of {len(inputs.probes)} probes ({', '.join(names)})"
+
+
+def planned_forwards(component: Component, inputs: ModelInputs) -> int:
+    """At most how many forwards the library's ways and the re-save round trip run on
+    ``inputs`` after ``pc.load`` (a way loading what one already ran runs none)."""
+    spot = len(spot_inputs(inputs).probes)
+    count = sum(
+        len(inputs.probes) if w.decides else spot
+        for w in model_ways(component)
+        if w.build is not None
+    )
+    if not component.name and component.converted.library != "open_clip":
+        count += len(resave_inputs(inputs).probes) * len(RESAVED)
+    return count
 
 
 def _run(
@@ -401,12 +445,15 @@ def _run(
     thresholds: dict[str, float],
     device: torch.device,
     seen: dict[tuple[Any, ...], LoadPath],
+    every_probe: bool = True,
 ) -> LoadPath:
-    """Load one way, run the probes, free the model; an error is the way's failure."""
+    """Load one way, run the probes, free the model; an error is the way's failure. A way
+    loading what one in ``seen`` loaded takes its verdict; one run on ``every_probe`` joins
+    ``seen`` (a subset's verdict is no other way's)."""
     record = LoadPath(component, way.key, way.call, "fail", way.decides, attention=way.attention)
     outputs: Outputs | None = None
     model: Any = None
-    stage = "load"
+    step = "load"
     try:
         model = way.build()  # type: ignore[misc]
         if hasattr(model, "eval"):
@@ -424,13 +471,15 @@ def _run(
             if same.detail and same.verdict == "fail":
                 record.detail += f"; {same.detail}"
             return record
-        seen[signature] = record
-        stage = "run"
+        if every_probe:
+            seen[signature] = record
+        step = "run"
         model = move(model, device)
         dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
-        outputs = run_probes(model, inputs, device, dtype)
+        with stage(way.key):
+            outputs = run_probes(model, inputs, device, dtype)
     except LOAD_ERRORS as exc:
-        record.detail = f"fails to {stage}: {_error_line(exc)}"
+        record.detail = f"fails to {step}: {_error_line(exc)}"
     finally:
         if model is not None:
             gone = weakref.ref(model)
@@ -533,7 +582,7 @@ def _resaved(
         return _not_checked(name, _resave_ways(loaded, None), "OpenCLIP has no save_pretrained")
     subset = resave_inputs(inputs)
     names = [p.name for p in subset.probes]
-    scope = f"checked on {len(names)} of {len(inputs.probes)} probes ({', '.join(names)})"
+    scope = _scope(subset, inputs)
     with tempfile.TemporaryDirectory(prefix="precision-convert-resave-") as scratch:
         saved, error = _save_again(loaded, Path(scratch) / "resaved")
         if saved is None:

@@ -25,9 +25,8 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import re
-import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -49,7 +48,7 @@ from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import diffusers_bars_off, stage
+from precision_convert.progress import diffusers_bars_off, expect, forecasting, stage
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import write_card
 from precision_convert.validation.certify.certificate import (
@@ -75,6 +74,7 @@ from precision_convert.validation.certify.load_paths import (
     check_model,
     check_pipeline,
     failure_lines,
+    planned_forwards,
     skipped_pipeline,
 )
 from precision_convert.validation.certify.reference import (
@@ -88,29 +88,23 @@ from precision_convert.validation.certify.reference import (
     without_local_paths,
 )
 from precision_convert.validation.certify.verify import hash_files
-from precision_convert.validation.probe.attention import (
-    attention_choices,
-    outputs_by_attention,
-)
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,
     Outputs,
+    outputs_on_disk,
     run_probes,
-    run_sweep,
-    select_inputs,
-    spilled_outputs,
 )
-from precision_convert.validation.probe.execute import resolve as resolve_inputs
-from precision_convert.validation.probe.inputs import (
-    ModelInputs,
-    input_candidates,
-    inputs_from_tensors,
-    pipeline_inputs,
-)
+from precision_convert.validation.probe.inputs import ModelInputs, pipeline_inputs
 from precision_convert.validation.probe.metrics import Measurement, measure
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
 from precision_convert.validation.probe.preflight import check_user_inputs
+from precision_convert.validation.probe.session import (
+    PriorRuns,
+    Swept,
+    fp32_session,
+    weights_digest,
+)
 from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
@@ -136,6 +130,7 @@ def validate(
     coverage: str = DEFAULT_LEVEL,
     calibration_data: str | Path | CalibrationData | None = None,
     trust_remote_code: bool = False,
+    prior: Mapping[str, PriorRuns] | None = None,
 ) -> Certificate:
     """Certify ``converted`` against its fp32 baseline and write the certificate and card.
 
@@ -160,6 +155,11 @@ def validate(
         trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
             baseline, ``pc.load`` and the library's loads alike. Off: such a model cannot be
             validated (the certificate says so).
+        prior: by component name, what the conversion that wrote ``converted`` already ran
+            (``convert`` passes its calibration's): its fp32 sweep stands in for the baseline
+            when it was made from the same source with the same probes on the same device, and
+            its last candidate's outputs for ``pc.load``'s when the output's weight files are
+            byte for byte that candidate's.
 
     Returns:
         The :class:`Certificate` (also written to ``precision_certificate.json``).
@@ -201,11 +201,16 @@ def validate(
     components = _components(opened, source, trust_remote_code)
     sweep_for = SweepSettings(coverage, data)
     results: list[ComponentResult] = []
+    cheaper = "--coverage quick runs fewer probes" if coverage != "quick" else ""
     try:
-        with _library_bars_off(opened):
+        with _library_bars_off(opened), forecasting("validation", cheaper):
             for c in components:
                 here = _inputs_for(supplied, c.name, opened)
-                results.append(_validate_component(c, target_device, budget, here, sweep_for))
+                results.append(
+                    _validate_component(
+                        c, target_device, budget, here, sweep_for, (prior or {}).get(c.name)
+                    )
+                )
             if isinstance(opened, PipelineSource):
                 latent_side = budget_for(coverage).pipeline_latent_side
                 results.append(
@@ -328,6 +333,7 @@ def _validate_component(
     budget: int,
     supplied: Mapping[str, torch.Tensor] | None,
     sweep_for: SweepSettings,
+    prior: PriorRuns | None,
 ) -> ComponentResult:
     if component.fp32_bytes * WHOLE_MODEL_HEADROOM > budget:
         result = validate_blockwise(component, device, budget, supplied, sweep_for)
@@ -335,11 +341,8 @@ def _validate_component(
         return result
     # Compared whole, every probe's outputs kept on disk until compared: a sweep's kept
     # outputs are not small next to a mid-size model.
-    with (
-        tempfile.TemporaryDirectory(prefix="precision-convert-outputs-") as spill,
-        spilled_outputs(Path(spill)),
-    ):
-        return _validate_whole(component, device, supplied, sweep_for)
+    with outputs_on_disk():
+        return _validate_whole(component, device, supplied, sweep_for, prior)
 
 
 def _validate_whole(
@@ -347,69 +350,115 @@ def _validate_whole(
     device: torch.device,
     supplied: Mapping[str, torch.Tensor] | None,
     sweep_for: SweepSettings,
+    prior: PriorRuns | None = None,
 ) -> ComponentResult:
-    baseline = (
-        load_fp32(component.baseline_dir, trust_remote_code=component.trust_remote_code)
-        .to(device)
-        .eval()
-    )
-    tokenizer = tokenizer_for(component.converted.root)
-    if supplied is not None:
-        candidates: Iterable[ModelInputs] = iter(
-            [inputs_from_tensors(baseline, supplied, seed=SEED)]
+    notes: list[str] = []
+    # The conversion's calibration may already have swept this source with these probes here.
+    if prior is not None and (
+        supplied is not None
+        or not prior.swept.matches(component.baseline_dir, device, sweep_for)
+        or prior.swept.attention is None  # it did not run the other attention implementations
+    ):
+        prior = None
+    shared = _shared_candidate(component, prior)
+    if prior is not None:
+        swept = prior.swept
+        check_baseline(swept.outputs, component)
+        _expect(component, swept.inputs, baseline=False, candidate=shared is None)
+        notes.append(
+            f"{component.name or 'model'}: the fp32 baseline is the sweep calibration ran in "
+            "this conversion (the same source, probes and device), not run again"
         )
     else:
-        candidates = input_candidates(baseline, seed=SEED, tokenizer=tokenizer)
+        swept = _baseline(component, device, supplied, sweep_for)
+    frozen, base_out = swept.resolved, swept.outputs
+    record, thresholds = component_record(component, swept.task, swept.inputs, "whole")
+    choices = swept.attention
+    record.attention = choices.to_json() if choices is not None and choices.default else None
+    metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
+    if shared is not None:
+        compared = compare_outputs(component.name, frozen, base_out, shared, thresholds)
+        errors: list[str] = []
+    else:
+        compared, errors = _compare_candidate(
+            lambda: load(
+                component.converted.root,
+                device=device,
+                trust_remote_code=component.trust_remote_code,
+            ),
+            component.name,
+            frozen,
+            base_out,
+            thresholds,
+            device,
+            component.compute_dtype,
+        )
+    metrics += compared
+    paths = check_model(
+        component, frozen, base_out, thresholds, device, metrics, errors, swept.by_attention
+    )
+    if shared is not None:
+        paths[0].detail = (
+            "outputs shared with calibration's last candidate, whose weight files are byte "
+            "for byte these and which was loaded with pc.load here: same tensors in, same "
+            "numbers out"
+        )
+    return ComponentResult(record, metrics, errors, paths, notes)
+
+
+def _baseline(
+    component: Component,
+    device: torch.device,
+    supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings,
+) -> Swept:
+    """The fp32 baseline's session: the source upcast to fp32 on ``device``, swept, checked
+    and freed."""
     coverage = Coverage()
 
     def run(model: Any, inputs: ModelInputs) -> Outputs:
         with coverage.track(model):
             return run_probes(model, inputs, device, torch.float32)
 
-    chosen, base_out = select_inputs(baseline, iter(candidates), run)
-    # The layout's probe first (outputs reused), then what the coverage level sweeps.
-    swept = sweep_for.apply(
-        baseline,
-        chosen,
-        tokenizer=tokenizer,
-        component=component.name,
-        directory=component.converted.root,
-    )
-    swept, base_out = run_sweep(baseline, chosen, swept, run, base_out)
-    check_baseline(base_out, component)
-    frozen = resolve_inputs(swept, base_out)
-    # The baseline again under each other attention implementation a user can pick.
-    choices, by_attention = outputs_by_attention(
-        baseline,
-        attention_choices(baseline),
-        lambda model: run_probes(model, frozen, device, torch.float32),
-    )
-    # The candidate generator holds the model too: both must go before the candidate loads.
-    gone = weakref.ref(baseline)
-    del baseline, candidates
-    free_model(gone, device)
+    def build() -> Any:
+        trusted = component.trust_remote_code
+        return load_fp32(component.baseline_dir, trust_remote_code=trusted).to(device).eval()
 
-    record, thresholds = component_record(component, chosen.task, swept, "whole")
-    record.attention = choices.to_json() if choices.default else None
-    metrics = measure(component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds)
-    compared, errors = _compare_candidate(
-        lambda: load(
-            component.converted.root,
+    with stage("baseline"):
+        return fp32_session(
+            build,
+            run,
+            sweep_for,
+            source=component.baseline_dir,
+            directory=component.converted.root,
             device=device,
-            trust_remote_code=component.trust_remote_code,
-        ),
-        component.name,
-        frozen,
-        base_out,
-        thresholds,
-        device,
-        component.compute_dtype,
-    )
-    metrics += compared
-    paths = check_model(
-        component, frozen, base_out, thresholds, device, metrics, errors, by_attention
-    )
-    return ComponentResult(record, metrics, errors, paths)
+            tokenizer=tokenizer_for(component.converted.root),
+            component=component.name,
+            supplied=supplied,
+            check=lambda outputs: check_baseline(outputs, component),
+            coverage=lambda: coverage.fraction,
+            before=lambda inputs: _expect(component, inputs, baseline=True, candidate=True),
+            attention=True,
+        )
+
+
+def _expect(component: Component, inputs: ModelInputs, *, baseline: bool, candidate: bool) -> None:
+    """Say how many forwards validating ``component`` on ``inputs`` runs, before they run."""
+    n = len(inputs.probes)
+    others = planned_forwards(component, inputs)
+    parts = [f"fp32 baseline {n}"] if baseline else []
+    parts += [f"pc.load {n}"] if candidate else []
+    parts.append(f"other ways of loading at most {others}")
+    expect(n * baseline + n * candidate + others, ", ".join(parts))
+
+
+def _shared_candidate(component: Component, prior: PriorRuns | None) -> Outputs | None:
+    """The outputs ``pc.load`` gives on this output, when calibration already ran them: its
+    last candidate's weight files are byte for byte the output's."""
+    if prior is None or prior.candidate is None or prior.candidate_weights is None:
+        return None
+    same = weights_digest(component.converted.root) == prior.candidate_weights
+    return prior.candidate if same else None
 
 
 def _validate_pipeline(
@@ -469,7 +518,8 @@ def _compare_candidate(
     candidate: Any = None
     try:
         candidate = load_candidate()
-        outputs = run_probes(candidate, inputs, device, dtype)
+        with stage("pc.load"):
+            outputs = run_probes(candidate, inputs, device, dtype)
         return compare_outputs(name, inputs, baseline, outputs, thresholds), []
     except RUN_ERRORS as exc:
         what = "pipeline" if name == "pipeline" else "model"
@@ -542,6 +592,7 @@ def _certificate(
     records = {c.record.target for c in components} - {None}
     compute = {c.record.compute_dtype for c in components} - {None}
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
+    notes += [note for r in results for note in r.notes]
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
         tokenizer = r.record.inputs.get("tokenizer") or {}
         if tokenizer.get("usable") is False:

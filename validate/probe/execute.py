@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
 from precision_convert.dtypes import from_torch
 from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import report
+from precision_convert.progress import forward_ran, record_forwards, report
 from precision_convert.validation.probe.inputs import (
     FromOutput,
     ModelInputs,
@@ -196,11 +197,15 @@ def run_probes(
     outputs: Outputs = SpilledOutputs(spill) if spill is not None else {}
     precision = from_torch(dtype).short if dtype is not None else "stored dtypes"
     what = f"{type(model).__name__} {precision} probes"
+    start = time.perf_counter()
     with _no_denoising_bar(model):
         for k, probe in enumerate(resolve_partial(inputs, outputs)):
             report(what, k, len(inputs.probes))
+            began = time.perf_counter()
             outputs[probe.name] = call_probe(model, probe, device, dtype)
+            forward_ran(precision, time.perf_counter() - began, bool(probe.sweep))
     report(what, len(inputs.probes), len(inputs.probes))
+    record_forwards(what, len(inputs.probes), time.perf_counter() - start)
     return outputs
 
 
@@ -264,6 +269,17 @@ def spilled_outputs(directory: Path) -> Iterator[None]:
         yield
     finally:
         _SPILL.reset(token)
+
+
+@contextmanager
+def outputs_on_disk() -> Iterator[None]:
+    """Inside, probe outputs are kept in a temporary directory of their own, removed on exit
+    (:func:`spilled_outputs`): a sweep's kept outputs are not small next to a mid-size model."""
+    with (
+        tempfile.TemporaryDirectory(prefix="precision-convert-outputs-") as spill,
+        spilled_outputs(Path(spill)),
+    ):
+        yield
 
 
 def resolve_partial(inputs: ModelInputs, outputs: Outputs) -> Any:

@@ -334,16 +334,14 @@ def bytes_per_token(model: Any, *, logits: bool = True) -> int:
     return 4 * (8 * int(hidden) + 3 * int(wide) + (2 * int(vocab) if logits else 0))
 
 
-#: Models smaller than this (fp32) keep the level's probes: their activations matter on no
-#: machine...
-FIT_ABOVE = 128 * 2**20
-#: ...unless a wide vocabulary makes one probe's logits dwarf the model: a 70 MB model with
-#: Gemma's 256k vocabulary fed 1024 tokens holds 1 GB of logits. A small model's probe may
-#: take this much (fp32), a few times the model, still nothing on any machine.
-SMALL_MODEL_ACTIVATIONS = 64 * 2**20
-#: A whole-model probe's activations may take this share of the fp32 model (baseline and
-#: candidate are resident one at a time, and kept outputs wait on disk, so peak memory stays
-#: near the model's own size).
+#: Activations one whole-model probe may take whatever the model's size (fp32): a few hundred
+#: tokens of a 32k-vocabulary model's logits. The certificate's memory is the fp32 model plus
+#: a bounded overhead; tying a small model's probes to a share of its weights instead cut a
+#: 55M model's vocabulary into 800 probes of 38 tokens, each paying a forward's fixed costs.
+PROBE_ACTIVATIONS = 256 * 2**20
+#: A larger model's probe may take this share of the fp32 model (baseline and candidate are
+#: resident one at a time, and kept outputs wait on disk, so peak memory stays near the
+#: model's own size).
 ACTIVATION_SHARE = 0.05
 
 
@@ -357,7 +355,7 @@ def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
     sequences still run (at batch 1).
     """
     weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
-    allowance = ACTIVATION_SHARE * weights if weights >= FIT_ABOVE else SMALL_MODEL_ACTIVATIONS
+    allowance = max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS)
     affordable = allowance // bytes_per_token(model, logits=logits)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     if tokens == budget.tokens_per_probe:

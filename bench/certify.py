@@ -1,0 +1,259 @@
+"""Benchmark a certified conversion end to end, against the floor of comparing by hand.
+
+    python bench/certify.py --size 55m --target bf16-safe [--keep DIR] [--device cpu]
+
+Builds a Llama-shaped model with random weights (one of :data:`SIZES`), then runs the command a
+user runs, ``precision-convert model SRC --to TARGET``, as a child process, polling its RSS.
+Forwards by stage come from the child's forward ledger (``PRECISION_CONVERT_LEDGER``: a JSON
+line per probe run, labelled with its stage). Then, in this process, the floor: what a user
+comparing the two models by hand runs over the certificate's own recorded probes, with plain
+code: the fp32 source loaded and swept, the output loaded with ``precision_convert.load`` and
+swept. Wall time is reported as a ratio of that floor, measured in the same run (the machine's
+load changes between runs; the ratio stays comparable), and absolute seconds beside it.
+
+Memory: the child's peak RSS, and the RSS a process holds after importing what the command
+imports (the import baseline, measured in a process of its own): the certificate should need
+at most the fp32 model plus 1 GiB above that baseline. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+#: Llama shapes (vocabulary, hidden, layers) and the coverage each is certified at.
+SIZES: dict[str, dict[str, Any]] = {
+    "55m": {"vocab": 32000, "hidden": 512, "layers": 8, "coverage": "standard"},
+    "265m": {"vocab": 32000, "hidden": 1024, "layers": 16, "coverage": "standard"},
+    "265m-128k": {"vocab": 128256, "hidden": 1024, "layers": 16, "coverage": "standard"},
+    "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "coverage": "quick"},
+}
+TARGETS = ("bf16-safe", "fp16-safe")
+#: Ledger variable the command reads (see precision_convert.progress).
+LEDGER = "PRECISION_CONVERT_LEDGER"
+#: What the command imports before it runs a probe: the import baseline imports the same.
+IMPORTS = (
+    "import torch, transformers, safetensors, psutil\n"
+    "from transformers import LlamaForCausalLM\n"
+    "import precision_convert.cli.main, precision_convert.api.conversion\n"
+    "import precision_convert.validation.certify.runner\n"
+    "import precision_convert.conversion.analysis.calibration\n"
+    "print(psutil.Process().memory_info().rss)\n"
+)
+
+
+def build(root: Path, size: str) -> tuple[Path, int]:
+    """The source model of ``size`` saved in fp32 under ``root`` (kept if already there);
+    returns its directory and its fp32 bytes."""
+    shape = SIZES[size]
+    directory = root / f"src-{size}"
+    marker = directory / "config.json"
+    if not marker.is_file():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        hidden = shape["hidden"]
+        config = LlamaConfig(
+            vocab_size=shape["vocab"],
+            hidden_size=hidden,
+            intermediate_size=int(hidden * 2.6875),  # Llama's 11008 / 4096
+            num_hidden_layers=shape["layers"],
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(config).eval()
+        model.save_pretrained(directory, safe_serialization=True)
+        del model
+    size_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    return directory, size_bytes
+
+
+class PeakRSS:
+    """Polls a child's RSS (its own children included) until it exits."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._done.is_set():
+            try:
+                rss = self.proc.memory_info().rss
+                rss += sum(c.memory_info().rss for c in self.proc.children(recursive=True))
+            except psutil.Error:
+                break
+            self.peak = max(self.peak, rss)
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def import_baseline() -> int:
+    """RSS of a fresh process after the command's imports."""
+    # Elsewhere than the repository: ``-c`` puts the working directory first on the path.
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),
+    )
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def run_command(
+    source: Path, output: Path, target: str, coverage: str, device: str
+) -> dict[str, Any]:
+    """``precision-convert model`` in a child process: wall seconds, peak RSS, its ledger and
+    the last lines it wrote on stderr."""
+    command = shutil.which("precision-convert", path=str(Path(sys.executable).parent))
+    if command is None:
+        raise SystemExit("bench: precision-convert is not installed next to this python")
+    ledger = output.parent / f"{output.name}.ledger.jsonl"
+    ledger.unlink(missing_ok=True)
+    argv = [command, "model", str(source), "--to", target, "-o", str(output), "--overwrite"]
+    argv += ["--coverage", coverage, "--device", device]
+    env = {**os.environ, LEDGER: str(ledger)}
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, text=True)
+        peak = PeakRSS(child.pid)
+        code = child.wait()
+        seconds = time.perf_counter() - start
+        err.seek(0)
+        stderr = err.read()
+    rows = [json.loads(line) for line in ledger.read_text().splitlines()] if ledger.exists() else []
+    return {
+        "exit_code": code,
+        "seconds": seconds,
+        "peak_rss": peak.stop(),
+        "ledger": rows,
+        "stderr_tail": stderr.strip().splitlines()[-12:],
+    }
+
+
+def forwards_by_stage(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The ledger summed by stage label: forwards and seconds."""
+    out: dict[str, dict[str, float]] = {}
+    for row in rows:
+        label = re.sub(r" candidate \d+", " candidates", row["stage"]) or "(none)"
+        entry = out.setdefault(label, {"forwards": 0, "seconds": 0.0})
+        entry["forwards"] += row["forwards"]
+        entry["seconds"] = round(entry["seconds"] + row["seconds"], 2)
+    return out
+
+
+def floor(source: Path, output: Path, certificate: dict[str, Any], device: str) -> dict[str, float]:
+    """A user comparing the two by hand over the certificate's probes: fp32 load and sweep,
+    then ``precision_convert.load`` and the same sweep (each model freed before the next)."""
+    import gc
+
+    import torch
+
+    import precision_convert as pc
+    from precision_convert.conversion.runtime.baseline import load_fp32
+    from precision_convert.validation.probe.execute import resolve, run_probes
+    from precision_convert.validation.probe.sweep import replay
+    from precision_convert.validation.probe.tokenizers import tokenizer_for
+
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    fp32 = load_fp32(source).to(device).eval()
+    times["load_fp32"] = time.perf_counter() - start
+    description = certificate["components"][0]["inputs"]
+    inputs = replay(fp32, description, tokenizer=tokenizer_for(output))
+    start = time.perf_counter()
+    outputs = run_probes(fp32, inputs, device, torch.float32)
+    times["sweep_fp32"] = time.perf_counter() - start
+    frozen = resolve(inputs, outputs)
+    del fp32, outputs
+    gc.collect()
+    start = time.perf_counter()
+    candidate = pc.load(output, device=device)
+    times["load_pc"] = time.perf_counter() - start
+    compute = getattr(torch, certificate.get("compute_dtype") or "float32")
+    start = time.perf_counter()
+    run_probes(candidate, frozen, device, compute)
+    times["sweep_pc"] = time.perf_counter() - start
+    times["probes"] = len(frozen.probes)
+    times["total"] = sum(v for k, v in times.items() if k != "probes")
+    return {k: round(v, 2) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="55m")
+    parser.add_argument("--target", choices=TARGETS, default="bf16-safe")
+    parser.add_argument("--coverage", help="override the size's coverage level")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--keep", type=Path, help="build (and reuse) the models here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    coverage = args.coverage or SIZES[args.size]["coverage"]
+    with tempfile.TemporaryDirectory(prefix="bench-certify-") as scratch:
+        root = args.keep or Path(scratch)
+        root.mkdir(parents=True, exist_ok=True)
+        source, fp32_bytes = build(root, args.size)
+        output = root / f"out-{args.size}-{args.target}"
+        baseline_rss = import_baseline()
+        run = run_command(source, output, args.target, coverage, args.device)
+        certificate_file = output / "precision_certificate.json"
+        if run["exit_code"] not in (0, 1) or not certificate_file.is_file():
+            print(json.dumps({"error": "the command failed", **run}, indent=2))
+            raise SystemExit(1)
+        certificate = json.loads(certificate_file.read_text())
+        hand = floor(source, output, certificate, args.device)
+    growth = run["peak_rss"] - baseline_rss
+    paths = certificate.get("load_paths", [])
+    result = {
+        "size": args.size,
+        "target": args.target,
+        "coverage": coverage,
+        "device": args.device,
+        "fp32_gb": round(fp32_bytes / 1e9, 3),
+        "verdict": certificate["verdict"],
+        "probes": hand["probes"],
+        "wall_s": round(run["seconds"], 1),
+        "floor_s": hand["total"],
+        "wall_over_floor": round(run["seconds"] / hand["total"], 2),
+        "floor": hand,
+        "peak_rss_gb": round(run["peak_rss"] / 1e9, 3),
+        "import_baseline_rss_gb": round(baseline_rss / 1e9, 3),
+        "peak_above_baseline_gb": round(growth / 1e9, 3),
+        "peak_above_baseline_minus_fp32_gib": round((growth - fp32_bytes) / 2**30, 3),
+        "forwards": sum(r["forwards"] for r in run["ledger"]),
+        "forwards_by_stage": forwards_by_stage(run["ledger"]),
+        "load_paths": {
+            p["way"]: p["verdict"] + (f" ({p['detail']})" if p.get("detail") else "") for p in paths
+        },
+        "stderr_tail": run["stderr_tail"],
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

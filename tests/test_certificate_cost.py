@@ -1,0 +1,85 @@
+"""What a certificate costs: one fp32 sweep and one ``pc.load`` sweep per conversion, every
+probe and load path still recorded, and progress a log can follow."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from precision_convert.api.conversion import convert
+from precision_convert.cli._common import PROGRESS_PREFIX
+from precision_convert.cli.main import app
+from precision_convert.progress import LEDGER_VARIABLE
+from precision_convert.validation.certify.load_paths import spot_inputs
+from precision_convert.validation.probe.inputs import ModelInputs, Probe
+
+
+def _stages(ledger: Path) -> dict[str, int]:
+    forwards: dict[str, int] = {}
+    for line in ledger.read_text().splitlines():
+        row = json.loads(line)
+        forwards[row["stage"]] = forwards.get(row["stage"], 0) + row["forwards"]
+    return forwards
+
+
+def test_fp16_safe_runs_the_fp32_model_and_pc_load_once(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calibration's fp32 sweep is validation's baseline, and its last candidate (the output's
+    very files) is pc.load's run: validation runs neither again, and says so."""
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(LEDGER_VARIABLE, str(ledger))
+    result = convert(tiny_model("llama"), to="fp16-safe", output=tmp_path / "out", coverage="quick")
+    certificate = result.certificate
+    assert certificate is not None and certificate.verdict == "pass"
+    stages = _stages(ledger)
+    assert not any(s.startswith("validation › baseline") for s in stages), stages
+    assert not any(s.startswith("validation › pc.load") for s in stages), stages
+    assert any(s.startswith("calibration") for s in stages)
+    assert any("not run again" in note for note in certificate.notes)
+    ways = {p.way: p for p in certificate.load_paths}
+    assert {"pc.load", "plain", "auto", "compute"} <= set(ways)  # every way still recorded
+    assert ways["pc.load"].verdict == "pass"
+    assert "same tensors in, same numbers out" in (ways["pc.load"].detail or "")
+    assert certificate.components[0].inputs["probes"]  # every probe still recorded
+
+
+def test_spot_probes_keep_the_layout_and_each_sweep_kinds_ends() -> None:
+    """A non-deciding way runs on the layout's probes and the first and last probe of each
+    sweep kind; the rest of the sweep is for the deciding ways."""
+    probes = [Probe("forward", "forward", {})]
+    probes += [Probe(f"len{i}", "forward", {}, sweep={"kind": "length"}) for i in range(4)]
+    probes.append(Probe("vocab0", "forward", {}, sweep={"kind": "vocabulary"}))
+    inputs = ModelInputs(task="causal-lm", probes=tuple(probes), seed=0)
+    assert [p.name for p in spot_inputs(inputs).probes] == ["forward", "len0", "len3", "vocab0"]
+
+
+def test_progress_off_a_terminal_is_plain_lines_with_an_estimate(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A log of the command shows each stage while it runs, and the forwards ahead."""
+    out = tmp_path / "out"
+    done = CliRunner().invoke(
+        app,
+        [
+            "model",
+            str(tiny_model("llama")),
+            "--to",
+            "bf16-safe",
+            "-o",
+            str(out),
+            "--coverage",
+            "quick",
+        ],
+    )
+    assert done.exit_code == 0, done.output
+    lines = done.stderr.splitlines()
+    assert "\x1b" not in done.stderr
+    progress = [line for line in lines if line.startswith(PROGRESS_PREFIX)]
+    assert any("validation: " in line and "forwards to run" in line for line in progress)
+    assert any("baseline" in line and "started" in line for line in progress)
+    assert any(line.endswith(" s") and "done in" in line for line in progress)

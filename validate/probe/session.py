@@ -1,0 +1,203 @@
+"""One fp32 probe session: pick inputs, sweep, run, check the baseline, resolve, free.
+
+Calibration, whole-model validation and block-wise validation all run the fp32 model the same
+way: the first input layout the model accepts, then the coverage level's sweep, in one run so
+that whatever the run records (activation statistics, block activations, parameter coverage)
+spans every probe. This module is that sequence, written once; what differs between them is
+only how a run is recorded (``run``) and how the model is held (loaded whole and freed after,
+or streamed block by block by the caller).
+
+A :class:`Swept` is what a session leaves: the probes as run, resolved against the fp32
+outputs, and the outputs themselves. Calibration and validation of one ``convert`` run sweep
+the same source with the same settings, so calibration's :class:`Swept` *is* validation's
+baseline (:meth:`Swept.matches` says when it may stand in for it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.validation.probe.attention import (
+    AttentionChoices,
+    attention_choices,
+    outputs_by_attention,
+)
+from precision_convert.validation.probe.execute import (
+    Outputs,
+    resolve,
+    run_probes,
+    run_sweep,
+    select_inputs,
+)
+from precision_convert.validation.probe.inputs import (
+    ModelInputs,
+    input_candidates,
+    inputs_from_tensors,
+)
+from precision_convert.validation.probe.sweep import SweepSettings
+
+#: Seed of every built input: fixed, so two certificates of one model are comparable, and so
+#: calibration and validation of one run build the very same probes.
+SEED = 0
+
+#: How a session runs probes on the fp32 model (and records what it needs while they run).
+Run = Callable[[Any, ModelInputs], Outputs]
+
+
+@dataclass(frozen=True)
+class Swept:
+    """The fp32 model's session: its probes, their outputs, and where they were made."""
+
+    task: str  # the chosen layout's task
+    inputs: ModelInputs  # the probes as run (references to other probes' outputs kept)
+    outputs: Outputs  # the fp32 outputs, by probe
+    source: Path  # the weights the fp32 model was built from
+    device: str  # where it ran ("cpu", "cuda:0")
+    settings: SweepSettings
+    coverage: float = 1.0  # share of the parameters the run computed with
+    #: The implementations judged, when the session ran the other ones a user can pick.
+    attention: AttentionChoices | None = None
+    #: The fp32 outputs under each other implementation, on the resolved probes.
+    by_attention: Mapping[str, Outputs] = field(default_factory=dict)
+
+    @property
+    def resolved(self) -> ModelInputs:
+        """The probes with every reference to an fp32 output replaced by that output: what a
+        candidate is fed."""
+        return resolve(self.inputs, self.outputs)
+
+    def matches(self, source: Path, device: torch.device, settings: SweepSettings) -> bool:
+        """Whether this session is the one validation would run: the same weights, built
+        inputs swept with the same settings, on the same device (a GPU's fp32 differs from a
+        CPU's in its last bits; a baseline from elsewhere would blur the comparison)."""
+        return (
+            self.inputs.origin != "file"
+            and Path(source).resolve() == self.source.resolve()
+            and str(device) == self.device
+            and settings == self.settings
+        )
+
+
+@dataclass(frozen=True)
+class PriorRuns:
+    """What a conversion already ran, handed to its validation so nothing runs twice: the
+    fp32 session, and the outputs of the last candidate it checked through ``pc.load`` with
+    the digest of that candidate's weight files (:func:`weights_digest`): when the output's
+    files are byte for byte the same, ``pc.load`` of the output gives these very outputs."""
+
+    swept: Swept
+    candidate_weights: str | None = None
+    candidate: Outputs | None = None
+
+
+def weights_digest(directory: Path) -> str:
+    """sha256 over the contents of the safetensors files in ``directory`` (names aside: a
+    ``--variant`` output names the same bytes otherwise)."""
+    digests = []
+    for path in directory.glob("*.safetensors"):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+        digests.append(digest.hexdigest())
+    return hashlib.sha256("".join(sorted(digests)).encode()).hexdigest()
+
+
+def sweep_model(
+    model: Any,
+    run: Run,
+    settings: SweepSettings,
+    *,
+    tokenizer: Any | None,
+    component: str,
+    directory: Path,
+    supplied: Mapping[str, torch.Tensor] | None = None,
+    memory: int | None = None,
+    before: Callable[[ModelInputs], None] | None = None,
+) -> tuple[str, ModelInputs, Outputs]:
+    """The fp32 model run on its first working input layout (``supplied`` tensors instead,
+    when given), then on that layout followed by the sweep ``settings`` make (``memory``: the
+    probes sized for block-wise runs; ``before`` is told them before they run); returns the
+    layout's task, the probes and outputs."""
+    candidates: Iterator[ModelInputs]
+    if supplied is not None:
+        candidates = iter([inputs_from_tensors(model, supplied, seed=SEED)])
+    else:
+        candidates = input_candidates(model, seed=SEED, tokenizer=tokenizer)
+    chosen, outputs = select_inputs(model, candidates, run)
+    del candidates  # a candidate generator holds the model too
+    swept = settings.apply(
+        model, chosen, tokenizer=tokenizer, component=component, directory=directory, memory=memory
+    )
+    if before is not None:
+        before(swept)
+    swept, outputs = run_sweep(model, chosen, swept, run, outputs)
+    return chosen.task, swept, outputs
+
+
+def fp32_session(
+    build: Callable[[], Any],
+    run: Run,
+    settings: SweepSettings,
+    *,
+    source: Path,
+    device: torch.device,
+    tokenizer: Any | None,
+    component: str,
+    directory: Path | None = None,
+    supplied: Mapping[str, torch.Tensor] | None = None,
+    check: Callable[[Outputs], None] | None = None,
+    coverage: Callable[[], float] | None = None,
+    before: Callable[[ModelInputs], None] | None = None,
+    attention: bool = False,
+) -> Swept:
+    """Build the fp32 model (from ``source``), sweep it (:func:`sweep_model`; ``directory``:
+    where its pipeline's scheduler is looked for, default ``source``), with ``attention``
+    run the probes again under each other attention implementation a user can pick,
+    ``check`` its outputs, and free it before returning, so that the next model to load is
+    the only one resident."""
+    model = build()
+    choices, by_attention = None, {}
+    try:
+        task, inputs, outputs = sweep_model(
+            model,
+            run,
+            settings,
+            tokenizer=tokenizer,
+            component=component,
+            directory=directory or source,
+            supplied=supplied,
+            before=before,
+        )
+        if attention:
+            resolved = resolve(inputs, outputs)
+            choices, by_attention = outputs_by_attention(
+                model,
+                attention_choices(model),
+                lambda fp32: run_probes(fp32, resolved, device, torch.float32),
+            )
+    finally:
+        gone = weakref.ref(model)
+        del model
+        free_model(gone, device)
+    if check is not None:
+        check(outputs)
+    return Swept(
+        task,
+        inputs,
+        outputs,
+        Path(source),
+        str(device),
+        settings,
+        coverage() if coverage is not None else 1.0,
+        choices,
+        by_attention,
+    )
