@@ -476,7 +476,7 @@ def _run(
         step = "run"
         model = move(model, device)
         dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
-        with stage(way.key):
+        with stage(record.label):  # ways under another attention run apart
             outputs = run_probes(model, inputs, device, dtype)
     except LOAD_ERRORS as exc:
         record.detail = f"fails to {step}: {_error_line(exc)}"
