@@ -66,8 +66,6 @@ BF16 = BY_CODE["BF16"]
 
 #: Largest finite fp16 value; anything beyond becomes inf when cast.
 FP16_MAX = 65504.0
-#: Smallest positive fp16 subnormal is 2**-24; values below half of it round to zero.
-FP16_FLUSH_BELOW = 2.0**-25
 
 
 class Target(StrEnum):

@@ -220,3 +220,25 @@ def test_bf16_safe_calibration_keeps_a_cancelling_layer(tmp_path: Path) -> None:
         for name in ("plain", "out")
     }
     assert error["out"] < error["plain"] / 2
+
+
+def test_a_tensor_changed_in_place_after_it_was_recorded_is_recorded_again() -> None:
+    """The recorder reduces each tensor once per forward (an input is mostly another module's
+    output); one changed in place since (a residual added into it) must not keep its old
+    reduction: here the block's output is its linear's output scaled past fp16's limit."""
+    from precision_convert.conversion.analysis.activations import calibrate
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).mul_(1e6)
+
+    block = Block()
+    x = torch.ones(2, 4)
+    stats, out = calibrate(block, lambda: block(x))
+    assert stats["linear"].max_out < 10
+    assert stats[""].max_out == float(out.abs().max()) > FP16_MAX
+    assert stats[""].main_out == stats[""].max_out

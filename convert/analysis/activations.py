@@ -19,6 +19,7 @@ fp32, as onnxconverter-common's ``auto_convert_mixed_precision`` and Polygraphy'
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_convert.dtypes import FP16_FLUSH_BELOW, FP16_MAX
+from precision_convert.dtypes import FP16_MAX
 from precision_convert.nested import map_tensors, tensors_in
 from precision_convert.progress import report, stage
 
@@ -96,6 +97,7 @@ class _Recorder:
         self.count: dict[str, int] = {}
         self.nonzero: dict[str, int] = {}
         self.flushed: dict[str, int] = {}
+        self.seen = _Reduced()
 
     def pre(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -104,8 +106,9 @@ class _Recorder:
             if name not in self.order:
                 self.order[name] = len(self.order)
                 self.kind[name] = _kind(module)
-            peak = _max_abs((args, kwargs))
-            if peak is not None:
+            peaks = [self.seen.peak(t) for t in _floats((args, kwargs))]
+            if peaks:
+                peak = torch.stack(peaks).amax()
                 self.max_in[name] = _running_max(self.max_in.get(name), peak)
 
         return hook
@@ -115,7 +118,7 @@ class _Recorder:
             if self.paused:
                 return
             for index, tensor in enumerate(_floats(output)):
-                seen = _Summary.of(tensor)
+                seen = self.seen.summary(tensor)
                 if index == 0:  # the main output
                     self.main_out[name] = _running_max(self.main_out.get(name), seen.peak)
                 self.max_out[name] = _running_max(self.max_out.get(name), seen.top)
@@ -131,6 +134,8 @@ class _Recorder:
                     self.paused = False
                 if error is not None:
                     self.error[name] = max(self.error.get(name, 0.0), error)
+            if not name:  # the whole model returned: what it computed is freed now
+                self.seen.clear()
 
         return hook
 
@@ -167,20 +172,24 @@ def _chunks(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tensor.detach().reshape(-1).split(CHUNK)
 
 
+def _top(values: torch.Tensor) -> torch.Tensor:
+    """Largest |x| of ``values`` (NaN when there is one), in one pass and without a copy."""
+    low, high = torch.aminmax(values)
+    return torch.maximum(-low, high)
+
+
 def _masked_peak(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Largest of ``values`` (absolute) below the masking sentinel, given their largest
-    ``top``: the same unless a sentinel (or NaN) is among them."""
-    return (
-        top if bool(top < MASK_SENTINEL) else torch.where(values < MASK_SENTINEL, values, 0).amax()
-    )
+    """Largest |x| of ``values`` below the masking sentinel, given their largest ``top``: the
+    same unless a sentinel (or NaN) is among them."""
+    if bool(top < MASK_SENTINEL):
+        return top
+    magnitudes = values.abs()
+    return torch.where(magnitudes < MASK_SENTINEL, magnitudes, 0).amax()
 
 
 def _peak(tensor: torch.Tensor) -> torch.Tensor:
     """Largest |x| of ``tensor`` that is an activation (masking sentinels left out)."""
-    peaks = []
-    for chunk in _chunks(tensor):
-        values = chunk.abs()
-        peaks.append(_masked_peak(values, values.amax()))
+    peaks = [_masked_peak(chunk, _top(chunk)) for chunk in _chunks(tensor)]
     return torch.stack(peaks).amax().float()
 
 
@@ -196,24 +205,61 @@ class _Summary:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> _Summary:
-        peaks, tops, sum_sq, nonzero, small = [], [], 0.0, 0, 0
+        peaks, tops, sum_sq, nonzero, flushed = [], [], 0.0, 0, 0
         for chunk in _chunks(tensor):
-            values = chunk.float().abs()
-            top = values.amax()
+            values = chunk.float()
+            top = _top(values)
             tops.append(top)
             peaks.append(_masked_peak(values, top))
             sum_sq += float(torch.dot(values, values))
-            nonzero += int(torch.count_nonzero(values))
-            small += int(torch.count_nonzero(values < FP16_FLUSH_BELOW))  # zeros included
-        zeros = tensor.numel() - nonzero
-        return cls(
-            torch.stack(peaks).amax(), torch.stack(tops).amax(), sum_sq, nonzero, small - zeros
-        )
+            count = int(torch.count_nonzero(values))
+            nonzero += count
+            # Rounded to fp16 itself rather than compared with its flush threshold: one
+            # half-width copy instead of an |x| copy and a mask.
+            flushed += count - int(torch.count_nonzero(values.to(torch.float16)))
+        return cls(torch.stack(peaks).amax(), torch.stack(tops).amax(), sum_sq, nonzero, flushed)
 
 
-def _max_abs(value: Any) -> torch.Tensor | None:
-    peaks = [_peak(t) for t in _floats(value)]
-    return torch.stack(peaks).amax() if peaks else None
+class _Reduced:
+    """Reductions of the tensors one forward has already reduced, by identity.
+
+    Most of what a module receives is what another module returned (and one attention mask
+    reaches every layer); the model's output is its head's. Reducing each tensor once roughly
+    halves what the hooks cost. A tensor changed in place since (its version moved on) or
+    freed (its weak reference died, its id perhaps reused) is reduced again.
+    """
+
+    def __init__(self) -> None:
+        self._summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, _Summary]] = {}
+        self._peaks: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+    @staticmethod
+    def _lookup(table: dict[int, tuple[Any, int, Any]], tensor: torch.Tensor) -> Any:
+        found = table.get(id(tensor))
+        if found is not None and found[0]() is tensor and found[1] == tensor._version:
+            return found[2]
+        return None
+
+    def summary(self, tensor: torch.Tensor) -> _Summary:
+        found = self._lookup(self._summaries, tensor)
+        if found is None:
+            found = _Summary.of(tensor)
+            self._summaries[id(tensor)] = (weakref.ref(tensor), tensor._version, found)
+        return found
+
+    def peak(self, tensor: torch.Tensor) -> torch.Tensor:
+        summary = self._lookup(self._summaries, tensor)
+        if summary is not None:
+            return summary.peak
+        found = self._lookup(self._peaks, tensor)
+        if found is None:
+            found = _peak(tensor)
+            self._peaks[id(tensor)] = (weakref.ref(tensor), tensor._version, found)
+        return found
+
+    def clear(self) -> None:
+        self._summaries.clear()
+        self._peaks.clear()
 
 
 def _shared_weights(model: nn.Module) -> dict[str, tuple[str, ...]]:
