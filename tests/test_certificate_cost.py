@@ -38,25 +38,37 @@ def test_fp16_safe_runs_the_fp32_model_and_pc_load_once(
     assert certificate is not None and certificate.verdict == "pass"
     stages = _stages(ledger)
     assert not any(s.startswith("validation › baseline") for s in stages), stages
-    # pc.load under the default attention is calibration's run; under eager it runs apart
-    assert "validation › pc.load" not in stages and "validation › pc.load+eager" in stages
+    # pc.load under each attention implementation is calibration's run of its candidate
+    assert not any(s.startswith("validation › pc.load") for s in stages), stages
     assert any(s.startswith("calibration") for s in stages)
     assert any("not run again" in note for note in certificate.notes)
     ways = {p.label: p for p in certificate.load_paths}
-    assert {"pc.load", "plain", "auto", "compute"} <= set(ways)  # every way still recorded
-    assert ways["pc.load"].verdict == "pass"
-    assert "same tensors in, same numbers out" in (ways["pc.load"].detail or "")
-    assert certificate.components[0].inputs["probes"]  # every probe still recorded
+    # every way still recorded
+    assert {"pc.load", "plain", "auto", "compute", "pc.load+eager", "plain+eager"} <= set(ways)
+    for label in ("pc.load", "pc.load+eager"):
+        assert ways[label].verdict == "pass" and ways[label].decides
+        assert "same tensors in, same numbers out" in (ways[label].detail or "")
+    probes = certificate.components[0].inputs["probes"]
+    assert probes  # every probe still recorded
+    # the library's load under eager: a cross of plain's dtypes and pc.load's eager, each
+    # judged on every probe, decides on the spot subset, and says so
+    crossed = ways["plain+eager"]
+    assert crossed.decides and crossed.verdict == "pass"
+    assert f"of {len(probes)} probes" in (crossed.detail or "") and "every probe" in crossed.detail
+    assert stages["validation › plain+eager"] < len(probes) == stages["validation › plain"]
 
 
 def test_spot_probes_keep_the_layout_and_each_sweep_kinds_ends() -> None:
     """A non-deciding way runs on the layout's probes and the first and last probe of each
-    sweep kind; the rest of the sweep is for the deciding ways."""
+    sweep kind; the rest of the sweep is for the deciding ways (a crossed one: not the
+    vocabulary chunks either)."""
     probes = [Probe("forward", "forward", {})]
     probes += [Probe(f"len{i}", "forward", {}, sweep={"kind": "length"}) for i in range(4)]
     probes.append(Probe("vocab0", "forward", {}, sweep={"kind": "vocabulary"}))
     inputs = ModelInputs(task="causal-lm", probes=tuple(probes), seed=0)
     assert [p.name for p in spot_inputs(inputs).probes] == ["forward", "len0", "len3", "vocab0"]
+    # a way crossing two checked on every probe leaves the vocabulary to them
+    assert [p.name for p in spot_inputs(inputs, crossed=True).probes] == ["forward", "len0", "len3"]
 
 
 def test_progress_off_a_terminal_is_plain_lines_with_an_estimate(

@@ -241,7 +241,7 @@ def calibrated_plan(
         task,
         tuple(warnings),
         tuple(watched),
-        PriorRuns(swept, last.get("weights"), last.get("outputs")),
+        PriorRuns(swept, last.get("weights"), last.get("outputs"), last.get("by_attention", {})),
     )
     return replace(plan, warnings=tuple(warnings)), calibration
 
@@ -282,17 +282,23 @@ def _fp32_sweep(
         tokenizer=tokenizer_for(model.root),
         component=component,
         coverage=lambda: used.fraction,
-        before=lambda inputs: _expect(len(inputs.probes), searching),
+        before=lambda inputs, others: _expect(len(inputs.probes), others, searching),
         attention=searching,
     )
     return swept, recorded["stats"]
 
 
-def _expect(probes: int, search: bool) -> None:
-    """Say what calibration runs before it runs: the fp32 sweep, and the first candidate's
-    (the search may add more: each is as many forwards again)."""
+def _expect(probes: int, attention: int, search: bool) -> None:
+    """Say what calibration runs before it runs: the fp32 sweep (under each of ``attention``
+    other implementations too when searching), and the first candidate's under each (the
+    search may add more: each is as many forwards again)."""
     if search:
-        expect(2 * probes, f"fp32 sweep {probes}, first fp16 candidate {probes}")
+        runs = 1 + attention
+        expect(
+            2 * runs * probes,
+            f"fp32 sweep {probes} x {runs}, first fp16 candidate {probes} x {runs} "
+            "(x: attention implementations)",
+        )
     else:
         expect(probes, f"fp32 sweep {probes}")
 
@@ -589,8 +595,8 @@ def _candidate_passes(
 ) -> bool:
     """Write ``plan``, load it as a user would, and compare with the fp32 outputs under each
     attention implementation of ``baselines`` (None: the one it loads with); a plan that
-    passes leaves its sha256, its files' digest and its default outputs in ``passing``
-    (validation reuses them when the output's files are these). The candidate is freed
+    passes leaves its sha256, its files' digest and its outputs under each implementation in
+    ``passing`` (validation reuses them when the output's files are these). The candidate is freed
     (memory given back) before this returns."""
     directory = scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
@@ -599,16 +605,20 @@ def _candidate_passes(
     candidate: Any = None
     try:
         candidate = load(directory, trust_remote_code=trust_remote_code)
-        loaded_as_is = None
+        by_attention: dict[str | None, Any] = {}
         for implementation, baseline in baselines.items():
             with attention(candidate, implementation):
                 outputs = run_probes(candidate, inputs, "cpu", plan.compute.torch)
             rows = compare_outputs("", inputs, baseline, outputs, thresholds)
             if not all(row.passed for row in rows):
                 return False
-            if implementation is None:
-                loaded_as_is = outputs
-        passing.update(plan=plan.sha256, weights=weights_digest(directory), outputs=loaded_as_is)
+            by_attention[implementation] = outputs
+        passing.update(
+            plan=plan.sha256,
+            weights=weights_digest(directory),
+            outputs=by_attention.pop(None),
+            by_attention=by_attention,
+        )
         return True
     except RUN_ERRORS as exc:
         logger.info("candidate failed to run: %s", exc)

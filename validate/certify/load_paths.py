@@ -288,24 +288,74 @@ def check_model(
     pc_metrics: list[Measurement],
     pc_errors: list[str],
     attention: Mapping[str, Outputs] | None = None,
+    shared: Mapping[str, Outputs] | None = None,
 ) -> list[LoadPath]:
     """Every way of loading one model: ``pc.load`` from its comparison, the others run here,
     the deciding ones again under each other attention implementation (``attention``: the
     fp32 baseline's outputs under each), then the re-save round trip (a single model only: a
     pipeline is re-saved whole).
 
+    ``shared``: when given, ``pc.load``'s outputs came from calibration's last candidate
+    (its weight files are these), and these are that candidate's outputs under each other
+    attention implementation: ``pc.load`` under those is judged on them, not run again.
+
     Each attention implementation is checked apart: ways under different ones never share
-    outputs, even when they load the very same tensors."""
+    outputs, even when they load the very same tensors. The library's own load under another
+    implementation is a cross of two things each checked on every probe (its dtypes by
+    ``plain``, that attention by ``pc.load``): it decides on the spot subset."""
     first = _pc_load(component, pc_metrics, pc_errors)
-    spot = spot_inputs(inputs)
+    if shared is not None:
+        first.detail = SHARED_WITH_CANDIDATE
+    spot, cross = spot_inputs(inputs), spot_inputs(inputs, crossed=True)
     ways = model_ways(component)
     records = [first, *_check(component.name, ways, inputs, baseline, thresholds, device, spot)]
     for implementation, outputs in (attention or {}).items():
-        ways = attention_ways(component, implementation)
-        records += _check(component.name, ways, inputs, outputs, thresholds, device, spot)
+        pc_way, *ways = attention_ways(component, implementation)
+        if shared is not None and implementation in shared:
+            records.append(
+                _judged_shared(
+                    component, pc_way, inputs, outputs, shared[implementation], thresholds
+                )
+            )
+        else:
+            ways.insert(0, pc_way)
+        records += _check(
+            component.name, ways, inputs, outputs, thresholds, device, cross, crossed=True
+        )
     if not component.name:
         records += _resaved(component, inputs, baseline, thresholds, device)
     return records
+
+
+#: The detail of a ``pc.load`` record judged on outputs calibration already ran.
+SHARED_WITH_CANDIDATE = (
+    "outputs shared with calibration's last candidate, whose weight files are byte for byte "
+    "these and which was loaded with pc.load here: same tensors in, same numbers out"
+)
+
+
+def _judged_shared(
+    component: Component,
+    way: Way,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    outputs: Outputs,
+    thresholds: dict[str, float],
+) -> LoadPath:
+    """``way`` (``pc.load`` under another attention implementation) judged on the outputs
+    calibration's last candidate gave that way."""
+    record = LoadPath(
+        component.name,
+        way.key,
+        way.call,
+        "fail",
+        way.decides,
+        stored_dtypes([component.converted]),
+        attention=way.attention,
+    )
+    _judge(record, compare_outputs(component.name, inputs, baseline, outputs, thresholds))
+    record.detail = SHARED_WITH_CANDIDATE
+    return record
 
 
 def check_pipeline(
@@ -383,34 +433,50 @@ def _check(
     thresholds: dict[str, float],
     device: torch.device,
     spot: ModelInputs | None = None,
+    crossed: bool = False,
 ) -> list[LoadPath]:
-    """Each way loaded and run: a deciding one on every probe, the others on ``spot`` (a
-    recorded subset) when given."""
+    """Each way loaded and run: ``pc.load`` and any deciding way on every probe, the others
+    on ``spot`` (a recorded subset) when given; with ``crossed`` (the ways under another
+    attention implementation), every way but ``pc.load`` on ``spot``."""
     records: list[LoadPath] = []
     seen: dict[tuple[Any, ...], LoadPath] = {}
     for way in ways:
         if way.build is None:
             records += _not_checked(component, [way], "")
             continue
-        subset = spot if spot is not None and not way.decides else None
+        on_spot = not way.decides or (crossed and way.key != PC_LOAD)
+        subset = spot if spot is not None and on_spot else None
+        judged = {p.name: baseline[p.name] for p in subset.probes} if subset else baseline
         record = _run(
-            component, way, subset or inputs, baseline, thresholds, device, seen, subset is None
+            component, way, subset or inputs, judged, thresholds, device, seen, subset is None
         )
         if subset is not None and record.verdict != "not-checked" and record.metrics:
             scope = _scope(subset, inputs)
+            if way.decides:
+                scope += (
+                    f": its dtypes are judged on every probe by `{way.key}` under the default "
+                    f"attention, {way.attention} attention by `{PC_LOAD}`"
+                )
             if not record.detail or not record.detail.startswith("loads the same tensors"):
                 record.detail = f"{record.detail}; {scope}" if record.detail else scope
         records.append(record)
     return records
 
 
-def spot_inputs(inputs: ModelInputs) -> ModelInputs:
+def spot_inputs(inputs: ModelInputs, *, crossed: bool = False) -> ModelInputs:
     """The probes a non-deciding way is checked on (its verdict is shown, never decides):
     every probe no sweep made, and the first and last of each kind the sweep made (the
     shortest and longest length, the first and last vocabulary chunk and timestep), already
-    resolved against the fp32 outputs. The certificate names them."""
+    resolved against the fp32 outputs. The certificate names them.
+
+    ``crossed``: for a way crossing two ways each checked on every probe (the library's load
+    under another attention implementation), without the vocabulary chunks: reaching every
+    embedding row is what those two did; the cross is about the attention, which the
+    padding, length and position probes exercise."""
     kinds: dict[str, list[str]] = {}
     for probe in inputs.probes:
+        if probe.sweep and crossed and probe.sweep.get("kind") == "vocabulary":
+            continue
         if probe.sweep:
             kinds.setdefault(str(probe.sweep.get("kind")), []).append(probe.name)
     wanted = {names[0] for names in kinds.values()} | {names[-1] for names in kinds.values()}
@@ -423,15 +489,17 @@ def _scope(subset: ModelInputs, inputs: ModelInputs) -> str:
     return f"checked on {len(names)} of {len(inputs.probes)} probes ({', '.join(names)})"
 
 
-def planned_forwards(component: Component, inputs: ModelInputs) -> int:
-    """At most how many forwards the library's ways and the re-save round trip run on
-    ``inputs`` after ``pc.load`` (a way loading what one already ran runs none)."""
-    spot = len(spot_inputs(inputs).probes)
-    count = sum(
-        len(inputs.probes) if w.decides else spot
-        for w in model_ways(component)
-        if w.build is not None
-    )
+def planned_forwards(
+    component: Component, inputs: ModelInputs, attention: int = 0, *, shared: bool = False
+) -> int:
+    """At most how many forwards the library's ways (under the default attention and each of
+    ``attention`` others; ``shared``: ``pc.load``'s under those came from calibration) and the
+    re-save round trip run on ``inputs`` after ``pc.load`` (a way loading what one already
+    ran runs none)."""
+    every, spot = len(inputs.probes), len(spot_inputs(inputs).probes)
+    count = sum(every if w.decides else spot for w in model_ways(component) if w.build is not None)
+    cross = len(spot_inputs(inputs, crossed=True).probes)
+    count += attention * ((0 if shared else every) + cross)
     if not component.name and component.converted.library != "open_clip":
         count += len(resave_inputs(inputs).probes) * len(RESAVED)
     return count

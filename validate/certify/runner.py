@@ -364,7 +364,8 @@ def _validate_whole(
     if prior is not None:
         swept = prior.swept
         check_baseline(swept.outputs, component)
-        _expect(component, swept.inputs, baseline=False, candidate=shared is None)
+        others = len(swept.attention.others) if swept.attention is not None else 0
+        _expect(component, swept.inputs, others, baseline=False, candidate=shared is None)
         notes.append(
             f"{component.name or 'model'}: the fp32 baseline is the sweep calibration ran in "
             "this conversion (the same source, probes and device), not run again"
@@ -376,8 +377,8 @@ def _validate_whole(
     choices = swept.attention
     record.attention = choices.to_json() if choices is not None and choices.default else None
     metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
-    if shared is not None:
-        compared = compare_outputs(component.name, frozen, base_out, shared, thresholds)
+    if shared is not None and shared.candidate is not None:
+        compared = compare_outputs(component.name, frozen, base_out, shared.candidate, thresholds)
         errors: list[str] = []
     else:
         compared, errors = _compare_candidate(
@@ -395,14 +396,16 @@ def _validate_whole(
         )
     metrics += compared
     paths = check_model(
-        component, frozen, base_out, thresholds, device, metrics, errors, swept.by_attention
+        component,
+        frozen,
+        base_out,
+        thresholds,
+        device,
+        metrics,
+        errors,
+        swept.by_attention,
+        shared=shared.candidate_by_attention if shared is not None else None,
     )
-    if shared is not None:
-        paths[0].detail = (
-            "outputs shared with calibration's last candidate, whose weight files are byte "
-            "for byte these and which was loaded with pc.load here: same tensors in, same "
-            "numbers out"
-        )
     return ComponentResult(record, metrics, errors, paths, notes)
 
 
@@ -437,28 +440,35 @@ def _baseline(
             supplied=supplied,
             check=lambda outputs: check_baseline(outputs, component),
             coverage=lambda: coverage.fraction,
-            before=lambda inputs: _expect(component, inputs, baseline=True, candidate=True),
+            before=lambda inputs, others: _expect(
+                component, inputs, others, baseline=True, candidate=True
+            ),
             attention=True,
         )
 
 
-def _expect(component: Component, inputs: ModelInputs, *, baseline: bool, candidate: bool) -> None:
-    """Say how many forwards validating ``component`` on ``inputs`` runs, before they run."""
+def _expect(
+    component: Component, inputs: ModelInputs, attention: int, *, baseline: bool, candidate: bool
+) -> None:
+    """Say how many forwards validating ``component`` on ``inputs`` runs, before they run:
+    the fp32 baseline under the default attention implementation and each of ``attention``
+    others, ``pc.load`` (unless calibration ran it), then the other ways."""
     n = len(inputs.probes)
-    others = planned_forwards(component, inputs)
-    parts = [f"fp32 baseline {n}"] if baseline else []
+    fp32 = n * (1 + attention)
+    others = planned_forwards(component, inputs, attention, shared=not candidate)
+    parts = [f"fp32 baseline {fp32}"] if baseline else []
     parts += [f"pc.load {n}"] if candidate else []
     parts.append(f"other ways of loading at most {others}")
-    expect(n * baseline + n * candidate + others, ", ".join(parts))
+    expect(fp32 * baseline + n * candidate + others, ", ".join(parts))
 
 
-def _shared_candidate(component: Component, prior: PriorRuns | None) -> Outputs | None:
-    """The outputs ``pc.load`` gives on this output, when calibration already ran them: its
-    last candidate's weight files are byte for byte the output's."""
+def _shared_candidate(component: Component, prior: PriorRuns | None) -> PriorRuns | None:
+    """``prior`` when the outputs ``pc.load`` gives on this output are its candidate's:
+    calibration's last candidate's weight files are byte for byte the output's."""
     if prior is None or prior.candidate is None or prior.candidate_weights is None:
         return None
     same = weights_digest(component.converted.root) == prior.candidate_weights
-    return prior.candidate if same else None
+    return prior if same else None
 
 
 def _validate_pipeline(

@@ -89,13 +89,15 @@ class Swept:
 @dataclass(frozen=True)
 class PriorRuns:
     """What a conversion already ran, handed to its validation so nothing runs twice: the
-    fp32 session, and the outputs of the last candidate it checked through ``pc.load`` with
-    the digest of that candidate's weight files (:func:`weights_digest`): when the output's
-    files are byte for byte the same, ``pc.load`` of the output gives these very outputs."""
+    fp32 session, and the outputs of the last candidate it checked through ``pc.load`` (under
+    the default attention implementation and each other one) with the digest of that
+    candidate's weight files (:func:`weights_digest`): when the output's files are byte for
+    byte the same, ``pc.load`` of the output gives these very outputs."""
 
     swept: Swept
     candidate_weights: str | None = None
     candidate: Outputs | None = None
+    candidate_by_attention: Mapping[str, Outputs] = field(default_factory=dict)
 
 
 def weights_digest(directory: Path) -> str:
@@ -156,16 +158,19 @@ def fp32_session(
     supplied: Mapping[str, torch.Tensor] | None = None,
     check: Callable[[Outputs], None] | None = None,
     coverage: Callable[[], float] | None = None,
-    before: Callable[[ModelInputs], None] | None = None,
+    before: Callable[[ModelInputs, int], None] | None = None,
     attention: bool = False,
 ) -> Swept:
     """Build the fp32 model (from ``source``), sweep it (:func:`sweep_model`; ``directory``:
     where its pipeline's scheduler is looked for, default ``source``), with ``attention``
-    run the probes again under each other attention implementation a user can pick,
+    run the probes again under each other attention implementation a user can pick
+    (``before`` is told the probes and how many other implementations will run them),
     ``check`` its outputs, and free it before returning, so that the next model to load is
     the only one resident."""
     model = build()
-    choices, by_attention = None, {}
+    choices = attention_choices(model) if attention else None
+    others = len(choices.others) if choices is not None else 0
+    by_attention: dict[str, Outputs] = {}
     try:
         task, inputs, outputs = sweep_model(
             model,
@@ -175,14 +180,12 @@ def fp32_session(
             component=component,
             directory=directory or source,
             supplied=supplied,
-            before=before,
+            before=(lambda swept: before(swept, others)) if before is not None else None,
         )
-        if attention:
+        if choices is not None:
             resolved = resolve(inputs, outputs)
             choices, by_attention = outputs_by_attention(
-                model,
-                attention_choices(model),
-                lambda fp32: run_probes(fp32, resolved, device, torch.float32),
+                model, choices, lambda fp32: run_probes(fp32, resolved, device, torch.float32)
             )
     finally:
         gone = weakref.ref(model)
