@@ -88,6 +88,7 @@ from precision_convert.validation.certify.reference import (
     without_local_paths,
 )
 from precision_convert.validation.certify.verify import hash_files
+from precision_convert.validation.probe.budgets import DEFAULT_LEVEL, budget_for
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,
@@ -105,7 +106,7 @@ from precision_convert.validation.probe.session import (
     fp32_session,
     weights_digest,
 )
-from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
+from precision_convert.validation.probe.sweep import SweepSettings
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
@@ -149,7 +150,7 @@ def validate(
             (default: every vocabulary id and position, contexts to 2048 tokens, timestep
             quartiles with the first step) or ``"thorough"`` (contexts to the position limit,
             every timestep decile); see
-            :data:`~precision_convert.validation.probe.sweep.BUDGETS`.
+            :data:`~precision_convert.validation.probe.budgets.BUDGETS`.
         calibration_data: a file of text lines or JSONL model inputs whose probes are added
             to the sweep (see :mod:`~precision_convert.validation.probe.userdata`).
         trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
