@@ -627,7 +627,14 @@ def write_card(certificate: Certificate, directory: str | Path) -> Path:
     """Write README.md next to the certificate, showing any activation charts the analysis saved
     (``precision_activations.png`` at the top or in a pipeline component's folder)."""
     directory = Path(directory)
-    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
     path = directory / CARD_NAME
-    write_atomically(path, render(certificate, charts=charts))
+    write_atomically(path, render_card(certificate, directory))
     return path
+
+
+def render_card(certificate: Certificate, directory: Path, repo_id: str | None = None) -> str:
+    """The card :func:`write_card` writes for ``certificate`` into ``directory`` (a pure
+    function of both), without writing it; with ``repo_id``, the card as pushed there (its
+    loading snippet names the repo)."""
+    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
+    return render(certificate, charts=charts, repo_id=repo_id)
