@@ -258,7 +258,7 @@ def _row_length(spec: TokenSpec) -> int:
 @dataclass(frozen=True)
 class _TokenProbes:
     """What every token probe of one sweep shares: the model's token argument, the chosen
-    probe's keyword arguments as template, and the budget."""
+    probe's keyword arguments as template, the budget and the layout's seed."""
 
     spec: TokenSpec
     template: Mapping[str, Any]
