@@ -162,7 +162,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.root, args.child, args.budget, args.coverage)))
         return
-    from precision_convert.validation.probe.sweep import LEVELS
+    from precision_convert.validation.probe.budgets import LEVELS
 
     with tempfile.TemporaryDirectory(prefix="bench-validate-") as scratch:
         root = args.keep or Path(scratch)

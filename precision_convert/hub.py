@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from precision_convert import interrupts
+from precision_convert.conversion.io.hashing import BLOCK_BYTES, HashedFile
 from precision_convert.errors import (
     HubAuthError,
     HubPermissionError,
@@ -68,16 +69,9 @@ from precision_convert.errors import (
     PushFailed,
     PushRefused,
 )
-from precision_convert.validation.certify.card import base_model_id
+from precision_convert.validation.certify.card import base_model_id, render_card
 from precision_convert.validation.certify.certificate import CARD_NAME
-from precision_convert.validation.certify.verify import (
-    BLOCK_BYTES,
-    HashedFile,
-    Verified,
-    is_variant_file,
-    render_card,
-    verify,
-)
+from precision_convert.validation.certify.verify import Verified, is_variant_file, verify
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi

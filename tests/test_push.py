@@ -32,12 +32,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from precision_convert.cli.main import app
+from precision_convert.conversion.io.hashing import BLOCK_BYTES
 from precision_convert.validation.certify.card import write_card
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
-from precision_convert.validation.certify.verify import BLOCK_BYTES
 
 SOURCE_REPO = "ns/tiny"
 VARIANT = "bf16"

@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 
 from precision_convert.validation.probe.execute import run_probes, run_sweep, select_inputs
 from precision_convert.validation.probe.inputs import ModelInputs, input_candidates
-from precision_convert.validation.probe.sweep import TEXTS, sweep
+from precision_convert.validation.probe.sweep import sweep
+from precision_convert.validation.probe.token_probes import TEXTS
 from precision_convert.validation.probe.tokenizers import ProbeTokenizer, tokenizer_for
 
 #: The probes that must go through the tokenizer when it is usable.

@@ -168,7 +168,7 @@ def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
     0.5 GB of logits per probe: its probes shrink to what one probe may take."""
     from transformers import AutoModelForCausalLM
 
-    from precision_convert.validation.probe.sweep import (
+    from precision_convert.validation.probe.budgets import (
         PROBE_ACTIVATIONS,
         budget_for,
         bytes_per_token,
@@ -202,9 +202,10 @@ def test_whole_vocabulary_sweep_stays_within_what_memory_affords(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from precision_convert.validation.probe.budgets import budget_for, fit_model
     from precision_convert.validation.probe.execute import run_probes, select_inputs
     from precision_convert.validation.probe.inputs import input_candidates
-    from precision_convert.validation.probe.sweep import budget_for, fit_model, sweep
+    from precision_convert.validation.probe.sweep import sweep
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b")).eval()
     chosen, _ = select_inputs(model, input_candidates(model), run_probes)

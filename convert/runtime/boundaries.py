@@ -34,7 +34,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -154,42 +154,75 @@ def find_boundaries(
         InputError: a leaf module holds tensors of different dtypes (CogVLM's fp16 weight
             with an fp32 bias), which no boundary cast can fix.
     """
-    reasons = dict(reasons or {})
-    names = {id(m): n for n, m in model.named_modules()}
-    direct: dict[int, frozenset[torch.dtype]] = {}
-    subtree: dict[int, frozenset[torch.dtype]] = {}
-
-    def visit(module: nn.Module) -> frozenset[torch.dtype]:
-        if id(module) not in subtree:
-            own = frozenset(t.dtype for _, t in _own_tensors(module))
-            direct[id(module)] = own
-            subtree[id(module)] = own.union(*(visit(c) for c in module.children()))
-        return subtree[id(module)]
-
-    everything = visit(model)
+    tree = _DtypeTree(model)
+    everything = tree.subtree[id(model)]
     if compute is None or len(everything) == 1:
         # A model stored wholly in one dtype computes in it, whatever the record says.
         compute = _dominant(model) if len(everything) != 1 else next(iter(everything))
     if compute is None:
         return Boundaries(torch.get_default_dtype())
+    islands = _islands(tree, compute, dict(reasons or {}))
+    hooked = set(islands.precision) | set(islands.flowing)
+    flows = bool(islands.flowing or islands.units)
+    return Boundaries(
+        compute=compute,
+        precision_islands=tuple(islands.precision),
+        flowing_islands=tuple(islands.flowing),
+        tensor_units=tuple(islands.units),
+        entries=tuple(_entries(tree, hooked, flows)),
+        guards=tuple(_guards(tree, compute, hooked) if flows else []),
+        promote=tuple(sorted(islands.promote)),
+    )
 
-    precision: list[str] = []
-    flowing: list[str] = []
-    units: list[str] = []
-    promote: set[str] = set()
+
+class _DtypeTree:
+    """The floating dtypes each module of ``model`` holds: ``direct``ly, and in its
+    ``subtree`` (itself and every descendant), by module id."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.direct: dict[int, frozenset[torch.dtype]] = {}
+        self.subtree: dict[int, frozenset[torch.dtype]] = {}
+        self._visit(model)
+
+    def _visit(self, module: nn.Module) -> frozenset[torch.dtype]:
+        if id(module) not in self.subtree:
+            own = frozenset(t.dtype for _, t in _own_tensors(module))
+            self.direct[id(module)] = own
+            self.subtree[id(module)] = own.union(*(self._visit(c) for c in module.children()))
+        return self.subtree[id(module)]
+
+
+@dataclass
+class _Islands:
+    """What differs from the compute dtype: whole-module islands by kind, single tensors
+    (``units``), and the modules that must promote mixed-dtype matmuls."""
+
+    precision: list[str] = field(default_factory=list)
+    flowing: list[str] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    promote: set[str] = field(default_factory=set)
+
+
+def _islands(tree: _DtypeTree, compute: torch.dtype, reasons: Mapping[str, str]) -> _Islands:
+    """The islands of ``tree``: the outermost modules wholly in one non-compute dtype, and
+    the non-compute tensors of modules that otherwise compute in ``compute``."""
+    found = _Islands()
+    model = tree.model
     for module in model.modules():
-        name = names[id(module)]
-        kinds = subtree[id(module)]
+        name = tree.names[id(module)]
+        kinds = tree.subtree[id(module)]
         parent_name = name.rpartition(".")[0]
-        parent_kinds = subtree[id(model.get_submodule(parent_name))] if name else frozenset()
+        parent_kinds = tree.subtree[id(model.get_submodule(parent_name))] if name else frozenset()
         if len(kinds) == 1 and compute not in kinds and kinds != parent_kinds:
             # Covered by several names, a unit flows unless every one is a precision island.
             covered = {r for n, r in reasons.items() if _related(n, name)} or {"user"}
             if covered == {PRECISION}:
-                precision.append(name)
+                found.precision.append(name)
             else:
-                flowing.append(name)
-                promote.add(parent_name)
+                found.flowing.append(name)
+                found.promote.add(parent_name)
             continue
         if len(kinds) == 1 and compute not in kinds:
             continue  # inside an island
@@ -197,48 +230,47 @@ def find_boundaries(
         if not mixed:
             continue
         if not any(True for _ in module.children()):
-            found = ", ".join(f"{n} {t.dtype}" for n, t in _own_tensors(module))
+            found_dtypes = ", ".join(f"{n} {t.dtype}" for n, t in _own_tensors(module))
             raise InputError(
                 f"module {name or type(module).__name__!r} holds tensors of different dtypes "
-                f"({found}); convert the checkpoint with `precision-convert model` first"
+                f"({found_dtypes}); convert the checkpoint with `precision-convert model` first"
             )
         for attr, _ in mixed:
             unit = _join(name, attr)
-            units.append(unit)
+            found.units.append(unit)
             if reasons.get(unit, "user") != PRECISION:
-                promote.add(name)
+                found.promote.add(name)
+    return found
 
-    hooked = set(precision) | set(flowing)
-    flows = bool(flowing or units)
-    guards: list[str] = []
-    if flows:
-        for module in model.modules():
-            name = names[id(module)]
-            if (
-                name
-                and name not in hooked
-                and direct[id(module)] == {compute}
-                and not isinstance(module, nn.Embedding | nn.EmbeddingBag)
-            ):
-                guards.append(name)
-    entries = [""] if subtree[id(model)] else []
+
+def _guards(tree: _DtypeTree, compute: torch.dtype, hooked: set[str]) -> list[str]:
+    """Where fp32 can flow: every module owning compute-dtype tensors but the islands (and
+    embeddings, which take integer ids)."""
+    return [
+        name
+        for module in tree.model.modules()
+        if (name := tree.names[id(module)])
+        and name not in hooked
+        and tree.direct[id(module)] == {compute}
+        and not isinstance(module, nn.Embedding | nn.EmbeddingBag)
+    ]
+
+
+def _entries(tree: _DtypeTree, hooked: set[str], flows: bool) -> list[str]:
+    """The model's entry points: the root (when it holds floating tensors) and, unless fp32
+    flows (then guards cover them), its direct children that methods such as
+    ``encode_image`` call."""
+    model = tree.model
+    entries = [""] if tree.subtree[id(model)] else []
     if not flows:
         entries += [
             name
             for name, child in model.named_children()
             if name not in hooked
-            and subtree[id(child)]
+            and tree.subtree[id(child)]
             and not isinstance(child, nn.Embedding | nn.ModuleList | nn.ModuleDict)
         ]
-    return Boundaries(
-        compute=compute,
-        precision_islands=tuple(precision),
-        flowing_islands=tuple(flowing),
-        tensor_units=tuple(units),
-        entries=tuple(entries),
-        guards=tuple(guards),
-        promote=tuple(sorted(promote)),
-    )
+    return entries
 
 
 def _related(a: str, b: str) -> bool:

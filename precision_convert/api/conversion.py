@@ -180,7 +180,7 @@ def plan_model(
         return plan_with(()), None
     from precision_convert.conversion.analysis.calibration import calibrated_plan
     from precision_convert.progress import forecasting
-    from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
+    from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
 
     level = coverage or DEFAULT_LEVEL
     cheaper = "--coverage quick runs fewer probes" if level != "quick" else ""
@@ -337,7 +337,7 @@ def _certify(
     runs, by component); a run that cannot validate keeps its output, with the failing
     certificate that says what is missing."""
     from precision_convert.validation.certify.runner import validate
-    from precision_convert.validation.probe.sweep import DEFAULT_LEVEL
+    from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
 
     try:
         return validate(
@@ -426,7 +426,7 @@ def read_user_data(path: str | Path | None, coverage: str | None) -> Calibration
     """Check ``--coverage`` and read ``--calibration-data`` before any work: bad input exits
     2 with nothing written."""
     if coverage is not None:
-        from precision_convert.validation.probe.sweep import budget_for
+        from precision_convert.validation.probe.budgets import budget_for
 
         budget_for(coverage)
     if path is None:

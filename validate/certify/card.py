@@ -302,6 +302,43 @@ def render(
 ) -> str:
     """The full README.md text for ``certificate``; its loading snippet names ``repo_id``
     (the repo it is pushed to) when given."""
+    lines = [
+        "---",
+        _metadata(certificate),
+        "---",
+        "",
+        f"# {certificate.target} conversion of {source_name(certificate) or 'a model'}",
+        "",
+        f"Converted with precision-convert {certificate.tool.get('version', '')} to "
+        f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and "
+        f"{_verdict(certificate)} on {certificate.device.get('type')}.",
+        "",
+        *_cast_warning(certificate),
+    ]
+    if not certificate.against_source:
+        lines += [
+            "Comparing the weights with themselves finds overflow and compute-precision loss, "
+            "not the rounding of the weights: to certify, compare with the source "
+            "(`precision-convert validate DIR --baseline SOURCE`).",
+            "",
+        ]
+    lines += _why_failed(certificate)
+    lines += _parity(certificate)
+    lines += _reach(certificate)
+    lines += _components(certificate)
+    lines += _charts(charts)
+    lines += _loading(certificate, repo_id)
+    lines += [
+        f"Every file's sha256 is listed in `{certificate.file_name}`; "
+        "`precision-convert push` refuses files that differ from it.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _metadata(certificate: Certificate) -> str:
+    """The card's YAML header: the Hub's metadata (base model, tags, library, the source's
+    own pipeline tag and license) and the certificate's summary."""
     from huggingface_hub import ModelCardData
 
     inherited = certificate.source.get("card") or {}
@@ -320,6 +357,11 @@ def render(
         license=inherited.get("license"),
         precision_convert=summary(certificate),
     )
+    return data.to_yaml()
+
+
+def _verdict(certificate: Certificate) -> str:
+    """The verdict in words, and what it was compared with."""
     if certificate.verdict == SMOKE_PASS:
         verdict = "**smoke-checked only, not certified**"
     elif not certificate.passed:
@@ -329,75 +371,62 @@ def render(
     else:
         verdict = "**certified for `precision_convert.load` only** (plain loads not checked)"
     if certificate.against_source:
-        verdict += f" against {compared_with(certificate)}"
-    else:
-        verdict += f": compared with {compared_with(certificate)}"
-    lines = [
-        "---",
-        data.to_yaml(),
-        "---",
+        return f"{verdict} against {compared_with(certificate)}"
+    return f"{verdict}: compared with {compared_with(certificate)}"
+
+
+def _why_failed(certificate: Certificate) -> list[str]:
+    """The failures section (none when it passed): the failures other than metrics, and one
+    line pointing at the metric rows outside their bounds."""
+    if not certificate.failures:
+        return []
+    lines = ["## Why it failed", "", *(f"- {f}" for f in certificate.failures_beside_metrics())]
+    if outside := outside_bounds(certificate):
+        lines.append(
+            f"- {outside}: the ❌ rows under Parity (every one in `{certificate.file_name}`)"
+        )
+    lines.append("")
+    return lines
+
+
+def _parity(certificate: Certificate) -> list[str]:
+    """The parity section: the metric rows and the per-probe chart."""
+    if not certificate.metrics:
+        return ["## Parity", "", "Nothing was compared with fp32.", ""]
+    return [
+        "## Parity",
         "",
-        f"# {certificate.target} conversion of {source_name(certificate) or 'a model'}",
+        *_rows(certificate.metrics),
         "",
-        f"Converted with precision-convert {certificate.tool.get('version', '')} to "
-        f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and {verdict} "
-        f"on {certificate.device.get('type')}.",
-        "",
-        *_cast_warning(certificate),
+        *_probe_chart(certificate.metrics),
     ]
-    if not certificate.against_source:
-        lines += [
-            "Comparing the weights with themselves finds overflow and compute-precision loss, "
-            "not the rounding of the weights: to certify, compare with the source "
-            "(`precision-convert validate DIR --baseline SOURCE`).",
-            "",
-        ]
-    if certificate.failures:
-        lines += [
-            "## Why it failed",
-            "",
-            *(f"- {f}" for f in certificate.failures_beside_metrics()),
-        ]
-        if outside := outside_bounds(certificate):
-            lines.append(
-                f"- {outside}: the ❌ rows under Parity (every one in `{certificate.file_name}`)"
-            )
-        lines.append("")
-    if certificate.metrics:
-        lines += [
-            "## Parity",
-            "",
-            *_rows(certificate.metrics),
-            "",
-            *_probe_chart(certificate.metrics),
-        ]
-    else:
-        lines += ["## Parity", "", "Nothing was compared with fp32.", ""]
-    lines += _reach(certificate)
-    lines += [
+
+
+def _components(certificate: Certificate) -> list[str]:
+    """The components table: class, task, validation mode and recipe of each."""
+    return [
         "## Components",
         "",
         "| component | class | task | mode | recipe |",
         "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {c.name or '—'} | {c.class_name} | {c.task} | {c.mode} | {c.recipe or '—'} |"
-        for c in certificate.components
-    ]
-    lines.append("")
-    if charts:
-        lines += ["## Activation ranges", ""]
-        lines += [
-            f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts
-        ]
-        lines.append("")
-    lines += _loading(certificate, repo_id)
-    lines += [
-        f"Every file's sha256 is listed in `{certificate.file_name}`; "
-        "`precision-convert push` refuses files that differ from it.",
+        *(
+            f"| {c.name or '—'} | {c.class_name} | {c.task} | {c.mode} | {c.recipe or '—'} |"
+            for c in certificate.components
+        ),
         "",
     ]
-    return "\n".join(lines)
+
+
+def _charts(charts: Sequence[str]) -> list[str]:
+    """The activation-range charts the analysis saved, as images (none: no section)."""
+    if not charts:
+        return []
+    return [
+        "## Activation ranges",
+        "",
+        *(f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts),
+        "",
+    ]
 
 
 def _reach(certificate: Certificate) -> list[str]:
@@ -598,7 +627,14 @@ def write_card(certificate: Certificate, directory: str | Path) -> Path:
     """Write README.md next to the certificate, showing any activation charts the analysis saved
     (``precision_activations.png`` at the top or in a pipeline component's folder)."""
     directory = Path(directory)
-    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
     path = directory / CARD_NAME
-    write_atomically(path, render(certificate, charts=charts))
+    write_atomically(path, render_card(certificate, directory))
     return path
+
+
+def render_card(certificate: Certificate, directory: Path, repo_id: str | None = None) -> str:
+    """The card :func:`write_card` writes for ``certificate`` into ``directory`` (a pure
+    function of both), without writing it; with ``repo_id``, the card as pushed there (its
+    loading snippet names the repo)."""
+    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
+    return render(certificate, charts=charts, repo_id=repo_id)

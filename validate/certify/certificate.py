@@ -252,27 +252,26 @@ def metric_failures(metrics: Iterable[Measurement]) -> list[str]:
     """One failure line per failed measurement, fatal ones (NaN/Inf, black frames) first."""
     failed = [m for m in metrics if not m.passed]
     fatal = [m for m in failed if METRICS[m.metric].fatal_threshold is not None]
-    lines = []
-    for m in fatal + [m for m in failed if m not in fatal]:
-        if m.metric == "nonfinite":
-            what = (
-                "output missing or reshaped"
-                if m.value is None
-                else f"{int(m.value)} NaN/Inf values"
-            )
-            lines.append(f"{m.where}: {what}")
-        elif m.metric == "coverage":
-            lines.append(
-                f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
-                f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
-            )
-        elif m.metric == "constant_frames":
-            lines.append(f"{m.where}: {int(m.value or 0)} constant (black) frame planes")
-        else:
-            value = "NaN" if m.value is None else f"{m.value:.4g}"
-            sign = "<=" if m.bound == "max" else ">="
-            lines.append(f"{m.where}: {m.metric} {value} (must be {sign} {m.threshold:g})")
-    return lines
+    return [failure_line(m) for m in fatal + [m for m in failed if m not in fatal]]
+
+
+def failure_line(m: Measurement) -> str:
+    """A failed measurement in the certificate's words: the comparison's failures and the
+    failures of each way of loading read alike."""
+    if m.metric == "nonfinite":
+        what = "output missing or reshaped" if m.value is None else f"{int(m.value)} NaN/Inf values"
+        return f"{m.where}: {what}"
+    if m.metric == "coverage":
+        return (
+            f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
+            f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
+        )
+    if m.metric == "constant_frames":
+        return f"{m.where}: {int(m.value or 0)} constant (black) frame planes"
+    value = "NaN" if m.value is None else f"{m.value:.4g}"
+    sign = "<=" if m.bound == "max" else ">="
+    bound = "" if m.threshold is None else f" (must be {sign} {m.threshold:g})"
+    return f"{m.where}: {m.metric} {value}{bound}"
 
 
 def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.errors import InputError
 from precision_convert.progress import stage
-from precision_convert.validation.certify.certificate import LoadPath
+from precision_convert.validation.certify.certificate import LoadPath, failure_line
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.probe.attention import switch
 from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs, run_probes
@@ -602,16 +602,6 @@ def _badness(m: Measurement) -> tuple[int, int, float]:
     if m.value is None:
         return (int(m.passed), fatal, -math.inf)
     return (int(m.passed), fatal, -m.value if m.bound == "max" else m.value)
-
-
-def failure_line(m: Measurement) -> str:
-    if m.metric == "nonfinite":
-        what = "output missing or reshaped" if m.value is None else f"{int(m.value)} NaN/Inf values"
-        return f"{m.where}: {what}"
-    value = "NaN" if m.value is None else f"{m.value:.4g}"
-    sign = "<=" if m.bound == "max" else ">="
-    bound = "" if m.threshold is None else f" (must be {sign} {m.threshold:g})"
-    return f"{m.where}: {m.metric} {value}{bound}"
 
 
 def failure_lines(records: Iterable[LoadPath]) -> list[str]:

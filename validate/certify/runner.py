@@ -28,7 +28,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ from precision_convert.validation.certify.reference import (
     without_local_paths,
 )
 from precision_convert.validation.certify.verify import hash_files
+from precision_convert.validation.probe.budgets import DEFAULT_LEVEL, budget_for
 from precision_convert.validation.probe.execute import (
     RUN_ERRORS,
     Coverage,
@@ -105,7 +106,7 @@ from precision_convert.validation.probe.session import (
     fp32_session,
     weights_digest,
 )
-from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
+from precision_convert.validation.probe.sweep import SweepSettings
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
@@ -149,7 +150,7 @@ def validate(
             (default: every vocabulary id and position, contexts to 2048 tokens, timestep
             quartiles with the first step) or ``"thorough"`` (contexts to the position limit,
             every timestep decile); see
-            :data:`~precision_convert.validation.probe.sweep.BUDGETS`.
+            :data:`~precision_convert.validation.probe.budgets.BUDGETS`.
         calibration_data: a file of text lines or JSONL model inputs whose probes are added
             to the sweep (see :mod:`~precision_convert.validation.probe.userdata`).
         trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
@@ -176,11 +177,54 @@ def validate(
     if not root.is_dir():
         raise InputError("no such directory: validate takes a converted model directory", root)
     budget_for(coverage)  # an unknown level fails before anything runs
-    data = (
-        read_calibration_data(calibration_data)
-        if calibration_data is not None and not isinstance(calibration_data, CalibrationData)
-        else calibration_data
-    )
+    data = _calibration_data(calibration_data)
+    run = _set_up(root, baseline, device, inputs, max_memory, data, trust_remote_code)
+    results: list[ComponentResult] = []
+    try:
+        _validate_all(run, SweepSettings(coverage, data), prior or {}, results)
+    except CannotValidateError as exc:
+        # Nothing is left half-explained: the output still gets a failing certificate and card
+        # that say what is missing and how to supply it; the error still reaches the caller.
+        results += _not_run(run.opened, run.components, results)
+        _write_certificate(run, results, cannot=exc)
+        raise
+    return _write_certificate(run, results)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one validation compares, where and with what: set up, and checked, before
+    anything runs."""
+
+    root: Path
+    opened: Source
+    source: SourceInfo
+    weights: dict[str, str]  # the source's weight files and their digests
+    device: torch.device
+    memory: int  # bytes: past them, a model is validated block by block
+    max_memory: str | int | None  # as the user gave it, for the certificate
+    supplied: Mapping[str, torch.Tensor] | None
+    components: list[Component]
+
+
+def _calibration_data(given: str | Path | CalibrationData | None) -> CalibrationData | None:
+    """The user's calibration data, read when given as a path."""
+    if given is None or isinstance(given, CalibrationData):
+        return given
+    return read_calibration_data(given)
+
+
+def _set_up(
+    root: Path,
+    baseline: str | Path | None,
+    device: str | torch.device | None,
+    inputs: str | Path | Mapping[str, torch.Tensor] | None,
+    max_memory: str | int | None,
+    data: CalibrationData | None,
+    trust_remote_code: bool,
+) -> _Run:
+    """The converted model and its baseline opened, the device, memory budget and supplied
+    inputs resolved: everything that can be refused is refused here, before anything runs."""
     opened = open_source(root)
     source = source_info(baseline, root)
     if source.kind == SOURCE_BASELINE:  # the certificate and card are written into ``converted``
@@ -199,38 +243,40 @@ def validate(
         inputs_path=inputs if isinstance(inputs, str | Path) else None,
     )  # fmt: skip
     components = _components(opened, source, trust_remote_code)
-    sweep_for = SweepSettings(coverage, data)
-    results: list[ComponentResult] = []
-    cheaper = "--coverage quick runs fewer probes" if coverage != "quick" else ""
-    try:
-        with _library_bars_off(opened), forecasting("validation", cheaper):
-            for c in components:
-                here = _inputs_for(supplied, c.name, opened)
-                results.append(
-                    _validate_component(
-                        c, target_device, budget, here, sweep_for, (prior or {}).get(c.name)
-                    )
-                )
-            if isinstance(opened, PipelineSource):
-                latent_side = budget_for(coverage).pipeline_latent_side
-                results.append(
-                    _validate_pipeline(opened, source, results, target_device, latent_side)
-                )
-    except CannotValidateError as exc:
-        # Nothing is left half-explained: the output still gets a failing certificate and card
-        # that say what is missing and how to supply it; the error still reaches the caller.
-        results += _not_run(opened, components, results)
-        certificate = _certificate(
-            root, source, weights, components, results, target_device, max_memory, cannot=exc
-        )
-        write(certificate, root)
-        write_card(certificate, root)
-        raise
-    certificate = _certificate(
-        root, source, weights, components, results, target_device, max_memory
+    return _Run(
+        root, opened, source, weights, target_device, budget, max_memory, supplied, components
     )
-    write(certificate, root)
-    write_card(certificate, root)
+
+
+def _validate_all(
+    run: _Run,
+    sweep_for: SweepSettings,
+    prior: Mapping[str, PriorRuns],
+    results: list[ComponentResult],
+) -> None:
+    """Each component, then a pipeline end to end; each result is appended to ``results``
+    as it comes, so a run that stops still certifies what it finished."""
+    cheaper = "--coverage quick runs fewer probes" if sweep_for.level != "quick" else ""
+    with _library_bars_off(run.opened), forecasting("validation", cheaper):
+        for c in run.components:
+            here = _inputs_for(run.supplied, c.name, run.opened)
+            results.append(
+                _validate_component(c, run.device, run.memory, here, sweep_for, prior.get(c.name))
+            )
+        if isinstance(run.opened, PipelineSource):
+            latent_side = budget_for(sweep_for.level).pipeline_latent_side
+            results.append(
+                _validate_pipeline(run.opened, run.source, results, run.device, latent_side)
+            )
+
+
+def _write_certificate(
+    run: _Run, results: list[ComponentResult], *, cannot: CannotValidateError | None = None
+) -> Certificate:
+    """:func:`_certificate`, written with its card into the converted directory."""
+    certificate = _certificate(run, results, cannot=cannot)
+    write(certificate, run.root)
+    write_card(certificate, run.root)
     return certificate
 
 
@@ -583,16 +629,10 @@ def _device_record(
 
 
 def _certificate(
-    root: Path,
-    source: SourceInfo,
-    weights: dict[str, str],
-    components: list[Component],
-    results: list[ComponentResult],
-    device: torch.device,
-    max_memory: str | int | None,
-    *,
-    cannot: CannotValidateError | None = None,
+    run: _Run, results: list[ComponentResult], *, cannot: CannotValidateError | None = None
 ) -> Certificate:
+    """The certificate of ``results`` (``cannot``: why the run stopped before the end)."""
+    root, source, components = run.root, run.source, run.components
     metrics = [m for r in results for m in r.metrics]
     paths = [p for r in results for p in r.load_paths]
     failures = [e for r in results for e in r.errors] + metric_failures(metrics)
@@ -626,13 +666,13 @@ def _certificate(
             "id": source.id,
             "revision": source.revision,
             "path": source.id,
-            "files": weights,
+            "files": run.weights,
             "card": source_card_data(source.path),
             # A --variant output: its files are added to the source repo under this variant.
             "variant": next((c.converted.variant for c in components if c.converted.variant), None),
         },
         baseline={"dtype": "float32", "kind": source.kind},
-        device=_device_record(device, max_memory, {r.record.mode for r in results}),
+        device=_device_record(run.device, run.max_memory, {r.record.mode for r in results}),
         versions=_versions(),
         components=[r.record for r in results],
         metrics=metrics,

@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from precision_convert.conversion.io.hashing import HASH_THREADS, HashedFile, hash_paths
 from precision_convert.errors import InputError, NotAsCertified
-from precision_convert.validation.certify.card import CHART_NAME, render
+from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     CERTIFICATE_FILE,
@@ -32,27 +33,8 @@ from precision_convert.validation.certify.certificate import (
     Certificate,
 )
 
-#: Files hashed at once: enough to keep a few cores and a fast disk busy (hashlib releases the
-#: GIL, so shards hash on every core).
-HASH_THREADS = min(8, os.cpu_count() or 1)
-#: Files up to one block are read whole and kept, so a push sends the very bytes it hashed;
-#: larger ones can keep a digest per block, which the push checks each block against as it
-#: reads it again to upload (8 MiB: a handful of blocks in memory at once, per upload thread).
-BLOCK_BYTES = 8 * 1024 * 1024
 #: Hub cache blobs of LFS files are named by their sha256.
 _BLOB = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class HashedFile:
-    """One file of a directory, hashed from its bytes."""
-
-    path: str  # relative POSIX path (the path in a Hub repo)
-    location: Path
-    sha256: str
-    size: int
-    data: bytes | None  # the content, for files up to BLOCK_BYTES: what was hashed
-    blocks: tuple[bytes, ...] = ()  # sha256 of each BLOCK_BYTES block (larger files, on request)
 
 
 @dataclass(frozen=True)
@@ -76,7 +58,7 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
 
     Args:
         blocks: keep a digest per block of each large file (for an upload that re-reads them;
-            see :class:`HashedFile`).
+            see :class:`~precision_convert.conversion.io.hashing.HashedFile`).
 
     Raises:
         InputError: ``directory`` is not a directory.
@@ -172,32 +154,6 @@ def listing(directory: Path) -> list[str]:
     return found
 
 
-def hash_paths(root: Path, paths: Iterable[str], *, blocks: bool = False) -> dict[str, HashedFile]:
-    """Each of ``paths`` (relative to ``root``) hashed from its bytes, in parallel."""
-
-    def one(path: str) -> HashedFile:
-        location = root / path
-        with location.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size <= BLOCK_BYTES:
-                data = f.read()
-                return HashedFile(path, location, hashlib.sha256(data).hexdigest(), len(data), data)
-            if not blocks:
-                # file_digest reads into one small reused buffer: a multi-GB shard costs no memory.
-                return HashedFile(
-                    path, location, hashlib.file_digest(f, "sha256").hexdigest(), size, None
-                )
-            whole, digests, read = hashlib.sha256(), [], 0
-            while block := f.read(BLOCK_BYTES):
-                whole.update(block)
-                digests.append(hashlib.sha256(block).digest())
-                read += len(block)
-        return HashedFile(path, location, whole.hexdigest(), read, None, tuple(digests))
-
-    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        return {f.path: f for f in pool.map(one, list(paths))}
-
-
 def sha256_files(root: Path, paths: Iterable[Path]) -> dict[str, str]:
     """sha256 of a source's weight files under ``root``, keyed by relative POSIX path, hashed in
     parallel; a file in the Hub cache is a link to a blob named by its sha256, which is taken
@@ -214,14 +170,6 @@ def _sha256_source_file(path: Path) -> str:
         return resolved.name
     with resolved.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def render_card(certificate: Certificate, directory: Path, repo_id: str | None = None) -> str:
-    """The card :func:`~precision_convert.validation.certify.card.write_card` writes for
-    ``certificate`` into ``directory`` (a pure function of both), without writing it; with
-    ``repo_id``, the card as pushed there (its loading snippet names the repo)."""
-    charts = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob(CHART_NAME))]
-    return render(certificate, charts=charts, repo_id=repo_id)
 
 
 def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:

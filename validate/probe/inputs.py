@@ -63,6 +63,8 @@ TIMESTEP = 500.0
 MAX_CANDIDATES = 8
 
 _SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+#: Sub-configs :func:`config_value` searches: where a token model's sizes sit.
+_TOKEN_SUBCONFIGS = ("text_config", "decoder", "encoder")
 
 
 @dataclass(frozen=True)
@@ -204,23 +206,23 @@ class _Ctx:
         self.config = getattr(model, "config", None)
         self.seed = seed
         self.tokenizer = tokenizer if tokenizer is not None and tokenizer.usable else None
-        self.params = _signature(model.forward)
+        self.params = parameters_of(model.forward)
 
     def cfg(self, *keys: str, prefer: Sequence[str] = ()) -> Any:
         """The first key set in the config, then in its sub-configs (``prefer`` first)."""
         configs = [self.config]
         order = [*prefer, *(s for s in _SUBCONFIGS if s not in prefer)]
-        configs += [_get(self.config, s) for s in order]
+        configs += [config_get(self.config, s) for s in order]
         for config in configs:
             for key in keys:
-                value = _get(config, key)
+                value = config_get(config, key)
                 if value is not None:
                     return value
         return None
 
     def gen(self, name: str) -> torch.Generator:
         """A generator per tensor name, so adding one input never changes another."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return seeded_generator(self.seed, name)
 
     def randn(self, name: str, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen(name))
@@ -229,7 +231,13 @@ class _Ctx:
         return torch.randint(low, high, shape, generator=self.gen(name))
 
 
-def _get(config: Any, key: str) -> Any:
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """A generator per seed and tensor (or probe) name: adding one never changes another."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def config_get(config: Any, key: str) -> Any:
+    """``key`` of a config object or dict (None when unset, or when there is no config)."""
     if config is None:
         return None
     if isinstance(config, Mapping):
@@ -237,7 +245,19 @@ def _get(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def _signature(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+def config_value(config: Any, *keys: str, prefer: Sequence[str] = ()) -> Any:
+    """The first of ``keys`` set in ``config``, then in its ``prefer``, text, decoder and
+    encoder sub-configs: what sizes a token model's probes and activations."""
+    for sub in [config, *(config_get(config, s) for s in (*prefer, *_TOKEN_SUBCONFIGS))]:
+        for key in keys:
+            value = config_get(sub, key)
+            if value is not None:
+                return value
+    return None
+
+
+def parameters_of(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """``fn``'s named parameters (``*args`` and ``**kwargs`` left out): what inputs it takes."""
     return {
         n: p
         for n, p in inspect.signature(fn).parameters.items()
@@ -256,10 +276,11 @@ def _side(value: Any, default: int, cap: int) -> int:
 # --------------------------------------------------------------------------- family detection
 
 
-def _library(model: Any) -> str:
-    # The library whose base the class inherits, wherever the class is defined: remote or user
-    # code subclasses a library's model, and diffusers defines transformers models too (the
-    # Stable Diffusion safety checker is a transformers PreTrainedModel).
+def library_of(model: Any) -> str:
+    """The library whose base the class inherits (``transformers``, ``diffusers``,
+    ``open_clip``, else ``torch``), wherever the class is defined: remote or user code
+    subclasses a library's model, and diffusers defines transformers models too (the Stable
+    Diffusion safety checker is a transformers PreTrainedModel)."""
     roots = [base.__module__.split(".")[0] for base in type(model).__mro__]
     if "transformers" in roots:
         return "transformers"
@@ -270,15 +291,16 @@ def _is_autoencoder(model: Any) -> bool:
     return (
         callable(getattr(model, "encode", None))
         and callable(getattr(model, "decode", None))
-        and (_get(model.config, "latent_channels") is not None)
+        and (config_get(model.config, "latent_channels") is not None)
     )
 
 
-def _is_open_clip(model: Any) -> bool:
+def is_open_clip(model: Any) -> bool:
+    """Whether ``model`` is an OpenCLIP model (image and text towers, ``forward(image, text)``)."""
     return (
         callable(getattr(model, "encode_image", None))
         and callable(getattr(model, "encode_text", None))
-        and "image" in _signature(model.forward)
+        and "image" in parameters_of(model.forward)
     )
 
 
@@ -317,10 +339,10 @@ def _fits_vocabulary(ctx: _Ctx) -> bool:
 def _pixel_values(ctx: _Ctx) -> torch.Tensor:
     channels = ctx.cfg("num_channels", "in_channels", prefer=("vision_config",)) or 3
     side = _side(ctx.cfg("image_size", "img_size", prefer=("vision_config",)), 224, 1024)
-    return _image(ctx.gen("pixel_values"), BATCH, int(channels), side, side)
+    return smooth_image(ctx.gen("pixel_values"), BATCH, int(channels), side, side)
 
 
-def _image(g: torch.Generator, *shape: int) -> torch.Tensor:
+def smooth_image(g: torch.Generator, *shape: int) -> torch.Tensor:
     """A smooth seeded image in [-1, 1]: low-frequency waves plus a little noise.
 
     Real images are mostly smooth; white noise would make PSNR of a decoded image meaningless.
@@ -381,7 +403,7 @@ def _transformers_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     if "clip_input" in params and "images" in params:
         # diffusers' Stable Diffusion safety checker: CLIP pixels of the decoded images, and
         # the images (B, H, W, C in [0, 1]) it hands back, blacked out where it flags them.
-        images = (_image(ctx.gen("images"), BATCH, 3, PIXEL_SIDE, PIXEL_SIDE) + 1) / 2
+        images = (smooth_image(ctx.gen("images"), BATCH, 3, PIXEL_SIDE, PIXEL_SIDE) + 1) / 2
         checked = {"clip_input": _pixel_values(ctx), "images": images.permute(0, 2, 3, 1)}
         modalities.append([(checked, "vision")])
     speech = _speech_layouts(ctx)
@@ -435,7 +457,7 @@ def _transformers_task(model: Any, kinds: set[str], seq2seq: bool) -> str:
 # --------------------------------------------------------------------------- diffusers
 
 
-def _scales_timestep(model: Any) -> bool:
+def scales_timestep(model: Any) -> bool:
     """Whether the forward multiplies the timestep by 1000 itself (Flux-style, t in [0, 1]).
 
     Feeding such a model t=500 would make 500000, which fp16 cannot hold: a false failure.
@@ -551,7 +573,9 @@ def _conditioning(ctx: _Ctx, latent: torch.Tensor) -> list[dict[str, Any]]:
     if "controlnet_cond" in params:
         channels = int(ctx.cfg("conditioning_channels") or 3)
         h, w = latent.shape[-2:]
-        out["controlnet_cond"] = _image(ctx.gen("controlnet_cond"), BATCH, channels, 8 * h, 8 * w)
+        out["controlnet_cond"] = smooth_image(
+            ctx.gen("controlnet_cond"), BATCH, channels, 8 * h, 8 * w
+        )
     if "added_cond_kwargs" not in params:
         return [out]
     # The dict's keys depend on the family: SDXL's text/time embeddings, PixArt's resolution.
@@ -576,7 +600,7 @@ def _conditioning(ctx: _Ctx, latent: torch.Tensor) -> list[dict[str, Any]]:
 
 def _denoiser_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     latent_name = next(iter(ctx.params))
-    t = TIMESTEP / 1000 if _scales_timestep(ctx.model) else TIMESTEP
+    t = TIMESTEP / 1000 if scales_timestep(ctx.model) else TIMESTEP
     states = _encoder_states(ctx)
     for layout in _latent_layouts(ctx, latent_name):
         for cond in _conditioning(ctx, layout[latent_name]):
@@ -589,11 +613,11 @@ def _autoencoder_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     side = _side(ctx.cfg("sample_size", "sample_height"), PIXEL_SIDE, PIXEL_SIDE)
     frames = 1 + int(ctx.cfg("temporal_compression_ratio") or 4)
     video = ctx.cfg("temporal_compression_ratio") is not None
-    four = _image(ctx.gen("sample"), BATCH, channels, side, side)
-    five = _image(ctx.gen("sample"), BATCH, channels, frames, side, side)
+    four = smooth_image(ctx.gen("sample"), BATCH, channels, side, side)
+    five = smooth_image(ctx.gen("sample"), BATCH, channels, frames, side, side)
     # diffusers names the arguments x/sample and z/latents depending on the class.
-    x_name = next(iter(_signature(ctx.model.encode)))
-    z_name = next(iter(_signature(ctx.model.decode)))
+    x_name = next(iter(parameters_of(ctx.model.encode)))
+    z_name = next(iter(parameters_of(ctx.model.decode)))
     for image in [five, four] if video else [four, five]:
         encode = Probe("encode", "encode", {x_name: image})
         decode = Probe("decode", "decode", {z_name: FromOutput("encode")}, images=True)
@@ -613,7 +637,7 @@ def _open_clip_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     # OpenCLIP pools at the highest id (the end-of-text token): put it where a sentence ends.
     text[:, TEXT_LEN:] = 0
     text[:, TEXT_LEN - 1] = vocab - 1
-    kwargs = {"image": _image(ctx.gen("image"), BATCH, 3, side, side), "text": text}
+    kwargs = {"image": smooth_image(ctx.gen("image"), BATCH, 3, side, side), "text": text}
     yield ModelInputs("clip", (Probe("forward", "forward", kwargs),), ctx.seed)
 
 
@@ -631,7 +655,7 @@ def pipeline_inputs(pipe: Any, *, seed: int = 0, latent_side: int = LATENT_SIDE)
     (the coverage level's) and two latent frames for video, so a real checkpoint runs in
     seconds on a GPU.
     """
-    params = _signature(pipe.__call__)
+    params = parameters_of(pipe.__call__)
     kwargs: dict[str, Any] = {"num_inference_steps": PIPELINE_STEPS}
     if "prompt" in params:
         kwargs["prompt"] = SENTENCES[0]
@@ -655,13 +679,19 @@ def pipeline_inputs(pipe: Any, *, seed: int = 0, latent_side: int = LATENT_SIDE)
     if denoiser is not None and scale and "height" in params and "width" in params:
         config = denoiser.config
         latent_h = _side(
-            _get(config, "sample_height") or _get(config, "sample_size"), latent_side, latent_side
+            config_get(config, "sample_height") or config_get(config, "sample_size"),
+            latent_side,
+            latent_side,
         )
         latent_w = _side(
-            _get(config, "sample_width") or _get(config, "sample_size"), latent_side, latent_side
+            config_get(config, "sample_width") or config_get(config, "sample_size"),
+            latent_side,
+            latent_side,
         )
         kwargs["height"], kwargs["width"] = latent_h * int(scale), latent_w * int(scale)
-    text_tokens = _get(denoiser.config, "max_text_seq_length") if denoiser is not None else None
+    text_tokens = (
+        config_get(denoiser.config, "max_text_seq_length") if denoiser is not None else None
+    )
     if "max_sequence_length" in params and text_tokens:
         kwargs["max_sequence_length"] = int(text_tokens)
     temporal = getattr(pipe, "vae_scale_factor_temporal", None)
@@ -669,7 +699,9 @@ def pipeline_inputs(pipe: Any, *, seed: int = 0, latent_side: int = LATENT_SIDE)
         kwargs["num_frames"] = 1 + int(temporal) * (LATENT_FRAMES - 1)
     if "image" in params and params["image"].default is inspect.Parameter.empty:
         side = kwargs.get("height", 8 * latent_side)
-        image = _image(torch.Generator().manual_seed(seed), 1, 3, side, kwargs.get("width", side))
+        image = smooth_image(
+            torch.Generator().manual_seed(seed), 1, 3, side, kwargs.get("width", side)
+        )
         kwargs["image"] = (image + 1) / 2  # pipelines take images in [0, 1]
     probe = Probe("pipeline", "__call__", kwargs, images=True)
     return ModelInputs("pipeline", (probe,), seed)
@@ -702,14 +734,14 @@ def input_candidates(
             tok.where, f"gives ids past the model's vocabulary of {vocab} (another model's?)"
         )
         ctx = _Ctx(model, seed, tok)
-    library = _library(model)
+    library = library_of(model)
     if library == "transformers":
         found = _transformers_candidates(ctx)
     elif library == "diffusers" and _is_autoencoder(model):
         found = _autoencoder_candidates(ctx)
     elif library == "diffusers" and "timestep" in ctx.params:
         found = _denoiser_candidates(ctx)
-    elif _is_open_clip(model):
+    elif is_open_clip(model):
         found = _open_clip_candidates(ctx)
     else:
         raise CannotValidateError(
@@ -734,7 +766,7 @@ def inputs_from_tensors(
         task = infer_task(model)
     except CannotValidateError:
         task = "default"
-    params = _signature(model.forward)
+    params = parameters_of(model.forward)
     unknown = sorted(set(tensors) - set(params)) if not _accepts_kwargs(model.forward) else []
     if unknown:
         raise CannotValidateError(

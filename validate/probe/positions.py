@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from precision_convert.validation.probe.inputs import ModelInputs, Probe, _get, _signature
+from precision_convert.validation.probe.budgets import Budget
+from precision_convert.validation.probe.inputs import ModelInputs, Probe, config_get, parameters_of
 
 #: Tokens per row of a position probe: long enough that attention mixes positions, short
 #: enough that its cost stays linear in the positions reached.
@@ -49,7 +50,7 @@ def position_probes(
     model: Any,
     spec: Any,
     chosen: ModelInputs,
-    budget: Any,
+    budget: Budget,
     built: Sequence[Probe],
     *,
     tokens: Callable[[torch.Tensor], dict[str, Any]],
@@ -58,8 +59,8 @@ def position_probes(
 ) -> list[Probe]:
     """Rows with ``position_ids`` offsets covering the positions past the longest row of
     ``chosen`` and ``built`` (the other sweep probes) up to ``spec.limit`` (``spec`` a
-    :class:`~.sweep.TokenSpec`, ``budget`` a :class:`~.sweep.Budget`: the sweep imports
-    this module, not the other way round). ``tokens``
+    :class:`~.token_probes.TokenSpec`: that module imports this one, not the other way
+    round). ``tokens``
     makes a probe's keyword arguments from its ids, ``generator`` a seeded generator per
     probe name; ``trimmed_tokens`` is what a probe may hold when the head keeps one
     position's logits (the model's memory without a row of logits per token).
@@ -78,7 +79,7 @@ def position_probes(
     width = min(POSITION_ROW, spec.limit)
     starts = list(range(start, spec.limit, width))
     starts[-1] = min(starts[-1], spec.limit - width)  # full rows, the last ends at the limit
-    trimmed = "logits_to_keep" in _signature(model.forward)
+    trimmed = "logits_to_keep" in parameters_of(model.forward)
     per_probe = trimmed_tokens if trimmed and not budget.memory_bound else budget.tokens_per_probe
     rows_per_probe = max(1, per_probe // width)
     if len(starts) > cap * rows_per_probe:  # spread evenly, first and last kept
@@ -115,9 +116,9 @@ def table_offset(model: Any) -> int:
     """The table row of position 0: ``pad_token_id + 1`` for RoBERTa-style learned
     positions, else 0."""
     config = getattr(model, "config", None)
-    if str(_get(config, "model_type") or "") not in OFFSET_POSITIONS:
+    if str(config_get(config, "model_type") or "") not in OFFSET_POSITIONS:
         return 0
-    pad = _get(config, "pad_token_id")
+    pad = config_get(config, "pad_token_id")
     return int(pad) + 1 if isinstance(pad, int) else 2
 
 
@@ -136,7 +137,7 @@ def longest_row(probes: Sequence[Probe], arg: str) -> int:
 
 
 def token_limits(spec: Any) -> dict[str, Any]:
-    """What bounds a token model's input space (a :class:`~.sweep.TokenSpec`), as
+    """What bounds a token model's input space (a :class:`~.token_probes.TokenSpec`), as
     :func:`reach` reads it from :attr:`ModelInputs.limits`."""
     return {
         "argument": spec.arg,

@@ -29,7 +29,7 @@ from precision_convert.conversion.io.source import ModelSource, PipelineSource, 
 from precision_convert.conversion.runtime.builders import build_skeleton
 from precision_convert.errors import InputError
 from precision_convert.validation.probe.inputs import Probe
-from precision_convert.validation.probe.sweep import UNKNOWN_POSITION_LIMIT, token_spec
+from precision_convert.validation.probe.token_probes import UNKNOWN_POSITION_LIMIT, token_spec
 from precision_convert.validation.probe.tokenizers import ProbeTokenizer, tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, addressed, to_tensor
 
@@ -157,7 +157,7 @@ def _check_call(
 
 def _warn_of_cut_lines(skeleton: Any, tokenizer: ProbeTokenizer, data: CalibrationData) -> None:
     """Say which text lines the probes cut to the model's position limit (they truncate as
-    :func:`~precision_convert.validation.probe.sweep.text_rows` does: the limit, specials
+    :func:`~precision_convert.validation.probe.token_probes.text_rows` does: the limit, specials
     included)."""
     ids = torch.zeros(1, 1, dtype=torch.long)
     spec = token_spec(skeleton, Probe("preflight", "forward", {"input_ids": ids}), tokenizer, "")

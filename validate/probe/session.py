@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from precision_convert.conversion.io.hashing import hash_paths
 from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.validation.probe.attention import (
     AttentionChoices,
@@ -103,14 +104,9 @@ class PriorRuns:
 def weights_digest(directory: Path) -> str:
     """sha256 over the contents of the safetensors files in ``directory`` (names aside: a
     ``--variant`` output names the same bytes otherwise)."""
-    digests = []
-    for path in directory.glob("*.safetensors"):
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(1 << 24):
-                digest.update(block)
-        digests.append(digest.hexdigest())
-    return hashlib.sha256("".join(sorted(digests)).encode()).hexdigest()
+    files = hash_paths(directory, [p.name for p in directory.glob("*.safetensors")])
+    digests = sorted(f.sha256 for f in files.values())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 def sweep_model(

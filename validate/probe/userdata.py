@@ -9,7 +9,7 @@ Two formats, told apart by the file's first non-empty line:
   int64 tensors, floats float32, booleans bool. In a pipeline, ``"<component>/<argument>"``
   keys address one component; a line naming none of a component's arguments is skipped there.
 
-Both add probes for calibration and validation alike (:func:`~.sweep.user_probes` builds
+Both add probes for calibration and validation alike (:func:`~.user_probes.user_probes` builds
 them); ``--inputs`` (a safetensors file) replaces the built probes instead.
 
 Example:

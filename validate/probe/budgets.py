@@ -1,0 +1,199 @@
+"""Coverage budgets: how much a sweep probes at each level, and what memory lets one probe hold.
+
+A level (:data:`BUDGETS`: ``quick``, ``standard`` by default, ``thorough``) fixes the longest
+sequence, the vocabulary's probes, the timesteps and the image sizes. The model then bounds
+each probe's tokens: :func:`fit_model` to what its memory affords, :func:`fit_budget` to a
+block-wise validation's memory budget, where every probe is a pass over every block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from precision_convert.errors import InputError
+from precision_convert.validation.probe.inputs import config_value
+
+LEVELS = ("quick", "standard", "thorough")
+DEFAULT_LEVEL = "standard"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much one coverage level sweeps. See :data:`BUDGETS` for why each value."""
+
+    level: str
+    #: Longest sequence swept; the model's position limit when that is smaller. None: the
+    #: whole position range, however long.
+    max_length: int | None
+    #: Lengths doubling from :data:`~.token_probes.FIRST_LENGTH` to the longest (else only
+    #: the longest).
+    doubling: bool
+    #: Tokens (batch x length) in one probe: bounds one forward's activation memory.
+    tokens_per_probe: int
+    #: Every vocabulary id at least once; otherwise one probe's worth of sampled ids.
+    whole_vocabulary: bool
+    #: Most probes the vocabulary takes: a big vocabulary gets bigger chunks, not more probes.
+    vocabulary_probes: int
+    #: Denoising timesteps as fractions of the schedule (1.0: its first step, t=999 of 1000).
+    timesteps: tuple[float, ...]
+    #: Autoencoder image sides, as multiples of the built one (which always runs).
+    image_scales: tuple[int, ...]
+    #: Conditioning at realistic magnitudes (text-encoder outliers) at the first step.
+    conditioning: bool
+    #: Elements of one output kept whole per sweep probe (1M: 4 MB in fp32); beyond, a strided
+    #: sample of rows plus every row's RMS (NaN/Inf anywhere still shows), so the logits of a
+    #: vocabulary sweep over 128k ids do not hold tens of GB, and comparing them stays fast.
+    max_output: int
+    #: Vocabulary probes when memory bounds each probe (block-wise validation, where every
+    #: probe is one more pass streaming every block from disk): the vocabulary is then covered
+    #: as far as this many memory-sized probes reach, and the certificate says how far.
+    blockwise_vocabulary_probes: int = 2
+    #: Set by :func:`fit_budget`: ``tokens_per_probe`` is a memory limit, not a target.
+    memory_bound: bool = False
+    #: Set by :func:`fit_model`: ``tokens_per_probe`` is what the model's memory affords, so
+    #: the whole vocabulary takes more probes rather than chunks past it.
+    tokens_fit: bool = False
+    #: Latents a side of a pipeline's end-to-end call (at most; the pipeline's own size when
+    #: smaller). The call decodes full images, or video frames, in every load path checked.
+    pipeline_latent_side: int = 32
+
+
+BUDGETS: dict[str, Budget] = {
+    # Seconds on a CPU for a small model: one probe of sampled ids (no whole vocabulary), the
+    # special tokens, text, one long sequence (256), the first denoising step. Catches gross
+    # overflow; misses a single rare token.
+    "quick": Budget(
+        level="quick",
+        max_length=256,
+        doubling=False,
+        tokens_per_probe=1024,
+        whole_vocabulary=False,
+        vocabulary_probes=1,
+        timesteps=(1.0,),
+        image_scales=(),
+        conditioning=False,
+        max_output=1 << 20,
+        blockwise_vocabulary_probes=1,
+        # 64-pixel images: a video pipeline's 5-frame decode in low precision takes minutes
+        # on a CPU at 256 pixels (the zoo's 7 MB CogVideoX: 285 s), seconds at 64.
+        pipeline_latent_side=8,
+    ),
+    # The default. Every vocabulary id once (a 32k vocabulary is 8 probes of 4096 tokens;
+    # 128k+ ones are capped at 32 probes of bigger chunks: tens of seconds on one GPU for an
+    # 8B model, about a minute on CPU for a 100M one), lengths doubling to 2048 (real text
+    # sits there; longer contexts are `thorough`), timestep quartiles with the first step, 2x
+    # VAE images. About 10-40 forwards for a tiny model.
+    "standard": Budget(
+        level="standard",
+        max_length=2048,
+        doubling=True,
+        tokens_per_probe=4096,
+        whole_vocabulary=True,
+        vocabulary_probes=32,
+        timesteps=(1.0, 0.75, 0.25, 0.0),
+        image_scales=(2,),
+        conditioning=True,
+        max_output=1 << 20,
+    ),
+    # Release-grade: the full position range (a 128k-context model gets a 128k-token probe:
+    # use a GPU), every timestep decile, VAE images at 2x and 4x, bigger probes.
+    "thorough": Budget(
+        level="thorough",
+        max_length=None,
+        doubling=True,
+        tokens_per_probe=16384,
+        whole_vocabulary=True,
+        vocabulary_probes=128,
+        timesteps=(1.0, 0.9, 0.8, 0.7, 0.6, 0.4, 0.3, 0.2, 0.1, 0.0),
+        image_scales=(2, 4),
+        conditioning=True,
+        max_output=1 << 22,
+        blockwise_vocabulary_probes=16,
+    ),
+}
+
+
+def budget_for(level: str) -> Budget:
+    """The budget of a coverage level; an unknown level is an :class:`InputError`."""
+    try:
+        return BUDGETS[level]
+    except KeyError:
+        raise InputError(
+            f"unknown coverage level {level!r}; choose one of {', '.join(LEVELS)}"
+        ) from None
+
+
+#: Share of the memory budget one probe's activations may take, and the share one kept
+#: output's comparison may take. Small: next to them sit the resident block (a quarter), the
+#: block activations kept for teacher forcing (another quarter, then disk) and allocator slack;
+#: measured on an 8-layer Llama at a 16 MB budget, these keep the whole run inside it.
+PROBE_MEMORY_SHARE = 0.05
+OUTPUT_MEMORY_SHARE = 0.1
+#: Bytes per output element while comparing it: baseline and candidate in float64, their
+#: difference, and the log-softmax/KL temporaries of logits.
+COMPARE_BYTES = 72
+
+
+def bytes_per_token(model: Any, *, logits: bool = True) -> int:
+    """Rough fp32 activation bytes one token costs in a forward: the hidden stream and its
+    copies, the MLP's widened activations, and (LM heads, unless ``logits`` is off: a head
+    trimmed to the last position) a row of logits."""
+    config = getattr(model, "config", None)
+    hidden = config_value(config, "hidden_size", "d_model", "n_embd", "width") or 1024
+    wide = (
+        config_value(config, "intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim")
+        or 4 * hidden
+    )
+    vocab = config_value(config, "vocab_size") or 0
+    return 4 * (8 * int(hidden) + 3 * int(wide) + (2 * int(vocab) if logits else 0))
+
+
+#: Activations one whole-model probe may take whatever the model's size (fp32): a few hundred
+#: tokens of a 32k-vocabulary model's logits. The certificate's memory is the fp32 model plus
+#: a bounded overhead; tying a small model's probes to a share of its weights instead cut a
+#: 55M model's vocabulary into 800 probes of 38 tokens, each paying a forward's fixed costs.
+PROBE_ACTIVATIONS = 256 * 2**20
+#: A larger model's probe may take this share of the fp32 model (baseline and candidate are
+#: resident one at a time, and kept outputs wait on disk, so peak memory stays near the
+#: model's own size).
+ACTIVATION_SHARE = 0.05
+
+
+def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
+    """``budget`` with probes no bigger than the model's memory affords.
+
+    A probe's activations grow with its tokens (a row of logits each), the model's weights do
+    not: a 350 MB model with an 8k vocabulary fed 4096 tokens at once nearly doubles its
+    footprint in logits alone, while a 7B model does not notice. Fewer tokens per probe means
+    smaller batches and more, smaller vocabulary chunks; every id is still covered, and long
+    sequences still run (at batch 1).
+    """
+    weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
+    allowance = max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS)
+    affordable = allowance // bytes_per_token(model, logits=logits)
+    tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
+    if tokens == budget.tokens_per_probe:
+        return budget
+    return replace(budget, tokens_per_probe=tokens, tokens_fit=True)
+
+
+def fit_budget(budget: Budget, model: Any, memory: int) -> Budget:
+    """``budget`` for block-wise validation within ``memory`` bytes.
+
+    Each probe there is a pass streaming every block from disk, so passes are few and as big
+    as memory allows: probes of as many tokens as fit (up to 4x the level's count), the
+    vocabulary in at most ``blockwise_vocabulary_probes`` of them, only the longest length,
+    and kept outputs small enough to compare within the budget.
+    """
+    fitting = int(memory * PROBE_MEMORY_SHARE) // bytes_per_token(model)
+    tokens = max(16, min(fitting, 4 * budget.tokens_per_probe))
+    outputs = max(1024, int(memory * OUTPUT_MEMORY_SHARE) // COMPARE_BYTES)
+    return replace(
+        budget,
+        tokens_per_probe=tokens,
+        vocabulary_probes=budget.blockwise_vocabulary_probes,
+        doubling=False,
+        max_output=min(budget.max_output, outputs),
+        memory_bound=True,
+    )
