@@ -48,7 +48,7 @@ IMPORTS = (
     "from transformers import LlamaForCausalLM\n"
     "import precision_convert.cli.main, precision_convert.api.conversion\n"
     "import precision_convert.validation.certify.runner\n"
-    "import precision_convert.conversion.analysis.calibration\n"
+    "import precision_convert.validation.calibration\n"
     "print(psutil.Process().memory_info().rss)\n"
 )
 

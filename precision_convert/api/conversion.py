@@ -41,7 +41,7 @@ from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
-    from precision_convert.conversion.analysis.calibration import Calibration
+    from precision_convert.validation.calibration import Calibration
     from precision_convert.validation.certify.certificate import Certificate
     from precision_convert.validation.probe.session import PriorRuns
     from precision_convert.validation.probe.userdata import CalibrationData
@@ -178,8 +178,8 @@ def plan_model(
 
     if not (calibrate and decoded.safe):
         return plan_with(()), None
-    from precision_convert.conversion.analysis.calibration import calibrated_plan
     from precision_convert.progress import forecasting
+    from precision_convert.validation.calibration import calibrated_plan
     from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
 
     level = coverage or DEFAULT_LEVEL

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from precision_convert.conversion.analysis.chart import CHART_NAME
 from precision_convert.dtypes import BY_TORCH_NAME, Target
 from precision_convert.folding import fold
 from precision_convert.validation.certify.certificate import (
@@ -49,8 +50,6 @@ WAY_NAMES = {
     "resave:auto": 're-saved, `"auto"` dtype',
     "resave:pc.load": "re-saved, precision-convert",
 }
-#: The activation-range chart the analysis stage saves; shown in the card when present.
-CHART_NAME = "precision_activations.png"
 #: Most metric rows in the card; the certificate keeps all of them.
 MAX_ROWS = 60
 #: Probe name prefix of a block-wise comparison (one block fed the baseline's activations).

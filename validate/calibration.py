@@ -61,6 +61,7 @@ from precision_convert.dtypes import FP16_MAX, Target
 from precision_convert.names import module_of
 from precision_convert.progress import expect, stage
 from precision_convert.validation.probe.attention import attention
+from precision_convert.validation.probe.budgets import DEFAULT_LEVEL, budget_for
 from precision_convert.validation.probe.execute import RUN_ERRORS, Coverage, run_probes
 from precision_convert.validation.probe.parity import (
     compare_outputs,
@@ -73,7 +74,7 @@ from precision_convert.validation.probe.session import (
     fp32_session,
     weights_digest,
 )
-from precision_convert.validation.probe.sweep import DEFAULT_LEVEL, SweepSettings, budget_for
+from precision_convert.validation.probe.sweep import SweepSettings
 from precision_convert.validation.probe.tokenizers import tokenizer_for
 from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
