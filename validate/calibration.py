@@ -172,79 +172,137 @@ def calibrated_plan(
     swept, stats = _fp32_sweep(
         model, target, SweepSettings(coverage, data), component, trust_remote_code, search
     )
-    frozen, baseline = swept.resolved, swept.outputs
-    # The search must satisfy every attention implementation the certificate judges: the
-    # fp32 outputs under each (eager attention's masked scores overflow where sdpa's do not).
-    by_attention: dict[str | None, Any] = {None: baseline, **swept.by_attention}
-    candidates: dict[str, Any] = {}  # the last passing candidate: its plan's sha256, outputs
-
     existing = {i.name: i for i in base.islands}
-    float_units = _float_units(base)
-    ordered = _execution_order(float_units, stats)
-    free = [u for u in ordered if u not in existing]
+    free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
     near = near_limit(stats) if target.range_limited else []
-    if target.range_limited:
-        found = overflowing(stats, free)
-        added = [Island(u, "range", f"calibration: {why}") for u, why in found.items()]
-        added += _range_from_watch(near, stats, existing, set(float_units), set(found))
-    else:
-        found = losing_precision(stats, free)
-        added = [Island(u, "precision", f"calibration: {why}") for u, why in found.items()]
-    plan = plan_with(added)
+    added = _analysis_islands(stats, base, target, free, near)
     validation = recipe_validation(base.recipe)
     task = str(validation.get("task", swept.task))
-    thresholds = thresholds_for(task, validation)
-    evaluations, passed = 0, None
-    carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+    candidates = _Search(
+        model, plan_with, trust_remote_code, swept, thresholds_for(task, validation)
+    )
     if search and target.range_limited:
-        with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
-            if near:
-                fixes, carried = _carry_in_fp32(
-                    model, plan_with, added, near, stats, Path(scratch), trust_remote_code, frozen
-                )
-                added += fixes
-
-            def passes(extra: frozenset[str]) -> bool:
-                return _candidate_passes(
-                    model,
-                    plan_with([*added, *_searched(extra)]),
-                    Path(scratch),
-                    trust_remote_code,
-                    frozen,
-                    by_attention,
-                    thresholds,
-                    candidates,
-                )
-
-            analysed = {i.name for i in added}
-            result = search_islands([u for u in free if u not in analysed], passes)
-        evaluations, passed = result.evaluations, result.passed
-        added += _searched(result.added)
-        plan = plan_with(added)
-    watched = _watched(near, plan, carried)
-    warnings = list(plan.warnings) + _watch_warnings(watched)
-    if passed is False:
+        added = candidates.run(added, free, near, stats)
+    plan = plan_with(added)
+    watched = _watched(near, plan, candidates.carried)
+    warnings = [*plan.warnings, *_watch_warnings(watched)]
+    if candidates.passed is False:
         warnings.append(
             "even with every module in fp32 the fp16 candidate does not match fp32 "
             "(fp16 inputs or outputs overflow); use bf16-safe"
         )
-    if target.range_limited and plan.fp32_share > FP32_SHARE_LIMIT:
-        warnings.append(
-            f"{plan.fp32_share:.0%} of the parameters stay fp32 (over {FP32_SHARE_LIMIT:.0%}): "
-            "fp16-safe saves little here; bf16-safe is recommended"
-        )
-    last = candidates if candidates.get("plan") == plan.sha256 else {}  # the plan written
+    warnings += _share_warnings(plan, target)
     calibration = Calibration(
         stats,
         tuple(added),
-        evaluations,
-        passed,
+        candidates.evaluations,
+        candidates.passed,
         task,
         tuple(warnings),
         tuple(watched),
-        PriorRuns(swept, last.get("weights"), last.get("outputs"), last.get("by_attention", {})),
+        candidates.prior(plan),
     )
     return replace(plan, warnings=tuple(warnings)), calibration
+
+
+def _analysis_islands(
+    stats: dict[str, ActivationStats],
+    base: ModelPlan,
+    target: Target,
+    free: list[str],
+    near: Sequence[NearLimit],
+) -> list[Island]:
+    """The islands the fp32 statistics call for among the ``free`` units: for fp16, every
+    output and near-limit tensor of a single module; for bf16, every layer losing most of
+    its mantissa."""
+    if not target.range_limited:
+        found = losing_precision(stats, free)
+        return [Island(u, "precision", f"calibration: {why}") for u, why in found.items()]
+    found = overflowing(stats, free)
+    added = [Island(u, "range", f"calibration: {why}") for u, why in found.items()]
+    existing = {i.name: i for i in base.islands}
+    added += _range_from_watch(near, stats, existing, set(_float_units(base)), set(found))
+    return added
+
+
+def _share_warnings(plan: ModelPlan, target: Target) -> list[str]:
+    if target.range_limited and plan.fp32_share > FP32_SHARE_LIMIT:
+        return [
+            f"{plan.fp32_share:.0%} of the parameters stay fp32 (over {FP32_SHARE_LIMIT:.0%}): "
+            "fp16-safe saves little here; bf16-safe is recommended"
+        ]
+    return []
+
+
+class _Search:
+    """The fp16 candidates of one calibration: each written, loaded as users load it and
+    compared with the fp32 session's outputs under every attention implementation the
+    certificate judges (eager attention's masked scores overflow where sdpa's do not)."""
+
+    def __init__(
+        self,
+        model: ModelSource,
+        plan_with: PlanWith,
+        trust_remote_code: bool,
+        swept: Swept,
+        thresholds: dict[str, float],
+    ) -> None:
+        self.model, self.plan_with, self.trust_remote_code = model, plan_with, trust_remote_code
+        self.swept, self.thresholds = swept, thresholds
+        self.evaluations = 0
+        self.passed: bool | None = None  # the final candidate matched fp32 (None: not run)
+        self.carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+        self.last: dict[str, Any] = {}  # the last passing candidate: plan sha256, outputs
+
+    def run(
+        self,
+        added: list[Island],
+        free: list[str],
+        near: Sequence[NearLimit],
+        stats: dict[str, ActivationStats],
+    ) -> list[Island]:
+        """``added`` with the islands that make the candidate carry every near-limit tensor
+        in fp32, then those the search over the other ``free`` units finds."""
+        frozen = self.swept.resolved
+        baselines: dict[str | None, Any] = {None: self.swept.outputs, **self.swept.by_attention}
+        with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
+            if near:
+                fixes, self.carried = _carry_in_fp32(
+                    self.model,
+                    self.plan_with,
+                    added,
+                    near,
+                    stats,
+                    Path(scratch),
+                    self.trust_remote_code,
+                    frozen,
+                )
+                added = [*added, *fixes]
+
+            def passes(extra: frozenset[str]) -> bool:
+                return _candidate_passes(
+                    self.model,
+                    self.plan_with([*added, *_searched(extra)]),
+                    Path(scratch),
+                    self.trust_remote_code,
+                    frozen,
+                    baselines,
+                    self.thresholds,
+                    self.last,
+                )
+
+            analysed = {i.name for i in added}
+            result = search_islands([u for u in free if u not in analysed], passes)
+        self.evaluations, self.passed = result.evaluations, result.passed
+        return [*added, *_searched(result.added)]
+
+    def prior(self, plan: ModelPlan) -> PriorRuns:
+        """What validation may reuse: the fp32 session, and the last candidate's runs when
+        it is the plan written."""
+        last = self.last if self.last.get("plan") == plan.sha256 else {}
+        return PriorRuns(
+            self.swept, last.get("weights"), last.get("outputs"), last.get("by_attention", {})
+        )
 
 
 def _fp32_sweep(
