@@ -248,7 +248,9 @@ def main() -> None:
         "forwards": sum(r["forwards"] for r in run["ledger"]),
         "forwards_by_stage": forwards_by_stage(run["ledger"]),
         "load_paths": {
-            p["way"]: p["verdict"] + (f" ({p['detail']})" if p.get("detail") else "") for p in paths
+            p["way"] + (f"+{p['attention']}" if p.get("attention") else ""): p["verdict"]
+            + (f" ({p['detail']})" if p.get("detail") else "")
+            for p in paths
         },
         "stderr_tail": run["stderr_tail"],
     }
