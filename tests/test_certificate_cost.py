@@ -7,13 +7,16 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import _models
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from precision_convert.api.conversion import convert
 from precision_convert.cli._common import PROGRESS_PREFIX
 from precision_convert.cli.main import app
 from precision_convert.progress import LEDGER_VARIABLE
+from precision_convert.validation.calibration import _failed_first, _probes_first
 from precision_convert.validation.certify.load_paths import spot_inputs
 from precision_convert.validation.probe.inputs import ModelInputs, Probe
 
@@ -96,3 +99,55 @@ def test_progress_off_a_terminal_is_plain_lines_with_an_estimate(
     assert any("validation: " in line and "forwards to run" in line for line in progress)
     assert any("baseline" in line and "started" in line for line in progress)
     assert any(line.endswith(" s") and "done in" in line for line in progress)
+
+
+def _faint_head_llama(directory: Path) -> Path:
+    """A Llama whose untied head weights sit among fp16's subnormals (about 3e-7): fp16 rounds
+    them to a few steps and every logit is off by about 20%, so plain fp16 fails and the
+    search must find the head, the last module in execution order. Nothing overflows."""
+    torch.manual_seed(0)
+    model = _models.llama(num_hidden_layers=4, tie_word_embeddings=False).eval()
+    with torch.no_grad():
+        model.lm_head.weight *= 4e-6
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_a_failing_search_candidate_stops_at_its_first_failing_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bisection's failing candidates each cost one forward (the probe the last one
+    failed on runs first); only passing candidates run every probe under every attention
+    implementation, and the last of them is what validation reuses."""
+    source = _faint_head_llama(tmp_path / "src")
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(LEDGER_VARIABLE, str(ledger))
+    result = convert(source, to="fp16-safe", output=tmp_path / "out", coverage="quick")
+    certificate = result.certificate
+    assert certificate is not None and certificate.verdict == "pass", certificate.failures
+    islands = {i.name: i.reason for i in result.components[0].plan.islands}
+    assert islands.get("lm_head") == "search"
+    probes = len(certificate.components[0].inputs["probes"])
+    judged = certificate.components[0].attention["judged"]  # type: ignore[index]
+    candidates = {
+        stage: forwards
+        for stage, forwards in _stages(ledger).items()
+        if "island search candidate" in stage
+    }
+    every = probes * len(judged)
+    failing = [n for n in candidates.values() if n < every]
+    assert len(failing) >= 3, candidates
+    assert all(n == 1 for n in failing), candidates  # each stopped at its first probe
+    assert list(candidates.values())[-1] == every  # the kept plan ran everything
+    ways = {p.label: p for p in certificate.load_paths}
+    assert "same tensors in, same numbers out" in (ways["pc.load"].detail or "")
+
+
+def test_candidates_run_what_failed_last_first() -> None:
+    probes = tuple(Probe(name, "forward", {}) for name in ("a", "b", "c", "d"))
+    inputs = ModelInputs(task="causal-lm", probes=probes, seed=0)
+    assert [p.name for p in _probes_first(inputs, ["c", "a"]).probes] == ["c", "a", "b", "d"]
+    assert _probes_first(inputs, []) is inputs
+    failed = {(None, "a"): None, ("eager", "d"): None}
+    assert _failed_first([None, "eager"], failed) == ["eager", None]
+    assert _failed_first([None, "eager"], {}) == [None, "eager"]

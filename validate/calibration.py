@@ -253,6 +253,9 @@ class _Search:
         self.passed: bool | None = None  # the final candidate matched fp32 (None: not run)
         self.carried: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         self.last: dict[str, Any] = {}  # the last passing candidate: plan sha256, outputs
+        #: (attention implementation, probe) pairs on which some candidate failed, newest
+        #: last: each candidate runs them first, so one that fails the same way stops early.
+        self.failed: dict[tuple[str | None, str], None] = {}
 
     def run(
         self,
@@ -289,6 +292,7 @@ class _Search:
                     baselines,
                     self.thresholds,
                     self.last,
+                    self.failed,
                 )
 
             analysed = {i.name for i in added}
@@ -651,12 +655,19 @@ def _candidate_passes(
     baselines: Mapping[str | None, Any],
     thresholds: dict[str, float],
     passing: dict[str, Any],
+    failed: dict[tuple[str | None, str], None],
 ) -> bool:
     """Write ``plan``, load it as a user would, and compare with the fp32 outputs under each
     attention implementation of ``baselines`` (None: the one it loads with); a plan that
     passes leaves its sha256, its files' digest and its outputs under each implementation in
     ``passing`` (validation reuses them when the output's files are these). The candidate is freed
-    (memory given back) before this returns."""
+    (memory given back) before this returns.
+
+    A candidate is judged probe by probe and stops at its first failure, which is added to
+    ``failed``; the implementations and probes earlier candidates failed on run first (a
+    bisection's failing candidates mostly fail where the last one did), so a failing candidate
+    costs a few forwards and only a passing one runs every probe.
+    """
     directory = scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir()
@@ -665,11 +676,19 @@ def _candidate_passes(
     try:
         candidate = load(directory, trust_remote_code=trust_remote_code)
         by_attention: dict[str | None, Any] = {}
-        for implementation, baseline in baselines.items():
+        for implementation in _failed_first(list(baselines), failed):
+            first = [name for impl, name in reversed(failed) if impl == implementation]
             with attention(candidate, implementation):
-                outputs = run_probes(candidate, inputs, "cpu", plan.compute.torch)
-            rows = compare_outputs("", inputs, baseline, outputs, thresholds)
-            if not all(row.passed for row in rows):
+                outputs, failure = _run_until_failure(
+                    candidate,
+                    _probes_first(inputs, first),
+                    baselines[implementation],
+                    thresholds,
+                    plan.compute.torch,
+                )
+            if failure is not None:
+                failed.pop((implementation, failure), None)
+                failed[(implementation, failure)] = None
                 return False
             by_attention[implementation] = outputs
         passing.update(
@@ -687,3 +706,38 @@ def _candidate_passes(
             gone = weakref.ref(candidate)
             del candidate
             free_model(gone)
+
+
+def _run_until_failure(
+    candidate: Any, inputs: Any, baseline: Any, thresholds: dict[str, float], dtype: Any
+) -> tuple[Any, str | None]:
+    """``candidate``'s outputs on ``inputs``, each probe compared with ``baseline`` as it
+    comes, and the first probe that failed (None: every one passed). The run stops there."""
+    failure: list[str] = []
+
+    def stop(name: str, outputs: dict[str, Any]) -> bool:
+        rows = compare_outputs("", inputs, {name: baseline[name]}, {name: outputs}, thresholds)
+        if not all(row.passed for row in rows):
+            failure.append(name)
+        return bool(failure)
+
+    outputs = run_probes(candidate, inputs, "cpu", dtype, stop=stop)
+    return outputs, failure[0] if failure else None
+
+
+def _failed_first(
+    implementations: list[str | None], failed: Mapping[tuple[str | None, str], None]
+) -> list[str | None]:
+    """``implementations`` with the one a candidate failed under most recently first."""
+    latest = {impl: k for k, (impl, _) in enumerate(failed)}
+    return sorted(implementations, key=lambda impl: -latest.get(impl, -1))
+
+
+def _probes_first(inputs: Any, names: Sequence[str]) -> Any:
+    """``inputs`` (resolved: no probe reads another's output) with the probes ``names`` first,
+    in that order, then the rest in their own order."""
+    if not names:
+        return inputs
+    rank = {name: k for k, name in enumerate(names)}
+    order = sorted(inputs.probes, key=lambda p: rank.get(p.name, len(rank)))
+    return replace(inputs, probes=tuple(order))

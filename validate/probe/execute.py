@@ -191,21 +191,33 @@ def run_probes(
     inputs: ModelInputs,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    stop: Callable[[str, dict[str, torch.Tensor]], bool] | None = None,
 ) -> Outputs:
-    """Run every probe in order, feeding later probes from earlier outputs where asked."""
+    """Run every probe in order, feeding later probes from earlier outputs where asked.
+
+    ``stop(name, outputs)`` hears each probe's outputs as they come; when it returns true the
+    run ends there (a candidate that already failed needs no more forwards), and the outputs
+    hold the probes run so far.
+    """
     spill = _SPILL.get()
     outputs: Outputs = SpilledOutputs(spill) if spill is not None else {}
     precision = from_torch(dtype).short if dtype is not None else "stored dtypes"
     what = f"{type(model).__name__} {precision} probes"
     start = time.perf_counter()
+    ran = 0
     with _no_denoising_bar(model):
-        for k, probe in enumerate(resolve_partial(inputs, outputs)):
-            report(what, k, len(inputs.probes))
+        for probe in resolve_partial(inputs, outputs):
+            report(what, ran, len(inputs.probes))
             began = time.perf_counter()
-            outputs[probe.name] = call_probe(model, probe, device, dtype)
+            result = call_probe(model, probe, device, dtype)
+            outputs[probe.name] = result
+            ran += 1
             forward_ran(precision, time.perf_counter() - began, bool(probe.sweep))
-    report(what, len(inputs.probes), len(inputs.probes))
-    record_forwards(what, len(inputs.probes), time.perf_counter() - start)
+            if stop is not None and stop(probe.name, result):
+                break
+    report(what, ran, ran)
+    record_forwards(what, ran, time.perf_counter() - start)
     return outputs
 
 
