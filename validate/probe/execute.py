@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from precision_convert.conversion.runtime.memory import release_freed_memory
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
 from precision_convert.dtypes import from_torch
 from precision_convert.errors import CannotValidateError, InputError
@@ -209,6 +210,9 @@ def run_probes(
     with _no_denoising_bar(model):
         for probe in resolve_partial(inputs, outputs):
             report(what, ran, len(inputs.probes))
+            # What earlier probes freed goes back first: glibc keeps freed heap pages, and a
+            # sweep's probes of every shape leave the heap 1 GiB above what is live (265M model).
+            release_freed_memory()
             began = time.perf_counter()
             result = call_probe(model, probe, device, dtype)
             outputs[probe.name] = result
