@@ -215,3 +215,39 @@ def test_whole_vocabulary_sweep_stays_within_what_memory_affords(
     assert all(p.kwargs["input_ids"].numel() <= fitted.tokens_per_probe for p in vocabulary)
     ids = torch.cat([p.kwargs["input_ids"].flatten() for p in vocabulary])
     assert len(ids.unique()) == model.config.vocab_size
+
+
+def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """A 2048-token row over Llama-3's 128k vocabulary holds 1 GB of fp32 logits: rows longer
+    than a probe affords keep the last positions' logits and every position's hidden states,
+    and the record says so; shorter rows keep every position's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from precision_convert.validation.probe.budgets import budget_for, fit_model
+    from precision_convert.validation.probe.execute import call_probe, run_probes, select_inputs
+    from precision_convert.validation.probe.inputs import input_candidates
+    from precision_convert.validation.probe.sweep import sweep
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b")).eval()
+    chosen, _ = select_inputs(model, input_candidates(model), run_probes)
+    lengths = {
+        p.sweep["length"]: p
+        for p in sweep(model, chosen, "standard", None).probes
+        if (p.sweep or {}).get("kind") == "length"
+    }
+    affordable = fit_model(budget_for("standard"), model).tokens_per_probe
+    assert max(lengths) == 2048 > affordable
+    for length, probe in lengths.items():
+        trimmed = length > affordable
+        assert probe.kwargs.get("logits_to_keep") == (affordable if trimmed else None)
+        assert ("logits" in probe.sweep) is trimmed
+    outputs = call_probe(model, lengths[2048], "cpu", torch.float32)
+    vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
+    sampled = outputs["logits"]  # summarized: rows sampled, every row's RMS kept
+    assert sampled.shape[-1] == vocab and outputs["logits.rms"].shape == (1, affordable)
+    for layer in range(layers + 1):  # every position, whole (small next to the logits)
+        assert outputs[f"hidden_states.{layer}"].shape[:2] == (1, 2048)
+    assert "positions only" in lengths[2048].sweep["logits"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -92,6 +92,9 @@ class TokenSpec:
     causal: bool = False
     #: The forward takes ``position_ids``: left-padded rows get them as ``generate`` makes them.
     positions: bool = False
+    #: Elements a token's hidden states take over every layer (``output_hidden_states``) when
+    #: the forward can keep only the last positions' logits (``logits_to_keep``); else None.
+    hidden_elements: int | None = None
 
 
 def _ids(value: Any) -> list[int]:
@@ -185,7 +188,17 @@ def token_spec(
         decoder_limit=decoder_limit,
         causal=arg == "input_ids" and decoder_start is None and _generates(model),
         positions="position_ids" in params,
+        hidden_elements=_hidden_elements(config) if "logits_to_keep" in params else None,
     )
+
+
+def _hidden_elements(config: Any) -> int | None:
+    """Elements of one token's hidden states over every layer and the embedding."""
+    hidden = config_value(config, "hidden_size", "n_embd", "d_model")
+    layers = config_value(config, "num_hidden_layers", "n_layer", "num_layers")
+    if not isinstance(hidden, int) or not isinstance(layers, int):
+        return None
+    return hidden * (layers + 1)
 
 
 def _pad_id(config: Any, tokenizer: ProbeTokenizer | None, vocab: int) -> tuple[int, str]:
@@ -456,9 +469,34 @@ def _length_probes(made: _TokenProbes, vocabulary_size: int) -> list[Probe]:
         batch = 1 if budget.memory_bound else max(1, min(BATCH, budget.tokens_per_probe // n))
         g = seeded_generator(made.seed, f"length-{n}")
         ids = torch.randint(0, spec.vocab, (batch, n), generator=g)
-        how = {"kind": "length", "length": n, "seed": made.seed}
-        probes.append(made.probe(f"length-{n}", ids, None, how))
+        how: dict[str, Any] = {"kind": "length", "length": n, "seed": made.seed}
+        kept = _logits_kept(spec, budget, n)
+        if kept is not None:
+            how["logits"] = f"last {kept} positions only; hidden states at every position"
+        probe = made.probe(f"length-{n}", ids, None, how)
+        if kept is not None:
+            trimmed = {"logits_to_keep": kept, "output_hidden_states": True}
+            probe = replace(probe, kwargs={**probe.kwargs, **trimmed})
+        probes.append(probe)
     return probes
+
+
+def _logits_kept(spec: TokenSpec, budget: Budget, length: int) -> int | None:
+    """How many positions' logits a ``length``-token row keeps (None: all of them).
+
+    A row longer than the tokens memory affords a probe still runs (it is the context length
+    reached), but a big vocabulary's logits at every position would dominate its memory (a
+    2048-token row over 128k ids: 1 GB in fp32). Where the head can keep the last positions
+    only and every layer's hidden states at every position take less than the logits dropped,
+    the row keeps as many positions' logits as a probe affords and is judged on every
+    position's hidden states: a NaN or an error at any position shows there, and the head's
+    own numbers on the last positions.
+    """
+    affordable = budget.tokens_per_probe
+    if spec.hidden_elements is None or budget.memory_bound or length <= affordable:
+        return None
+    dropped = (length - affordable) * spec.vocab
+    return affordable if dropped > length * spec.hidden_elements else None
 
 
 def padded_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
