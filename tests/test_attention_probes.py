@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,13 @@ from transformers import GPT2Config, GPT2DoubleHeadsModel
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.certificate import Certificate
-from precision_convert.validation.probe.attention import attention, attention_choices
+from precision_convert.validation.probe.attention import (
+    attention,
+    attention_choices,
+    eager_score_bytes,
+    outputs_by_attention,
+    same_function,
+)
 from precision_convert.validation.probe.execute import run_probes, select_inputs
 from precision_convert.validation.probe.inputs import input_candidates
 from precision_convert.validation.probe.sweep import sweep
@@ -261,3 +268,62 @@ def test_the_card_says_which_attention_was_judged(
     assert "| precision-convert, eager attention |" in card
     stored = json.loads((directory / "precision_certificate.json").read_text())
     assert {p.get("attention") for p in stored["load_paths"]} == {None, "eager"}
+
+
+# --- memory: the longest eager contexts ----------------------------------------------------
+
+
+def _quick_probes(model: Any) -> Any:
+    chosen, _ = select_inputs(model, input_candidates(model), run_probes)
+    return sweep(model, chosen, "quick")
+
+
+def test_eager_fp32_scores_over_the_allowance_take_the_default_as_baseline() -> None:
+    """A probe whose fp32 eager scores would exceed a probe's memory allowance is not run in
+    fp32 under eager when fp32 eager matched the default on every other probe: the default's
+    outputs are its eager baseline, and the record names it and says why."""
+    model = _model("qwen2", offset=True)
+    inputs = _quick_probes(model)
+    allowance = max(eager_score_bytes(model, p) for p in inputs.probes) - 1
+    large = [p for p in inputs.probes if eager_score_bytes(model, p) > allowance]
+    assert 0 < len(large) < len(inputs.probes)  # the longest only
+    default = run_probes(model, inputs, "cpu", torch.float32)
+    ran: list[str] = []
+
+    def run(fp32: Any, probes: Any) -> Any:
+        ran.extend(p.name for p in probes.probes)
+        return run_probes(fp32, probes, "cpu", torch.float32)
+
+    choices, outputs = outputs_by_attention(
+        model, attention_choices(model), inputs, default, run, allowance=allowance
+    )
+    names = sorted(p.name for p in large)
+    assert not set(names) & set(ran) and len(ran) == len(inputs.probes) - len(large)
+    assert all(outputs["eager"][n] is default[n] for n in names)
+    record = choices.to_json()["baseline_from_default"]["eager"]
+    assert record["probes"] == names and "allowance" in record["why"]
+    # fp32 eager really is the same function as sdpa there (what the stand-in relies on)
+    with attention(model, "eager"):
+        eager = run_probes(model, replace(inputs, probes=tuple(large)), "cpu", torch.float32)
+    assert same_function(default, eager)
+
+
+def test_an_eager_fp32_run_that_differs_from_the_default_runs_every_probe() -> None:
+    """When fp32 eager is not the default's function on the probes that fit, the large ones
+    run under eager too (memory over the allowance rather than a baseline that is not eager's)."""
+    model = _model("qwen2", offset=True)
+    inputs = _quick_probes(model)
+    allowance = max(eager_score_bytes(model, p) for p in inputs.probes) - 1
+    default = run_probes(model, inputs, "cpu", torch.float32)
+    shifted = {name: {k: v * 1.01 for k, v in out.items()} for name, out in default.items()}
+    choices, outputs = outputs_by_attention(
+        model,
+        attention_choices(model),
+        inputs,
+        shifted,
+        lambda fp32, probes: run_probes(fp32, probes, "cpu", torch.float32),
+        allowance=allowance,
+    )
+    assert not choices.baseline_from_default
+    assert set(outputs["eager"]) == {p.name for p in inputs.probes}
+    assert all(outputs["eager"][n] is not shifted[n] for n in outputs["eager"])

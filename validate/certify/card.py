@@ -559,9 +559,15 @@ def attention_lines(certificate: Certificate) -> list[str]:
         named = [f"`{a}`" + (" (the default)" if a == default else "") for a in judged]
         skipped = "; ".join(f"`{a}`: {why}" for a, why in c.attention.get("not_judged", {}).items())
         where = f"{c.name}: " if c.name else ""
+        stood_in = "; ".join(
+            f"`{a}`'s fp32 baseline of {', '.join(f'`{n}`' for n in record['probes'])} is the "
+            f"default's ({record['why']})"
+            for a, record in c.attention.get("baseline_from_default", {}).items()
+        )
         lines.append(
             f"{where}Attention judged under {' and '.join(named)}"
             + (f"; not judged: {skipped}" if skipped else "")
+            + (f"; {stood_in}" if stood_in else "")
             + "."
         )
     return [*lines, ""] if lines else []

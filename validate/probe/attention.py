@@ -24,7 +24,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs
+from precision_convert.validation.probe.inputs import ModelInputs, Probe, config_value
 
 #: Implementations judged besides the default, in this order. Flash attention (a CUDA kernel)
 #: is recorded as not judged; flex attention is left out.
@@ -41,17 +44,23 @@ class AttentionChoices:
     default: str | None
     others: tuple[str, ...] = ()
     not_judged: dict[str, str] = field(default_factory=dict)
+    #: Per other implementation, the probes whose fp32 baseline under it is the default's
+    #: fp32 outputs (:func:`outputs_by_attention` says when), with why.
+    baseline_from_default: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def judged(self) -> tuple[str, ...]:
         return (self.default, *self.others) if self.default else ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        record: dict[str, Any] = {
             "default": self.default,
             "judged": list(self.judged),
             "not_judged": dict(self.not_judged),
         }
+        if self.baseline_from_default:
+            record["baseline_from_default"] = dict(self.baseline_from_default)
+        return record
 
 
 def current(model: Any) -> str | None:
@@ -121,20 +130,115 @@ def switch(model: Any, name: str) -> Any:
     return model
 
 
+#: Relative L2 distance within which two fp32 runs of one model under different attention
+#: implementations compute the same function: their rounding differs by about 1e-6; a model
+#: whose implementations compute different things (a softcap one of them skips) is far past it.
+SAME_FUNCTION = 1e-4
+
+
+def eager_score_bytes(model: Any, probe: Probe) -> int:
+    """fp32 bytes eager attention holds for ``probe`` at its peak: the scores of every head
+    and their softmax, each batch x heads x length^2 (0 where that cannot be told)."""
+    heads = config_value(getattr(model, "config", None), "num_attention_heads", "n_head")
+    ids = next(
+        (v for k, v in probe.kwargs.items() if k.endswith("input_ids") and torch.is_tensor(v)),
+        None,
+    )
+    if not isinstance(heads, int) or ids is None or ids.dim() != 2:
+        return 0
+    batch, length = ids.shape
+    return 2 * 4 * batch * heads * length * length
+
+
 def outputs_by_attention(
-    model: Any, choices: AttentionChoices, run: Callable[[Any], Outputs]
+    model: Any,
+    choices: AttentionChoices,
+    inputs: ModelInputs,
+    default: Outputs,
+    run: Callable[[Any, ModelInputs], Outputs],
+    *,
+    allowance: int,
 ) -> tuple[AttentionChoices, dict[str, Outputs]]:
-    """``run(model)`` under each of ``choices.others``: the outputs per implementation, and
-    the choices with any implementation the model would not switch to or run under moved to
-    ``not_judged`` (with the error)."""
+    """The fp32 outputs on ``inputs`` (resolved) under each of ``choices.others``, and the
+    choices with any implementation the model would not switch to or run under moved to
+    ``not_judged`` (with the error).
+
+    Under ``eager``, a probe whose score matrices take more than ``allowance`` bytes (the
+    longest context of a wide model: 0.5 GB at 2048 tokens and 16 heads, quadratic in the
+    length) is not run when every other probe's eager outputs are the ``default``
+    implementation's within :data:`SAME_FUNCTION`: the two compute one function in fp32, and
+    the default's outputs stand in as its baseline (recorded in ``baseline_from_default``).
+    Otherwise it runs too. Candidates are still run under eager on every probe.
+    """
     outputs: dict[str, Outputs] = {}
     skipped = dict(choices.not_judged)
+    stand_in: dict[str, dict[str, Any]] = {}
     for name in choices.others:
         try:
             with attention(model, name):
-                outputs[name] = run(model)
+                outputs[name], large = _fp32_under(model, name, inputs, default, run, allowance)
         except RUN_ERRORS as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             skipped[name] = f"the fp32 model fails under it: {type(exc).__name__}: {first}"
-    judged = replace(choices, others=tuple(outputs), not_judged=skipped)
+            continue
+        if large:
+            stand_in[name] = {
+                "probes": sorted(large),
+                "why": (
+                    f"{name} attention's fp32 scores exceed the probe memory allowance "
+                    f"({allowance / 2**20:.0f} MiB); on the other "
+                    f"{len(inputs.probes) - len(large)} probes fp32 {name} matched the "
+                    f"default within {SAME_FUNCTION:g} relative L2"
+                ),
+            }
+    judged = replace(
+        choices, others=tuple(outputs), not_judged=skipped, baseline_from_default=stand_in
+    )
     return judged, outputs
+
+
+def _fp32_under(
+    model: Any,
+    name: str,
+    inputs: ModelInputs,
+    default: Outputs,
+    run: Callable[[Any, ModelInputs], Outputs],
+    allowance: int,
+) -> tuple[Outputs, set[str]]:
+    """``model``'s outputs under implementation ``name`` (already switched to), and the
+    probes whose outputs are ``default``'s (see :func:`outputs_by_attention`)."""
+
+    def only(names: set[str], keep: bool) -> ModelInputs:
+        return replace(inputs, probes=tuple(p for p in inputs.probes if (p.name in names) == keep))
+
+    large = {p.name for p in inputs.probes if eager_score_bytes(model, p) > allowance}
+    if name != "eager":
+        large = set()
+    ran = run(model, only(large, False))
+    if large and not same_function(default, ran):
+        ran.update(run(model, only(large, True)))
+        large = set()
+    for probe in large:
+        ran[probe] = default[probe]
+    return ran, large
+
+
+def same_function(default: Outputs, other: Outputs) -> bool:
+    """Whether every output of ``other`` is ``default``'s within :data:`SAME_FUNCTION` (same
+    shapes, NaN/Inf at the same places)."""
+    for probe, produced in other.items():
+        reference = default.get(probe)
+        if reference is None:
+            return False
+        for key, got in produced.items():
+            want = reference.get(key)
+            if want is None or want.shape != got.shape:
+                return False
+            finite = want.isfinite()
+            if not torch.equal(finite, got.isfinite()):
+                return False
+            want, got = want[finite].double(), got[finite].double()
+            scale = torch.linalg.vector_norm(want)
+            if torch.linalg.vector_norm(got - want) > SAME_FUNCTION * scale:
+                return False
+    return True

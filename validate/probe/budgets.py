@@ -160,6 +160,13 @@ PROBE_ACTIVATIONS = 256 * 2**20
 ACTIVATION_SHARE = 0.05
 
 
+def activation_allowance(model: Any) -> int:
+    """Bytes one whole-model probe's activations may take (fp32): :data:`PROBE_ACTIVATIONS`,
+    or :data:`ACTIVATION_SHARE` of a larger model."""
+    weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
+    return int(max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS))
+
+
 def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
     """``budget`` with probes no bigger than the model's memory affords.
 
@@ -169,9 +176,7 @@ def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
     smaller batches and more, smaller vocabulary chunks; every id is still covered, and long
     sequences still run (at batch 1).
     """
-    weights = sum(4 * p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
-    allowance = max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS)
-    affordable = allowance // bytes_per_token(model, logits=logits)
+    affordable = activation_allowance(model) // bytes_per_token(model, logits=logits)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     if tokens == budget.tokens_per_probe:
         return budget

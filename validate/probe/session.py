@@ -31,6 +31,7 @@ from precision_convert.validation.probe.attention import (
     attention_choices,
     outputs_by_attention,
 )
+from precision_convert.validation.probe.budgets import activation_allowance
 from precision_convert.validation.probe.execute import (
     Outputs,
     resolve,
@@ -179,9 +180,13 @@ def fp32_session(
             before=(lambda swept: before(swept, others)) if before is not None else None,
         )
         if choices is not None:
-            resolved = resolve(inputs, outputs)
             choices, by_attention = outputs_by_attention(
-                model, choices, lambda fp32: run_probes(fp32, resolved, device, torch.float32)
+                model,
+                choices,
+                resolve(inputs, outputs),
+                outputs,
+                lambda fp32, probes: run_probes(fp32, probes, device, torch.float32),
+                allowance=activation_allowance(model),
             )
     finally:
         gone = weakref.ref(model)
