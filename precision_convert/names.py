@@ -7,6 +7,7 @@ Names are compared component by component, never as substrings: ``wo`` must not 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from functools import lru_cache
 
@@ -78,8 +79,22 @@ def matches_self_or_ancestor(pattern: str, name: str) -> bool:
     return any(matches(pattern, ".".join(parts[:i])) for i in range(len(parts), 0, -1))
 
 
+#: Where ``torch.nn.utils.parametrize`` keeps a parametrized tensor's originals:
+#: ``<module>.parametrizations.<tensor>.original`` (``original0``, ``original1``... when the
+#: parametrization has several, as weight norm's g and v do).
+_PARAMETRIZED = re.compile(r"(?:(?P<module>.+)\.)?parametrizations\.[^.]+\.original\d*")
+
+
 def module_of(tensor_name: str) -> str:
-    """The module that owns a tensor: its name minus the last component ("" for the root)."""
+    """The module that owns a tensor: its name minus the last component ("" for the root).
+
+    A parametrized weight's originals belong to the module whose weight they make (wav2vec2's
+    weight-normed positional conv), not to the parametrization's container: that module is the
+    one a dtype is given to and whose output is judged.
+    """
+    parametrized = _PARAMETRIZED.fullmatch(tensor_name)
+    if parametrized:
+        return parametrized["module"] or ""
     return tensor_name.rpartition(".")[0]
 
 

@@ -164,6 +164,17 @@ def test_module_of() -> None:
     assert module_of("a.b") == "a"
 
 
+def test_a_parametrized_weight_belongs_to_its_module() -> None:
+    """Weight norm stores g and v under the parametrization's container (wav2vec2's positional
+    conv): they, and the conv's bias beside them, are one unit, the conv."""
+    conv = "encoder.pos_conv_embed.conv"
+    names = [f"{conv}.bias", *(f"{conv}.parametrizations.weight.original{i}" for i in (0, 1))]
+    assert module_of(names[1]) == conv
+    assert module_of("parametrizations.weight.original") == ""
+    assert module_of("a.parametrizations.weight.scale") == "a.parametrizations.weight"
+    assert units(names) == dict.fromkeys(names, conv)
+
+
 def test_units_tensor_follows_module_except_in_containers_and_root() -> None:
     got = units(
         [

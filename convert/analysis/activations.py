@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from precision_convert.dtypes import FP16_MAX
 from precision_convert.nested import map_tensors, tensors_in
@@ -278,14 +279,24 @@ def _shared_weights(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {name: tuple(sorted(others)) for name, others in out.items()}
 
 
+def _submodules(module: nn.Module) -> Iterator[nn.Module]:
+    """``module``'s children, less a parametrized weight's container (weight norm): that holds
+    the module's own weight, so a weight-normed conv is a leaf like any other."""
+    return (
+        child
+        for name, child in module.named_children()
+        if not (name == "parametrizations" and parametrize.is_parametrized(module))
+    )
+
+
 def _kind(module: nn.Module) -> str:
-    if next(module.children(), None) is not None:
+    if next(_submodules(module), None) is not None:
         return CONTAINER
     return LEAF if next(module.parameters(), None) is not None else FUNCTION
 
 
 def _is_weighted_leaf(module: nn.Module) -> bool:
-    return next(module.children(), None) is None and next(module.parameters(), None) is not None
+    return next(_submodules(module), None) is None and next(module.parameters(), None) is not None
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
