@@ -129,6 +129,9 @@ def plain_load_dtype(model: ModelSource, plan: ModelPlan) -> DType:
       ``search``, ``user``) that the class does not keep fp32 itself
       (``_keep_in_fp32_modules``): flattened to fp16 they overflow, so float32 (the plain load
       is then fp32 throughout: finite, without the memory saving);
+    - a bf16 plan with islands calibration measured on the model (a layer that loses most of
+      its mantissa in bf16, or whose bf16 kernel is wrong on the machine it ran on): flattened
+      to bf16 they lose it again, so float32;
     - a component of a diffusers pipeline: ``DiffusionPipeline.from_pretrained(dir)`` loads
       its diffusers models in float32 whatever the files hold, and a text encoder loaded in
       fp16/bf16 hands the denoiser half-precision latents ("mat1 and mat2 must have the same
@@ -139,7 +142,7 @@ def plain_load_dtype(model: ModelSource, plan: ModelPlan) -> DType:
     if (model.root.parent / PIPELINE_INDEX).is_file():
         return FP32
     if plan.compute != FP16:
-        return plan.compute
+        return FP32 if any(i.measured for i in plan.islands) else plan.compute
     kept = _kept_fp32_by_class(model)
     flowing = [i.name for i in plan.islands if i.reason != "precision"]
     if any(not _covered(name, kept) for name in flowing):

@@ -36,6 +36,10 @@ _REASON_RANK = {"range": 0, "search": 1, "user": 2, "precision": 3}
 assert set(_REASON_RANK) == set(ISLAND_REASONS)
 
 
+#: How the rule of an island that calibration measured on the model (not the recipe) begins.
+MEASURED = "calibration: "
+
+
 @dataclass(frozen=True)
 class Island:
     """A unit kept in fp32: its name, the kind of reason (see docs/format.md) and the rule."""
@@ -43,6 +47,11 @@ class Island:
     name: str
     reason: str
     rule: str
+
+    @property
+    def measured(self) -> bool:
+        """Whether calibration found it on this model's activations (its rule says how)."""
+        return self.rule.startswith(MEASURED)
 
 
 @dataclass(frozen=True)

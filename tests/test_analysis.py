@@ -222,6 +222,37 @@ def test_bf16_safe_calibration_keeps_a_cancelling_layer(tmp_path: Path) -> None:
     assert error["out"] < error["plain"] / 2
 
 
+def test_bf16_calibration_measures_a_weight_normed_conv(tmp_path: Path) -> None:
+    """wav2vec2's positional conv is weight-normed: its weight lives in a parametrization's
+    container, a child module, and the file names it `...conv.parametrizations.weight.original0`.
+    Calibration still recomputes the conv in bf16 and, where that is wrong, keeps the conv
+    (not the container) fp32. At 8 channels per group oneDNN's bf16 grouped conv is wrong on
+    CPUs with AMX: there the uncalibrated plan fails its certificate and the calibrated one
+    passes, with the plain load upcast to fp32 so that it keeps the island's numbers too;
+    elsewhere the conv is measured, within bounds, and stays bf16."""
+    from precision_convert.conversion.analysis.activations import BF16_LOSS_LIMIT, LEAF
+
+    source = tmp_path / "wav2vec2"
+    torch.manual_seed(0)
+    _models.wav2vec2(hidden_size=32).eval().save_pretrained(source)
+    conv = "encoder.pos_conv_embed.conv"
+
+    result = convert(source, to="bf16-safe", output=tmp_path / "out", calibrate=True)
+    calibration = result.components[0].calibration
+    measured = calibration.stats[conv]
+    assert measured.kind == LEAF and measured.low_precision_error > 0
+    wrong_here = measured.low_precision_error > BF16_LOSS_LIMIT
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    islands = config["precision_convert"]["islands"]
+    assert (islands.get(conv) == "precision") is wrong_here
+    assert not any("parametrizations" in name for name in islands)
+    assert result.certificate.verdict == "pass", result.certificate.failures
+    assert config["dtype"] == ("float32" if wrong_here else "bfloat16")
+
+    plain = convert(source, to="bf16-safe", output=tmp_path / "plain")
+    assert plain.certificate.verdict == ("fail" if wrong_here else "pass")
+
+
 def test_a_tensor_changed_in_place_after_it_was_recorded_is_recorded_again() -> None:
     """The recorder reduces each tensor once per forward (an input is mostly another module's
     output); one changed in place since (a residual added into it) must not keep its old

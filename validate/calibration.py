@@ -53,7 +53,7 @@ from precision_convert.conversion.analysis.activations import (
 )
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.output import write_model
-from precision_convert.conversion.plan import Island, ModelPlan
+from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
@@ -217,9 +217,9 @@ def _analysis_islands(
     its mantissa."""
     if not target.range_limited:
         found = losing_precision(stats, free)
-        return [Island(u, "precision", f"calibration: {why}") for u, why in found.items()]
+        return [Island(u, "precision", f"{MEASURED}{why}") for u, why in found.items()]
     found = overflowing(stats, free)
-    added = [Island(u, "range", f"calibration: {why}") for u, why in found.items()]
+    added = [Island(u, "range", f"{MEASURED}{why}") for u, why in found.items()]
     existing = {i.name: i for i in base.islands}
     added += _range_from_watch(near, stats, existing, set(_float_units(base)), set(found))
     return added
@@ -392,11 +392,11 @@ def _range_from_watch(
         island = existing.get(unit)
         if item.side == "output" and island is not None and island.reason == "precision":
             rule = (
-                f"calibration: output{via} peaks at {item.peak:.4g} ({_near(item.peak)}); "
+                f"{MEASURED}output{via} peaks at {item.peak:.4g} ({_near(item.peak)}); "
                 f"was a precision island ({island.rule}): its fp32 output now flows on"
             )
         elif island is None:
-            rule = f"calibration: {item.side}{via} peaks at {item.peak:.4g} ({_near(item.peak)})"
+            rule = f"{MEASURED}{item.side}{via} peaks at {item.peak:.4g} ({_near(item.peak)})"
             if item.side == "input":
                 rule += ": kept fp32 so that what it receives is not cast to fp16"
         else:
@@ -454,7 +454,7 @@ def _carry_in_fp32(
             Island(
                 unit,
                 "range",
-                f"calibration: {item.label} peaks at {item.peak:.4g} ({_near(item.peak)}); "
+                f"{MEASURED}{item.label} peaks at {item.peak:.4g} ({_near(item.peak)}); "
                 "this island makes the candidate carry it in fp32",
             )
         )
