@@ -211,9 +211,11 @@ def _fp32_under(
     def only(names: set[str], keep: bool) -> ModelInputs:
         return replace(inputs, probes=tuple(p for p in inputs.probes if (p.name in names) == keep))
 
-    large = {p.name for p in inputs.probes if eager_score_bytes(model, p) > allowance}
-    if name != "eager":
-        large = set()
+    large = (
+        {p.name for p in inputs.probes if eager_score_bytes(model, p) > allowance}
+        if name == "eager"
+        else set()
+    )
     ran = run(model, only(large, False))
     if large and not same_function(default, ran):
         ran.update(run(model, only(large, True)))
