@@ -16,6 +16,7 @@ from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
 from precision_convert.cli._common import Command, Group, one_line_usage_errors
+from precision_convert.conversion.runtime.memory import map_large_allocations
 from precision_convert.hub_client import bound_hub_requests
 
 app = typer.Typer(
@@ -65,6 +66,9 @@ def run() -> None:
     # for a checkpoint we reject; the command owns its process, so it filters them here.
     warnings.filterwarnings("ignore", module=r"torch\.(serialization|_weights_only_unpickler)")
     bound_hub_requests()  # the command owns its process
+    # Peak memory that follows what is live, not the heap's history (a forward's freed
+    # activations otherwise stay in the heap between live ones).
+    map_large_allocations()
     # Every Ctrl-C is recorded as well as raised: one that something swallows on its way up
     # (seen while torch imports numpy) still stops the run before it renames an output into
     # place or commits to the Hub (see precision_convert.interrupts).
