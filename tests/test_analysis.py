@@ -184,22 +184,33 @@ def test_inspect_calibrate_draws_the_chart(tmp_path: Path) -> None:
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
 
 
+_CANCELLING_MLP = "model.layers.1.mlp"
+
+
+def _cancelling_llama(path: Path, terms: tuple[float, float]) -> Path:
+    """A Llama whose layer-1 down projection adds ``terms[0] * a`` and ``terms[1] * a`` for
+    one intermediate activation ``a``: nearly equal large terms, whose sum bf16 gets wrong."""
+    source = _models.save("llama", path)
+    weights = source / "model.safetensors"
+    state = load_file(weights)
+    mlp = _CANCELLING_MLP
+    for proj in ("gate_proj", "up_proj"):  # intermediate channels 0 and 1 become identical
+        state[f"{mlp}.{proj}.weight"][1] = state[f"{mlp}.{proj}.weight"][0]
+    down = state[f"{mlp}.down_proj.weight"]
+    down.mul_(0.01)
+    down[:, 0], down[:, 1] = terms
+    save_file(state, weights, metadata={"format": "pt"})
+    return source
+
+
 def test_bf16_safe_calibration_keeps_a_cancelling_layer(tmp_path: Path) -> None:
     """bf16 keeps 8 significant bits: a layer whose output is the difference of two nearly
     equal large terms loses it. Calibration recomputes each layer in bf16 and keeps that one."""
     from transformers import LlamaForCausalLM
 
-    source = _models.save("llama", tmp_path / "llama")
-    weights = source / "model.safetensors"
-    state = load_file(weights)
-    mlp = "model.layers.1.mlp"
-    for proj in ("gate_proj", "up_proj"):  # intermediate channels 0 and 1 become identical
-        state[f"{mlp}.{proj}.weight"][1] = state[f"{mlp}.{proj}.weight"][0]
-    down = state[f"{mlp}.down_proj.weight"]
-    down.mul_(0.01)
-    down[:, 0], down[:, 1] = 100.3, -100.0  # 100.3 is 100.5 in bf16: the 0.3 is lost
-    save_file(state, weights, metadata={"format": "pt"})
-
+    # 100.3 is 100.5 in bf16: the 0.3 is lost
+    source = _cancelling_llama(tmp_path / "llama", (100.3, -100.0))
+    mlp = _CANCELLING_MLP
     plain = convert(source, to="bf16-safe", output=tmp_path / "plain", validate=False)
     assert plain.components[0].calibration is None  # bf16-safe calibrates only when asked
     result = convert(
@@ -220,6 +231,23 @@ def test_bf16_safe_calibration_keeps_a_cancelling_layer(tmp_path: Path) -> None:
         for name in ("plain", "out")
     }
     assert error["out"] < error["plain"] / 2
+
+
+def test_a_failing_uncalibrated_conversion_is_told_to_calibrate(tmp_path: Path) -> None:
+    """bf16-safe calibrates only when asked; when its certificate then fails, the command says
+    which option finds the islands the recipe missed, and that option does certify it."""
+    from typer.testing import CliRunner
+
+    from precision_convert.cli.main import app
+
+    # 300.9 and -300 are 300 and -300 in bf16: their sum, 0.9 of the activation, is lost
+    source = _cancelling_llama(tmp_path / "llama", (300.9, -300.0))
+    command = ["model", str(source), "--to", "bf16-safe", "--coverage", "quick"]
+    failed = CliRunner().invoke(app, [*command, "-o", str(tmp_path / "plain")])
+    assert failed.exit_code == 1, failed.output
+    assert "not certified" in failed.stderr and "--calibrate" in failed.stderr
+    calibrated = CliRunner().invoke(app, [*command, "-o", str(tmp_path / "out"), "--calibrate"])
+    assert calibrated.exit_code == 0, calibrated.output
 
 
 def test_bf16_calibration_measures_a_weight_normed_conv(tmp_path: Path) -> None:

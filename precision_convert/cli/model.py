@@ -174,7 +174,8 @@ def model(
         if result.certificate is not None:
             if not json_output:
                 print_certificate(result.certificate)
-            require_pass(result.certificate, result.output)
+            calibrated = all(c.calibration is not None for c in result.components)
+            require_pass(result.certificate, result.output, calibrated=calibrated)
             if push is not None:
                 from precision_convert.cli.push import push_and_report
 

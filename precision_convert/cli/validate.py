@@ -131,9 +131,10 @@ def verify_only(converted: Path, json_output: bool) -> None:
         )
 
 
-def require_pass(certificate: Certificate, converted: Path) -> None:
+def require_pass(certificate: Certificate, converted: Path, *, calibrated: bool = True) -> None:
     """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
-    not a certification, whatever it found)."""
+    not a certification, whatever it found). ``calibrated``: whether the conversion measured
+    the model for islands (a failing safe conversion that did not is told how to)."""
     from precision_convert.dtypes import Target
     from precision_convert.errors import CheckFailed
 
@@ -143,4 +144,9 @@ def require_pass(certificate: Certificate, converted: Path) -> None:
         if certificate.verdict == "fail" and target is not None and not target.safe:
             safe = target.with_islands
             why += f"; a plain cast keeps nothing in fp32, --to {safe} keeps what needs it"
+        elif certificate.verdict == "fail" and target is not None and not calibrated:
+            why += (
+                "; the recipe's islands were not enough: --calibrate measures the model and "
+                f"keeps in fp32 what {target.compute.short} gets wrong"
+            )
         raise CheckFailed(f"{converted}: not certified: {why}")
