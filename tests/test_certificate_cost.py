@@ -4,6 +4,7 @@ probe and load path still recorded, and progress a log can follow."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -172,9 +173,6 @@ print((full - rss()) / (32 * 8 << 20))
 
 
 def _heap_returned(mode: str) -> float:
-    import subprocess
-    import sys
-
     run = subprocess.run(
         [sys.executable, "-c", _HEAP_PATTERN, mode], capture_output=True, text=True, check=True
     )

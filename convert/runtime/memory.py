@@ -51,9 +51,10 @@ def map_large_allocations() -> None:
     there they interleave with smaller live blocks, and the heap grows past what is live. On a
     1B Llama's fp32 sweep this made one forward's peak above its start 0.18 GiB in one run and
     0.96 GiB in another (same inputs; the heap's history differs); at a fixed 1 MiB it was 0.17
-    to 0.19 GiB in every run (8 MiB still let it reach 0.53), for about 5-10% more time in
-    page faults. Process-wide and permanent (glibc has no way back to the moving threshold), so
-    only the command and its batch workers, which own their processes, call it.
+    to 0.19 GiB in every run (8 MiB still let it reach 0.53). The price is page faults on
+    every fresh mapping: the certificate bench's runs took 15% (265M) to 44% (55M) longer
+    against floors within 9%. Process-wide and permanent (glibc has no way back to the moving
+    threshold), so only the command and its batch workers, which own their processes, call it.
     """
     libc = _glibc()
     if libc is not None:

@@ -257,7 +257,7 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
         path = self._files.get(probe) or self._directory / f"{len(self._files)}.pt"
         # torch.save writes each storage straight from memory; safetensors' save_file needed a
         # clone of every output and copied each again into Python bytes: three copies of a
-        # probe's outputs at once, a 1 GiB spike after the forward at 1B parameters.
+        # probe's outputs at once.
         torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
         self._files[probe] = path
 
