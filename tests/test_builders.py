@@ -19,7 +19,7 @@ from torch import nn
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.conversion.runtime.boundaries import hooked_modules
-from precision_convert.validation.certify import blockwise, runner
+from precision_convert.validation.certify import blockwise, runner, whole
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.dtype]:
@@ -41,7 +41,7 @@ def test_whole_validation_runs_what_pc_load_returns(
     converted: Path, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ran: dict[str, Any] = {}
-    real_load, real_fp32 = runner.load, runner.load_fp32
+    real_load, real_fp32 = whole.load, whole.load_fp32
 
     def spy_load(path: Path, **kwargs: Any) -> Any:
         model = real_load(path, **kwargs)
@@ -53,8 +53,8 @@ def test_whole_validation_runs_what_pc_load_returns(
         ran["baseline"] = (_modules(model), _tensors(model))
         return model
 
-    monkeypatch.setattr(runner, "load", spy_load)
-    monkeypatch.setattr(runner, "load_fp32", spy_fp32)
+    monkeypatch.setattr(whole, "load", spy_load)
+    monkeypatch.setattr(whole, "load_fp32", spy_fp32)
     certificate = runner.validate(converted, baseline=tiny_model("t5-encoder"))
     assert certificate.verdict == "pass", certificate.failures
 

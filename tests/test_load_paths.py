@@ -32,7 +32,7 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
-from precision_convert.validation.certify.load_paths import RESAVED
+from precision_convert.validation.certify.load_ways import RESAVED
 from precision_convert.validation.certify.runner import validate
 from precision_convert.validation.certify.verify import verify_files
 

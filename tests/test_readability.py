@@ -35,7 +35,7 @@ from precision_convert.conversion.analysis.chart import (
 )
 from precision_convert.folding import Role, blocks, fold, ranges
 from precision_convert.progress import report, reporting, shorten, stage
-from precision_convert.validation.certify.card import (
+from precision_convert.validation.certify.card_metrics import (
     BAR_LABEL,
     BAR_WIDTH,
     ProbeSeries,

@@ -25,7 +25,7 @@ from safetensors import safe_open
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.certificate import Certificate
-from precision_convert.validation.certify.load_paths import RESAVED
+from precision_convert.validation.certify.load_ways import RESAVED
 from precision_convert.validation.probe.execute import run_probes
 from precision_convert.validation.probe.inputs import ModelInputs
 from precision_convert.validation.probe.parity import compare_outputs, thresholds_for

@@ -237,7 +237,7 @@ def test_a_candidate_that_fails_to_run_is_an_error_not_a_crash() -> None:
     certificate failure line naming the component; it is freed all the same."""
     from _models import make
 
-    from precision_convert.validation.certify.runner import _compare_candidate
+    from precision_convert.validation.certify.whole import _compare_candidate
     from precision_convert.validation.probe.execute import run_probes
 
     class Broken(torch.nn.Module):

@@ -250,11 +250,10 @@ def print_certificate(certificate: Certificate) -> None:
     """The judged metrics on stdout, folded: one row per output and metric with its worst
     value over every probe (block-wise comparisons folded by layer role), the parity metric
     per probe when several were swept, the failures and the verdict."""
-    from precision_convert.validation.certify.card import (
+    from precision_convert.validation.certify.card import compared_with, outside_bounds
+    from precision_convert.validation.certify.card_metrics import (
         BAR_LABEL,
-        compared_with,
         folded_metrics,
-        outside_bounds,
         probe_series,
     )
     from precision_convert.validation.certify.certificate import SMOKE_PASS

@@ -1,0 +1,202 @@
+"""One model compared whole: its fp32 baseline swept (or calibration's sweep reused), then the
+converted model through ``pc.load`` on the same probes, then every other way users load it.
+
+The baseline runs first and is freed before the candidate is loaded, so the two are never
+resident together; a candidate that fails to run is an error of the certificate, not a crash.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from precision_convert.conversion.runtime.baseline import load_fp32
+from precision_convert.conversion.runtime.loader import load
+from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.progress import expect, stage
+from precision_convert.validation.certify.components import (
+    Component,
+    ComponentResult,
+    check_baseline,
+    component_record,
+)
+from precision_convert.validation.certify.load_paths import check_model, planned_forwards
+from precision_convert.validation.probe.execute import (
+    RUN_ERRORS,
+    Coverage,
+    Outputs,
+    run_probes,
+)
+from precision_convert.validation.probe.inputs import ModelInputs
+from precision_convert.validation.probe.metrics import Measurement, measure
+from precision_convert.validation.probe.parity import compare_outputs
+from precision_convert.validation.probe.session import (
+    PriorRuns,
+    Swept,
+    fp32_session,
+    weights_digest,
+)
+from precision_convert.validation.probe.sweep import SweepSettings
+from precision_convert.validation.probe.tokenizers import tokenizer_for
+
+
+def _validate_whole(
+    component: Component,
+    device: torch.device,
+    supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings,
+    prior: PriorRuns | None = None,
+) -> ComponentResult:
+    notes: list[str] = []
+    # The conversion's calibration may already have swept this source with these probes here.
+    if prior is not None and (
+        supplied is not None
+        or not prior.swept.matches(component.baseline_dir, device, sweep_for)
+        or prior.swept.attention is None  # it did not run the other attention implementations
+    ):
+        prior = None
+    shared = _shared_candidate(component, prior)
+    if prior is not None:
+        swept = prior.swept
+        check_baseline(swept.outputs, component)
+        others = len(swept.attention.others) if swept.attention is not None else 0
+        _expect(component, swept.inputs, others, baseline=False, candidate=shared is None)
+        notes.append(
+            f"{component.name or 'model'}: the fp32 baseline is the sweep calibration ran in "
+            "this conversion (the same source, probes and device), not run again"
+        )
+    else:
+        swept = _baseline(component, device, supplied, sweep_for)
+    frozen, base_out = swept.resolved, swept.outputs
+    record, thresholds = component_record(component, swept.task, swept.inputs, "whole")
+    choices = swept.attention
+    record.attention = choices.to_json() if choices is not None and choices.default else None
+    metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
+    if shared is not None and shared.candidate is not None:
+        compared = compare_outputs(component.name, frozen, base_out, shared.candidate, thresholds)
+        errors: list[str] = []
+    else:
+        compared, errors = _compare_candidate(
+            lambda: load(
+                component.converted.root,
+                device=device,
+                trust_remote_code=component.trust_remote_code,
+            ),
+            component.name,
+            frozen,
+            base_out,
+            thresholds,
+            device,
+            component.compute_dtype,
+        )
+    metrics += compared
+    paths = check_model(
+        component,
+        frozen,
+        base_out,
+        thresholds,
+        device,
+        metrics,
+        errors,
+        swept.by_attention,
+        shared=shared.candidate_by_attention if shared is not None else None,
+    )
+    return ComponentResult(record, metrics, errors, paths, notes)
+
+
+def _baseline(
+    component: Component,
+    device: torch.device,
+    supplied: Mapping[str, torch.Tensor] | None,
+    sweep_for: SweepSettings,
+) -> Swept:
+    """The fp32 baseline's session: the source upcast to fp32 on ``device``, swept, checked
+    and freed."""
+    coverage = Coverage()
+
+    def run(model: Any, inputs: ModelInputs) -> Outputs:
+        with coverage.track(model):
+            return run_probes(model, inputs, device, torch.float32)
+
+    def build() -> Any:
+        trusted = component.trust_remote_code
+        return load_fp32(component.baseline_dir, trust_remote_code=trusted).to(device).eval()
+
+    with stage("baseline"):
+        return fp32_session(
+            build,
+            run,
+            sweep_for,
+            source=component.baseline_dir,
+            directory=component.converted.root,
+            device=device,
+            tokenizer=tokenizer_for(component.converted.root),
+            component=component.name,
+            supplied=supplied,
+            check=lambda outputs: check_baseline(outputs, component),
+            coverage=lambda: coverage.fraction,
+            before=lambda inputs, others: _expect(
+                component, inputs, others, baseline=True, candidate=True
+            ),
+            attention=True,
+        )
+
+
+def _expect(
+    component: Component, inputs: ModelInputs, attention: int, *, baseline: bool, candidate: bool
+) -> None:
+    """Say how many forwards validating ``component`` on ``inputs`` runs, before they run:
+    the fp32 baseline under the default attention implementation and each of ``attention``
+    others, ``pc.load`` (unless calibration ran it), then the other ways."""
+    n = len(inputs.probes)
+    fp32 = n * (1 + attention)
+    others = planned_forwards(component, inputs, attention, shared=not candidate)
+    parts = [f"fp32 baseline {fp32}"] if baseline else []
+    parts += [f"pc.load {n}"] if candidate else []
+    parts.append(f"other ways of loading at most {others}")
+    expect(fp32 * baseline + n * candidate + others, ", ".join(parts))
+
+
+def _shared_candidate(component: Component, prior: PriorRuns | None) -> PriorRuns | None:
+    """``prior`` when the outputs ``pc.load`` gives on this output are its candidate's:
+    calibration's last candidate's weight files are byte for byte the output's."""
+    if prior is None or prior.candidate is None or prior.candidate_weights is None:
+        return None
+    same = weights_digest(component.converted.root) == prior.candidate_weights
+    return prior if same else None
+
+
+def _compare_candidate(
+    load_candidate: Callable[[], Any],
+    name: str,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    thresholds: Mapping[str, float],
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> tuple[list[Measurement], list[str]]:
+    """The converted model (or pipeline) through ``pc.load``, run on ``inputs`` and compared
+    with the baseline's outputs; freed before returning, so the library's own loads that
+    follow come in one at a time. A candidate that fails to run is an error, not a crash."""
+    candidate: Any = None
+    try:
+        candidate = load_candidate()
+        with stage("pc.load"):
+            outputs = run_probes(candidate, inputs, device, dtype)
+        return compare_outputs(name, inputs, baseline, outputs, thresholds), []
+    except RUN_ERRORS as exc:
+        what = "pipeline" if name == "pipeline" else "model"
+        return [], [f"{name or 'model'}: the converted {what} failed to run: {_first_line(exc)}"]
+    finally:
+        if candidate is not None:
+            gone = weakref.ref(candidate)
+            candidate = None
+            free_model(gone, device)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
