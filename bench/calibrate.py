@@ -82,7 +82,7 @@ def main() -> None:
     from precision_convert.conversion.analysis.activations import calibrate
     from precision_convert.conversion.io.source import open_source
     from precision_convert.conversion.runtime.baseline import load_fp32
-    from precision_convert.validation.probe.execute import build_inputs, run_probes
+    from precision_convert.validation.probe.run.execute import build_inputs, run_probes
 
     checkpoint = build(args.workdir / "llama-100m-overflowing")
 

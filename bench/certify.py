@@ -193,10 +193,10 @@ def floor(source: Path, output: Path, certificate: dict[str, Any], device: str) 
 
     import precision_convert as pc
     from precision_convert.conversion.runtime.baseline import load_fp32
-    from precision_convert.validation.probe.attention import attention
-    from precision_convert.validation.probe.execute import resolve, run_probes
-    from precision_convert.validation.probe.sweep import replay
-    from precision_convert.validation.probe.tokenizers import tokenizer_for
+    from precision_convert.validation.probe.inputs.sweep import replay
+    from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
+    from precision_convert.validation.probe.run.attention import attention
+    from precision_convert.validation.probe.run.execute import resolve, run_probes
 
     component = certificate["components"][0]
     judged = (component.get("attention") or {}).get("judged") or [None]

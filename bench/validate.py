@@ -93,7 +93,7 @@ def _child(root: Path, mode: str, budget: int | None, coverage: str) -> dict[str
     from precision_convert.conversion.runtime.baseline import load_fp32
     from precision_convert.conversion.runtime.loader import load
     from precision_convert.validation.certify import runner
-    from precision_convert.validation.probe.execute import build_inputs, run_probes
+    from precision_convert.validation.probe.run.execute import build_inputs, run_probes
 
     runner.validate(root / "warm-out", baseline=root / "warm-src")  # imports, kernels
     gc.collect()
@@ -162,7 +162,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.root, args.child, args.budget, args.coverage)))
         return
-    from precision_convert.validation.probe.budgets import LEVELS
+    from precision_convert.validation.probe.inputs.budgets import LEVELS
 
     with tempfile.TemporaryDirectory(prefix="bench-validate-") as scratch:
         root = args.keep or Path(scratch)

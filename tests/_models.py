@@ -536,7 +536,7 @@ def t5_tokenizer() -> Any:
     """A tiny T5 tokenizer built locally (no download): the words of the built-in sentences."""
     from transformers import T5Tokenizer
 
-    from precision_convert.validation.probe.inputs import SENTENCES
+    from precision_convert.validation.probe.inputs.layouts import SENTENCES
 
     words = sorted({w.strip(".,:!").lower() for s in SENTENCES for w in s.split()})
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]

@@ -26,16 +26,16 @@ from transformers import GPT2Config, GPT2DoubleHeadsModel
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.certificate import Certificate
-from precision_convert.validation.probe.attention import (
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.sweep import sweep
+from precision_convert.validation.probe.run.attention import (
     attention,
     attention_choices,
     eager_score_bytes,
     outputs_by_attention,
     same_function,
 )
-from precision_convert.validation.probe.execute import run_probes, select_inputs
-from precision_convert.validation.probe.inputs import input_candidates
-from precision_convert.validation.probe.sweep import sweep
+from precision_convert.validation.probe.run.execute import run_probes, select_inputs
 
 #: The score offset: past fp16's -inf point (16) after Gemma2's softcapping (50 * tanh(x/50)
 #: makes it -22.6), and below 32, where bf16's rounding of the scores (a step of 0.25 there)

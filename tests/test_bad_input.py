@@ -765,8 +765,8 @@ def test_a_200000_token_text_line_is_cut_at_once_saying_so(
     from _models import t5_tokenizer
 
     from precision_convert.conversion.io.source import open_source
-    from precision_convert.validation.probe.preflight import check_user_inputs
-    from precision_convert.validation.probe.userdata import read_calibration_data
+    from precision_convert.validation.probe.inputs.preflight import check_user_inputs
+    from precision_convert.validation.probe.inputs.userdata import read_calibration_data
 
     src = _llama_with(tmp_path, tiny_model)
     t5_tokenizer().save_pretrained(src)

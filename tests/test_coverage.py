@@ -24,18 +24,18 @@ from precision_convert.api.conversion import convert
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.certificate import Certificate
 from precision_convert.validation.certify.runner import validate
-from precision_convert.validation.probe.budgets import BUDGETS, LEVELS, budget_for
-from precision_convert.validation.probe.execute import (
+from precision_convert.validation.probe.inputs.budgets import BUDGETS, LEVELS, budget_for
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.media_probes import timestep_values
+from precision_convert.validation.probe.inputs.sweep import replay, sweep
+from precision_convert.validation.probe.inputs.userdata import read_calibration_data
+from precision_convert.validation.probe.run.execute import (
     build_inputs,
     run_probes,
     run_sweep,
     select_inputs,
     summarize,
 )
-from precision_convert.validation.probe.inputs import input_candidates
-from precision_convert.validation.probe.media_probes import timestep_values
-from precision_convert.validation.probe.sweep import replay, sweep
-from precision_convert.validation.probe.userdata import read_calibration_data
 
 #: The rare token of the overflowing Llama, and its vocabulary.
 RARE, VOCAB = 2000, 2048
@@ -477,7 +477,7 @@ def test_probe_size_follows_the_model_so_validation_stays_near_its_size() -> Non
     still swept."""
     from accelerate import init_empty_weights
 
-    from precision_convert.validation.probe.budgets import (
+    from precision_convert.validation.probe.inputs.budgets import (
         ACTIVATION_SHARE,
         PROBE_ACTIVATIONS,
         budget_for,

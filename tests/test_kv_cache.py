@@ -20,7 +20,7 @@ import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.dtypes import FP16_MAX
 from precision_convert.validation.certify.certificate import Certificate
-from precision_convert.validation.probe.attention import attention
+from precision_convert.validation.probe.run.attention import attention
 
 #: v_proj's weights are scaled up by this and o_proj's down by it: fp32 computes the same
 #: function, but the values (up to ~1.5e5) pass fp16's limit; no weight does.

@@ -18,9 +18,9 @@ import torch
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.runner import validate
-from precision_convert.validation.probe import metrics
-from precision_convert.validation.probe.metrics import OutputKind, compare, kind_of
-from precision_convert.validation.probe.parity import thresholds_for
+from precision_convert.validation.probe.run import metrics
+from precision_convert.validation.probe.run.metrics import OutputKind, compare, kind_of
+from precision_convert.validation.probe.run.parity import thresholds_for
 
 #: The rare token fp16 rounding damages, and the vocabulary it hides in.
 RARE, VOCAB = 400, 512

@@ -21,9 +21,9 @@ import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.card import render
 from precision_convert.validation.certify.runner import validate
-from precision_convert.validation.probe import positions
-from precision_convert.validation.probe.execute import build_inputs
-from precision_convert.validation.probe.positions import reach
+from precision_convert.validation.probe.inputs import positions
+from precision_convert.validation.probe.inputs.positions import reach
+from precision_convert.validation.probe.run.execute import build_inputs
 
 #: First position whose embedding sum overflows fp16, and the table's length.
 OVER, LIMIT = 2304, 4096

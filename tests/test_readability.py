@@ -42,7 +42,7 @@ from precision_convert.validation.certify.card_metrics import (
     folded_metrics,
     probe_series,
 )
-from precision_convert.validation.probe.metrics import Measurement
+from precision_convert.validation.probe.run.metrics import Measurement
 
 # --------------------------------------------------------------------------- models
 

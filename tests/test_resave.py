@@ -26,9 +26,9 @@ import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.validation.certify.certificate import Certificate
 from precision_convert.validation.certify.load_ways import RESAVED
-from precision_convert.validation.probe.execute import run_probes
-from precision_convert.validation.probe.inputs import ModelInputs
-from precision_convert.validation.probe.parity import compare_outputs, thresholds_for
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.run.execute import run_probes
+from precision_convert.validation.probe.run.parity import compare_outputs, thresholds_for
 
 #: Scales of layer 1's gate, up and down projections: fp32 computes a sane function, but the
 #: down projection's output peaks past fp16's 65504 while every weight stays far below it.
@@ -66,7 +66,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Cer
 
 def certified_inputs(certificate: Certificate) -> ModelInputs:
     """The probes the certificate ran, rebuilt from its record (digests checked)."""
-    from precision_convert.validation.probe.sweep import replay
+    from precision_convert.validation.probe.inputs.sweep import replay
 
     fp32 = make("llama")  # same architecture: replay only needs shapes, vocabulary and seeds
     return replay(fp32, certificate.components[0].inputs)

@@ -22,11 +22,12 @@ import torch
 from _models import zoo
 from typer.testing import CliRunner
 
-from precision_convert.validation.probe.execute import run_probes, run_sweep, select_inputs
-from precision_convert.validation.probe.inputs import ModelInputs, input_candidates
-from precision_convert.validation.probe.sweep import sweep
-from precision_convert.validation.probe.token_probes import TEXTS
-from precision_convert.validation.probe.tokenizers import ProbeTokenizer, tokenizer_for
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.sweep import sweep
+from precision_convert.validation.probe.inputs.token_probes import TEXTS
+from precision_convert.validation.probe.inputs.tokenizers import ProbeTokenizer, tokenizer_for
+from precision_convert.validation.probe.run.execute import run_probes, run_sweep, select_inputs
 
 #: The probes that must go through the tokenizer when it is usable.
 TOKENIZED = ("forward:special", "forward:text", "forward:padded")
@@ -282,7 +283,7 @@ def test_added_tokens_and_chat_template_go_through_the_tokenizer(tmp_path: Path)
 def test_tokenizer_probes_replay_from_the_certificate_record(tmp_path: Path) -> None:
     """The record names how each probe was made; with the same tokenizer a replay rebuilds
     every tensor to its recorded digest."""
-    from precision_convert.validation.probe.sweep import replay
+    from precision_convert.validation.probe.inputs.sweep import replay
 
     tokenizer = bpe_with_added_tokens(tmp_path)
     model = llama_for(tokenizer)

@@ -32,7 +32,7 @@ from precision_convert.validation.certify.certificate import (
 )
 from precision_convert.validation.certify.runner import validate
 from precision_convert.validation.certify.verify import verify_files
-from precision_convert.validation.probe.parity import thresholds_for
+from precision_convert.validation.probe.run.parity import thresholds_for
 
 #: Overflow injection: the first weight layer scaled so its weights and outputs leave fp16.
 OVERFLOW = 1e6

@@ -20,16 +20,16 @@ from precision_convert.validation.certify.certificate import (
 )
 from precision_convert.validation.certify.runner import parse_memory
 from precision_convert.validation.certify.verify import hash_files, verify_files
-from precision_convert.validation.probe.execute import build_inputs
-from precision_convert.validation.probe.inputs import inputs_from_tensors
-from precision_convert.validation.probe.metrics import (
+from precision_convert.validation.probe.inputs.layouts import inputs_from_tensors
+from precision_convert.validation.probe.run.execute import build_inputs
+from precision_convert.validation.probe.run.metrics import (
     OutputKind,
     compare,
     judge,
     kind_of,
     measure,
 )
-from precision_convert.validation.probe.parity import thresholds_for
+from precision_convert.validation.probe.run.parity import thresholds_for
 
 
 def test_identical_outputs_are_perfect() -> None:
@@ -198,7 +198,7 @@ def test_spilled_outputs_round_trip_and_keep_nothing_resident(tmp_path: Path) ->
     """Inside ``spilled_outputs`` run_probes keeps each probe's outputs in a file: what comes
     back equals what went in (an output under two names, bools, empty results), and probes
     that read earlier outputs still resolve."""
-    from precision_convert.validation.probe.execute import (
+    from precision_convert.validation.probe.run.execute import (
         SpilledOutputs,
         run_probes,
         spilled_outputs,
@@ -238,7 +238,7 @@ def test_a_candidate_that_fails_to_run_is_an_error_not_a_crash() -> None:
     from _models import make
 
     from precision_convert.validation.certify.whole import _compare_candidate
-    from precision_convert.validation.probe.execute import run_probes
+    from precision_convert.validation.probe.run.execute import run_probes
 
     class Broken(torch.nn.Module):
         def forward(self, **kwargs: object) -> None:

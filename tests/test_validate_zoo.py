@@ -6,7 +6,7 @@ import pytest
 import torch
 from _models import ZOO, make
 
-from precision_convert.validation.probe.execute import build_inputs, run_probes
+from precision_convert.validation.probe.run.execute import build_inputs, run_probes
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

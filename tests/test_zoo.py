@@ -153,7 +153,7 @@ def test_safety_checker_is_built_as_the_pipeline_names_it(
     """SD 1.5's safety checker: its config reads as CLIP's, its class is diffusers'; the
     baseline builds the class model_index.json names, and probes feed its own inputs."""
     from precision_convert.conversion.runtime.baseline import load_fp32
-    from precision_convert.validation.probe.inputs import input_candidates
+    from precision_convert.validation.probe.inputs.layouts import input_candidates
 
     checker = load_fp32(tiny_model("stable-diffusion-1.5")).safety_checker
     assert type(checker).__name__ == "StableDiffusionSafetyChecker"
@@ -168,7 +168,7 @@ def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
     0.5 GB of logits per probe: its probes shrink to what one probe may take."""
     from transformers import AutoModelForCausalLM
 
-    from precision_convert.validation.probe.budgets import (
+    from precision_convert.validation.probe.inputs.budgets import (
         PROBE_ACTIVATIONS,
         budget_for,
         bytes_per_token,
@@ -202,10 +202,10 @@ def test_whole_vocabulary_sweep_stays_within_what_memory_affords(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from precision_convert.validation.probe.budgets import budget_for, fit_model
-    from precision_convert.validation.probe.execute import run_probes, select_inputs
-    from precision_convert.validation.probe.inputs import input_candidates
-    from precision_convert.validation.probe.sweep import sweep
+    from precision_convert.validation.probe.inputs.budgets import budget_for, fit_model
+    from precision_convert.validation.probe.inputs.layouts import input_candidates
+    from precision_convert.validation.probe.inputs.sweep import sweep
+    from precision_convert.validation.probe.run.execute import run_probes, select_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b")).eval()
     chosen, _ = select_inputs(model, input_candidates(model), run_probes)
@@ -226,10 +226,10 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from precision_convert.validation.probe.budgets import budget_for, fit_model
-    from precision_convert.validation.probe.execute import call_probe, run_probes, select_inputs
-    from precision_convert.validation.probe.inputs import input_candidates
-    from precision_convert.validation.probe.sweep import sweep
+    from precision_convert.validation.probe.inputs.budgets import budget_for, fit_model
+    from precision_convert.validation.probe.inputs.layouts import input_candidates
+    from precision_convert.validation.probe.inputs.sweep import sweep
+    from precision_convert.validation.probe.run.execute import call_probe, run_probes, select_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b")).eval()
     chosen, _ = select_inputs(model, input_candidates(model), run_probes)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from precision_convert.conversion.runtime.loader import load
-from precision_convert.validation.probe.parity import thresholds_for
+from precision_convert.validation.probe.run.parity import thresholds_for
 
 SAFE_TARGETS = ("bf16-safe", "fp16-safe")
 CAUSAL_LMS = (

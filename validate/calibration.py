@@ -60,23 +60,26 @@ from precision_convert.conversion.runtime.memory import free_model
 from precision_convert.dtypes import FP16_MAX, Target
 from precision_convert.names import module_of
 from precision_convert.progress import expect, stage
-from precision_convert.validation.probe.attention import attention
-from precision_convert.validation.probe.budgets import DEFAULT_LEVEL, budget_for
-from precision_convert.validation.probe.execute import RUN_ERRORS, Coverage, run_probes
-from precision_convert.validation.probe.parity import (
+from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
+from precision_convert.validation.probe.inputs.sweep import SweepSettings
+from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
+from precision_convert.validation.probe.inputs.userdata import (
+    CalibrationData,
+    read_calibration_data,
+)
+from precision_convert.validation.probe.run.attention import attention
+from precision_convert.validation.probe.run.execute import RUN_ERRORS, Coverage, run_probes
+from precision_convert.validation.probe.run.parity import (
     compare_outputs,
     recipe_validation,
     thresholds_for,
 )
-from precision_convert.validation.probe.session import (
+from precision_convert.validation.probe.run.session import (
     PriorRuns,
     Swept,
     fp32_session,
     weights_digest,
 )
-from precision_convert.validation.probe.sweep import SweepSettings
-from precision_convert.validation.probe.tokenizers import tokenizer_for
-from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +159,9 @@ def calibrated_plan(
     """The plan for ``target`` with analysis islands, and the calibration behind it.
 
     The fp32 model runs on the layout its builders choose plus the ``coverage`` level's sweep
-    (``quick``/``standard``/``thorough``, see :mod:`~precision_convert.validation.probe.sweep`)
-    plus the probes of ``calibration_data`` (text lines or JSONL model inputs; ``component``
+    (``quick``/``standard``/``thorough``, see
+    :mod:`~precision_convert.validation.probe.inputs.sweep`) plus the probes of
+    ``calibration_data`` (text lines or JSONL model inputs; ``component``
     names a pipeline's component, whose ``<component>/<argument>`` keys it takes and which
     skips data meant for another).
     """

@@ -43,8 +43,8 @@ from precision_convert.recipes import match as match_recipe
 if TYPE_CHECKING:
     from precision_convert.validation.calibration import Calibration
     from precision_convert.validation.certify.certificate import Certificate
-    from precision_convert.validation.probe.session import PriorRuns
-    from precision_convert.validation.probe.userdata import CalibrationData
+    from precision_convert.validation.probe.inputs.userdata import CalibrationData
+    from precision_convert.validation.probe.run.session import PriorRuns
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def plan_model(
         return plan_with(()), None
     from precision_convert.progress import forecasting
     from precision_convert.validation.calibration import calibrated_plan
-    from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
+    from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
     level = coverage or DEFAULT_LEVEL
     cheaper = "--coverage quick runs fewer probes" if level != "quick" else ""
@@ -288,7 +288,7 @@ def _convert(
     staged.check()
     opened = open_source(root)
     if data is not None or supplied is not None:
-        from precision_convert.validation.probe.preflight import check_user_inputs
+        from precision_convert.validation.probe.inputs.preflight import check_user_inputs
 
         check_user_inputs(
             opened, data=data, inputs=supplied, inputs_path=options.inputs,
@@ -337,7 +337,7 @@ def _certify(
     runs, by component); a run that cannot validate keeps its output, with the failing
     certificate that says what is missing."""
     from precision_convert.validation.certify.runner import validate
-    from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
+    from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
     try:
         return validate(
@@ -402,7 +402,7 @@ def _probe_outputs(spill: bool) -> AbstractContextManager[None]:
     """Probe outputs on disk for the whole run when calibration's are kept for validation."""
     if not spill:
         return nullcontext()
-    from precision_convert.validation.probe.execute import outputs_on_disk
+    from precision_convert.validation.probe.run.execute import outputs_on_disk
 
     return outputs_on_disk()
 
@@ -426,12 +426,12 @@ def read_user_data(path: str | Path | None, coverage: str | None) -> Calibration
     """Check ``--coverage`` and read ``--calibration-data`` before any work: bad input exits
     2 with nothing written."""
     if coverage is not None:
-        from precision_convert.validation.probe.budgets import budget_for
+        from precision_convert.validation.probe.inputs.budgets import budget_for
 
         budget_for(coverage)
     if path is None:
         return None
-    from precision_convert.validation.probe.userdata import read_calibration_data
+    from precision_convert.validation.probe.inputs.userdata import read_calibration_data
 
     return read_calibration_data(path)
 

@@ -180,7 +180,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
     from precision_convert.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.certify.verify import verify
-    from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
+    from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
     options = job.options
     scratch = settings.scratch(job)

@@ -76,7 +76,7 @@ def validate_command(
         from precision_convert.cli._reports import note_unvalidated, print_certificate
         from precision_convert.errors import CannotValidateError
         from precision_convert.validation.certify.runner import validate
-        from precision_convert.validation.probe.budgets import DEFAULT_LEVEL
+        from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
     if verify:
         verify_only(converted, json_output)

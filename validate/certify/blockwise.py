@@ -48,26 +48,24 @@ from precision_convert.validation.certify.components import (
     check_baseline,
     component_record,
 )
-from precision_convert.validation.probe.execute import (
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.sweep import SweepSettings
+from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
+from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
     Coverage,
     Outputs,
     flatten,
     run_probes,
 )
-from precision_convert.validation.probe.execute import resolve as resolve_inputs
-from precision_convert.validation.probe.inputs import (
-    ModelInputs,
-)
-from precision_convert.validation.probe.metrics import Measurement, compare, kind_of, measure
-from precision_convert.validation.probe.parity import (
+from precision_convert.validation.probe.run.execute import resolve as resolve_inputs
+from precision_convert.validation.probe.run.metrics import Measurement, compare, kind_of, measure
+from precision_convert.validation.probe.run.parity import (
     compare_outputs,
     recipe_validation,
     thresholds_for,
 )
-from precision_convert.validation.probe.session import sweep_model
-from precision_convert.validation.probe.sweep import SweepSettings
-from precision_convert.validation.probe.tokenizers import tokenizer_for
+from precision_convert.validation.probe.run.session import sweep_model
 
 #: Share of the budget one block's fp32 weights may take: the rest holds the read buffer, the
 #: block's activations, the kept baseline activations and allocator slack.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from precision_convert.folding import fold
-from precision_convert.validation.probe.metrics import Measurement
+from precision_convert.validation.probe.run.metrics import Measurement
 
 #: Most metric rows in the card; the certificate keeps all of them.
 MAX_ROWS = 60

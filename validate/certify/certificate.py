@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from precision_convert.validation.probe.metrics import METRICS, Measurement
+from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
 #: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output

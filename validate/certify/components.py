@@ -13,12 +13,12 @@ from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import PlanRecord
 from precision_convert.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
-from precision_convert.validation.probe.execute import Outputs
-from precision_convert.validation.probe.inputs import ModelInputs
-from precision_convert.validation.probe.metrics import Measurement
-from precision_convert.validation.probe.parity import recipe_validation, thresholds_for
-from precision_convert.validation.probe.positions import reach
-from precision_convert.validation.probe.session import SEED
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.positions import reach
+from precision_convert.validation.probe.run.execute import Outputs
+from precision_convert.validation.probe.run.metrics import Measurement
+from precision_convert.validation.probe.run.parity import recipe_validation, thresholds_for
+from precision_convert.validation.probe.run.session import SEED
 
 __all__ = ["SEED", "Component", "ComponentResult", "check_baseline", "component_record"]
 

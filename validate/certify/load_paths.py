@@ -20,7 +20,7 @@ way          call                                                              d
 ===========  ================================================================  ==========
 
 A transformers model with attention is loaded the deciding ways again under each other
-attention implementation a user can pick (:mod:`~precision_convert.validation.probe.attention`:
+attention implementation a user can pick (:mod:`~precision_convert.validation.probe.run.attention`:
 ``eager`` where the default is ``sdpa``, ``sdpa`` where the model supports it and defaults to
 ``eager``): ``pc.load`` then ``model.set_attn_implementation(...)``, and ``from_pretrained(dir,
 attn_implementation=...)``, judged against the fp32 baseline run under the same
@@ -76,10 +76,10 @@ from precision_convert.validation.certify.load_ways import (
     pipeline_ways,
     stored_dtypes,
 )
-from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs, run_probes
-from precision_convert.validation.probe.inputs import ModelInputs
-from precision_convert.validation.probe.metrics import METRICS, Measurement
-from precision_convert.validation.probe.parity import compare_outputs
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs, run_probes
+from precision_convert.validation.probe.run.metrics import METRICS, Measurement
+from precision_convert.validation.probe.run.parity import compare_outputs
 
 __all__ = [
     "blockwise_paths",

@@ -25,7 +25,7 @@ from precision_convert.conversion.runtime.builders import (
 )
 from precision_convert.conversion.runtime.loader import load, read_record
 from precision_convert.validation.certify.components import Component
-from precision_convert.validation.probe.attention import switch
+from precision_convert.validation.probe.run.attention import switch
 
 __all__ = ["AUTO", "COMPUTE", "DECIDING", "PC_LOAD", "PLAIN", "RESAVED"]
 

@@ -30,12 +30,12 @@ from precision_convert.validation.certify.reference import (
     SourceInfo,
 )
 from precision_convert.validation.certify.whole import _compare_candidate, _first_line
-from precision_convert.validation.probe.execute import (
+from precision_convert.validation.probe.inputs.pipelines import pipeline_inputs
+from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
     run_probes,
 )
-from precision_convert.validation.probe.inputs import pipeline_inputs
-from precision_convert.validation.probe.parity import thresholds_for
+from precision_convert.validation.probe.run.parity import thresholds_for
 
 
 def _validate_pipeline(

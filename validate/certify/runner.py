@@ -68,17 +68,20 @@ from precision_convert.validation.certify.reference import (
     source_info,
 )
 from precision_convert.validation.certify.whole import _validate_whole
-from precision_convert.validation.probe.budgets import DEFAULT_LEVEL, budget_for
-from precision_convert.validation.probe.execute import (
+from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
+from precision_convert.validation.probe.inputs.preflight import check_user_inputs
+from precision_convert.validation.probe.inputs.sweep import SweepSettings
+from precision_convert.validation.probe.inputs.userdata import (
+    CalibrationData,
+    read_calibration_data,
+)
+from precision_convert.validation.probe.run.execute import (
     outputs_on_disk,
 )
-from precision_convert.validation.probe.parity import thresholds_for
-from precision_convert.validation.probe.preflight import check_user_inputs
-from precision_convert.validation.probe.session import (
+from precision_convert.validation.probe.run.parity import thresholds_for
+from precision_convert.validation.probe.run.session import (
     PriorRuns,
 )
-from precision_convert.validation.probe.sweep import SweepSettings
-from precision_convert.validation.probe.userdata import CalibrationData, read_calibration_data
 
 __all__ = ["parse_memory", "thresholds_for", "validate"]
 
@@ -120,9 +123,9 @@ def validate(
             (default: every vocabulary id and position, contexts to 2048 tokens, timestep
             quartiles with the first step) or ``"thorough"`` (contexts to the position limit,
             every timestep decile); see
-            :data:`~precision_convert.validation.probe.budgets.BUDGETS`.
+            :data:`~precision_convert.validation.probe.inputs.budgets.BUDGETS`.
         calibration_data: a file of text lines or JSONL model inputs whose probes are added
-            to the sweep (see :mod:`~precision_convert.validation.probe.userdata`).
+            to the sweep (see :mod:`~precision_convert.validation.probe.inputs.userdata`).
         trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
             baseline, ``pc.load`` and the library's loads alike. Off: such a model cannot be
             validated (the certificate says so).

@@ -24,23 +24,23 @@ from precision_convert.validation.certify.components import (
     component_record,
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
-from precision_convert.validation.probe.execute import (
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.sweep import SweepSettings
+from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
+from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
     Coverage,
     Outputs,
     run_probes,
 )
-from precision_convert.validation.probe.inputs import ModelInputs
-from precision_convert.validation.probe.metrics import Measurement, measure
-from precision_convert.validation.probe.parity import compare_outputs
-from precision_convert.validation.probe.session import (
+from precision_convert.validation.probe.run.metrics import Measurement, measure
+from precision_convert.validation.probe.run.parity import compare_outputs
+from precision_convert.validation.probe.run.session import (
     PriorRuns,
     Swept,
     fp32_session,
     weights_digest,
 )
-from precision_convert.validation.probe.sweep import SweepSettings
-from precision_convert.validation.probe.tokenizers import tokenizer_for
 
 
 def _validate_whole(

@@ -27,14 +27,14 @@ from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, f
 from precision_convert.dtypes import from_torch
 from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.progress import forward_ran, record_forwards, report
-from precision_convert.validation.probe.inputs import (
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,
     Probe,
     Seeded,
-    input_candidates,
 )
-from precision_convert.validation.probe.sweep import sweep
+from precision_convert.validation.probe.inputs.sweep import sweep
 
 #: Output fields that are caches or bookkeeping, not results: never compared.
 _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_detected"})

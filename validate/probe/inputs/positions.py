@@ -29,8 +29,13 @@ from typing import Any
 
 import torch
 
-from precision_convert.validation.probe.budgets import Budget
-from precision_convert.validation.probe.inputs import ModelInputs, Probe, config_get, parameters_of
+from precision_convert.validation.probe.inputs.budgets import Budget
+from precision_convert.validation.probe.inputs.model_inputs import (
+    ModelInputs,
+    Probe,
+    config_get,
+    parameters_of,
+)
 
 #: Tokens per row of a position probe: long enough that attention mixes positions, short
 #: enough that its cost stays linear in the positions reached.

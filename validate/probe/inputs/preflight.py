@@ -28,10 +28,13 @@ import torch
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, Source
 from precision_convert.conversion.runtime.builders import build_skeleton
 from precision_convert.errors import InputError
-from precision_convert.validation.probe.inputs import Probe
-from precision_convert.validation.probe.token_probes import UNKNOWN_POSITION_LIMIT, token_spec
-from precision_convert.validation.probe.tokenizers import ProbeTokenizer, tokenizer_for
-from precision_convert.validation.probe.userdata import CalibrationData, addressed, to_tensor
+from precision_convert.validation.probe.inputs.model_inputs import Probe
+from precision_convert.validation.probe.inputs.token_probes import (
+    UNKNOWN_POSITION_LIMIT,
+    token_spec,
+)
+from precision_convert.validation.probe.inputs.tokenizers import ProbeTokenizer, tokenizer_for
+from precision_convert.validation.probe.inputs.userdata import CalibrationData, addressed, to_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +160,8 @@ def _check_call(
 
 def _warn_of_cut_lines(skeleton: Any, tokenizer: ProbeTokenizer, data: CalibrationData) -> None:
     """Say which text lines the probes cut to the model's position limit (they truncate as
-    :func:`~precision_convert.validation.probe.token_probes.text_rows` does: the limit, specials
-    included)."""
+    :func:`~precision_convert.validation.probe.inputs.token_probes.text_rows` does: the limit,
+    specials included)."""
     ids = torch.zeros(1, 1, dtype=torch.long)
     spec = token_spec(skeleton, Probe("preflight", "forward", {"input_ids": ids}), tokenizer, "")
     if spec is None:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from precision_convert.validation.probe.execute import RUN_ERRORS, Outputs
-from precision_convert.validation.probe.inputs import ModelInputs, Probe, config_value
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe, config_value
+from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs
 
 #: Implementations judged besides the default, in this order. Flash attention (a CUDA kernel)
 #: is recorded as not judged; flex attention is left out.

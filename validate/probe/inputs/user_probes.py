@@ -13,23 +13,23 @@ from typing import Any
 import torch
 
 from precision_convert.errors import InputError
-from precision_convert.validation.probe.budgets import Budget
-from precision_convert.validation.probe.inputs import (
+from precision_convert.validation.probe.inputs.budgets import Budget
+from precision_convert.validation.probe.inputs.media_probes import encode_decode
+from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,
     Probe,
     library_of,
     parameters_of,
 )
-from precision_convert.validation.probe.media_probes import encode_decode
-from precision_convert.validation.probe.token_probes import (
+from precision_convert.validation.probe.inputs.token_probes import (
     finish_rows,
     padded_positions,
     token_spec,
     with_tokens,
 )
-from precision_convert.validation.probe.tokenizers import ProbeTokenizer, pad_rows
-from precision_convert.validation.probe.userdata import (
+from precision_convert.validation.probe.inputs.tokenizers import ProbeTokenizer, pad_rows
+from precision_convert.validation.probe.inputs.userdata import (
     CalibrationData,
     addressed,
     decoder_start,

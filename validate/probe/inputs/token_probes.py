@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from precision_convert.validation.probe.budgets import Budget
-from precision_convert.validation.probe.inputs import (
-    BATCH,
+from precision_convert.validation.probe.inputs.budgets import Budget
+from precision_convert.validation.probe.inputs.layouts import BATCH
+from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
     Probe,
     config_get,
@@ -30,8 +30,8 @@ from precision_convert.validation.probe.inputs import (
     parameters_of,
     seeded_generator,
 )
-from precision_convert.validation.probe.positions import OFFSET_POSITIONS
-from precision_convert.validation.probe.tokenizers import ProbeTokenizer, pad_rows
+from precision_convert.validation.probe.inputs.positions import OFFSET_POSITIONS
+from precision_convert.validation.probe.inputs.tokenizers import ProbeTokenizer, pad_rows
 
 #: First length of the doubling ladder: past the 12-token layout probe, where learned
 #: position tables start to matter.

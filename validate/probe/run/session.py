@@ -26,25 +26,22 @@ import torch
 
 from precision_convert.conversion.io.hashing import hash_paths
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.validation.probe.attention import (
+from precision_convert.validation.probe.inputs.budgets import activation_allowance
+from precision_convert.validation.probe.inputs.layouts import input_candidates, inputs_from_tensors
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.sweep import SweepSettings
+from precision_convert.validation.probe.run.attention import (
     AttentionChoices,
     attention_choices,
     outputs_by_attention,
 )
-from precision_convert.validation.probe.budgets import activation_allowance
-from precision_convert.validation.probe.execute import (
+from precision_convert.validation.probe.run.execute import (
     Outputs,
     resolve,
     run_probes,
     run_sweep,
     select_inputs,
 )
-from precision_convert.validation.probe.inputs import (
-    ModelInputs,
-    input_candidates,
-    inputs_from_tensors,
-)
-from precision_convert.validation.probe.sweep import SweepSettings
 
 #: Seed of every built input: fixed, so two certificates of one model are comparable, and so
 #: calibration and validation of one run build the very same probes.

@@ -14,9 +14,9 @@ from typing import Any
 
 from precision_convert.errors import InputError
 from precision_convert.recipes import get as get_recipe
-from precision_convert.validation.probe.execute import Outputs
-from precision_convert.validation.probe.inputs import ModelInputs
-from precision_convert.validation.probe.metrics import (
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.run.execute import Outputs
+from precision_convert.validation.probe.run.metrics import (
     METRICS,
     Measurement,
     compare,

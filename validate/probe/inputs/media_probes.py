@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
-from precision_convert.validation.probe.budgets import Budget
-from precision_convert.validation.probe.inputs import (
+from precision_convert.validation.probe.inputs.budgets import Budget
+from precision_convert.validation.probe.inputs.layouts import scales_timestep, smooth_image
+from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,
     Probe,
-    scales_timestep,
     seeded_generator,
-    smooth_image,
 )
 
 #: Training schedule length assumed when no scheduler says otherwise (DDPM/flow-matching).

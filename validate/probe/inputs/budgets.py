@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from precision_convert.errors import InputError
-from precision_convert.validation.probe.inputs import config_value
+from precision_convert.validation.probe.inputs.model_inputs import config_value
 
 LEVELS = ("quick", "standard", "thorough")
 DEFAULT_LEVEL = "standard"

@@ -1,6 +1,6 @@
 """Coverage sweeps: after a layout is chosen, the probes that vary what changes activations.
 
-A model accepted by one layout (:func:`~.inputs.input_candidates`) has still seen a sliver of
+A model accepted by one layout (:func:`~.layouts.input_candidates`) has still seen a sliver of
 its input space: 2×12 random ids, one timestep. Overflow hides elsewhere — one rare token's
 embedding, positions past the first few dozen, the first denoising step at t=999. A sweep
 keeps the chosen probe first (its outputs are reused) and adds the probes of the model's
@@ -33,31 +33,35 @@ from typing import Any
 import torch
 
 from precision_convert.errors import CannotValidateError
-from precision_convert.validation.probe.budgets import (
+from precision_convert.validation.probe.inputs.budgets import (
     DEFAULT_LEVEL,
     Budget,
     budget_for,
     fit_budget,
     fit_model,
 )
-from precision_convert.validation.probe.inputs import (
-    ModelInputs,
-    Probe,
-    input_candidates,
-    seeded_generator,
-    tensor_digest,
-)
-from precision_convert.validation.probe.media_probes import (
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.media_probes import (
     contrast_probes,
     image_size_probes,
     longer_audio_probes,
     timestep_probes,
 )
-from precision_convert.validation.probe.positions import position_probes, token_limits
-from precision_convert.validation.probe.token_probes import token_probes, token_spec, with_tokens
-from precision_convert.validation.probe.tokenizers import ProbeTokenizer, probe_tokenizer
-from precision_convert.validation.probe.user_probes import user_probes
-from precision_convert.validation.probe.userdata import CalibrationData
+from precision_convert.validation.probe.inputs.model_inputs import (
+    ModelInputs,
+    Probe,
+    seeded_generator,
+    tensor_digest,
+)
+from precision_convert.validation.probe.inputs.positions import position_probes, token_limits
+from precision_convert.validation.probe.inputs.token_probes import (
+    token_probes,
+    token_spec,
+    with_tokens,
+)
+from precision_convert.validation.probe.inputs.tokenizers import ProbeTokenizer, probe_tokenizer
+from precision_convert.validation.probe.inputs.user_probes import user_probes
+from precision_convert.validation.probe.inputs.userdata import CalibrationData
 
 
 def usable(tokenizer: Any | None) -> ProbeTokenizer | None:

@@ -20,19 +20,27 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import math
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from precision_convert.errors import CannotValidateError
-from precision_convert.validation.probe.tokenizers import (
+from precision_convert.validation.probe.inputs.model_inputs import (
+    FromOutput,
+    ModelInputs,
+    Probe,
+    config_get,
+    is_open_clip,
+    library_of,
+    parameters_of,
+    seeded_generator,
+)
+from precision_convert.validation.probe.inputs.tokenizers import (
     ProbeTokenizer,
     pad_rows,
     probe_tokenizer,
@@ -63,136 +71,6 @@ TIMESTEP = 500.0
 MAX_CANDIDATES = 8
 
 _SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
-#: Sub-configs :func:`config_value` searches: where a token model's sizes sit.
-_TOKEN_SUBCONFIGS = ("text_config", "decoder", "encoder")
-
-
-@dataclass(frozen=True)
-class FromOutput:
-    """A probe argument taken from an earlier probe's baseline output.
-
-    The value is resolved once, on the baseline, and then fed unchanged to the candidate:
-    both models decode the same latents.
-    """
-
-    probe: str
-    output: str | None = None  # None: the probe's latent (``*.mean`` or ``latents``), else first
-
-
-@dataclass(frozen=True)
-class Seeded:
-    """A random generator argument, created fresh from ``seed`` for every run.
-
-    Generators are stateful: baseline and candidate must each start from the same state.
-    """
-
-    seed: int
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One call on the model: ``getattr(model, method)(**kwargs)``."""
-
-    name: str
-    method: str
-    kwargs: Mapping[str, Any]
-    #: Outputs are decoded images or frames: PSNR and constant-frame checks apply.
-    images: bool = False
-    #: How a sweep made this probe (kind, seed, ids, lengths, timesteps): the certificate's
-    #: recipe for replaying it. Empty for the layout probe every model starts from.
-    sweep: Mapping[str, Any] = field(default_factory=dict)
-    #: Outputs with more elements than this are kept as a strided sample of their rows plus
-    #: every row's RMS (:func:`~.execute.summarize`); None keeps them whole.
-    max_output: int | None = None
-    #: (batch, length) bool of the real token positions of a padded batch: outputs shaped
-    #: (batch, length, ...) are compared there only — no caller reads a padded position.
-    positions: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class ModelInputs:
-    """The probes a model is validated on, the task they exercise and how they were made."""
-
-    task: str
-    probes: tuple[Probe, ...]
-    seed: int
-    origin: str = "builder"  # "builder", "tokenizer" (real sentences) or "file" (--inputs)
-    notes: tuple[str, ...] = field(default=())
-    #: Index of this layout among :func:`input_candidates` (what a replay rebuilds first).
-    layout: int = 0
-    #: The coverage level whose sweep added probes (None: no sweep ran).
-    coverage: str | None = None
-    #: Bytes the sweep's probes were fitted to (block-wise validation), None when unbounded.
-    memory: int | None = None
-    #: The tokenizer the token probes went through, as :meth:`ProbeTokenizer.describe` says.
-    tokenizer: Mapping[str, Any] | None = None
-    #: What bounds a token model's inputs (vocabulary, position limit), set by the sweep:
-    #: what :func:`~.positions.reach` measures the probes against.
-    limits: Mapping[str, Any] | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """Every probe precisely enough to replay it, as the certificate records it.
-
-        Per probe: its method, how the sweep made it (seeds, ids, lengths, timesteps), and per
-        argument its shape, dtype and sha256 (small tensors — timesteps, short id rows — also
-        inline). :func:`~.sweep.replay` rebuilds the probes from this and checks the digests.
-        """
-        return {
-            "task": self.task,
-            "seed": self.seed,
-            "origin": self.origin,
-            "layout": self.layout,
-            **({"coverage": self.coverage} if self.coverage else {}),
-            **({"memory_budget": self.memory} if self.memory else {}),
-            **({"tokenizer": dict(self.tokenizer)} if self.tokenizer else {}),
-            "probes": {p.name: _describe_probe(p) for p in self.probes},
-            **({"notes": list(self.notes)} if self.notes else {}),
-        }
-
-
-def _describe_probe(probe: Probe) -> dict[str, Any]:
-    record: dict[str, Any] = {"method": probe.method}
-    if probe.sweep:
-        record["sweep"] = _describe(dict(probe.sweep))
-    if probe.max_output is not None:
-        record["max_output_elements"] = probe.max_output
-    if probe.positions is not None:
-        record["compared_positions"] = "real tokens only (padding excluded)"
-    record["args"] = _describe(probe.kwargs)
-    return record
-
-
-#: Tensors up to this many elements are recorded inline too: timesteps, labels, short id rows.
-INLINE_FLOATS = 16
-INLINE_INTEGERS = 256
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (C order, its own dtype): replays are checked against it."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _describe(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        record: dict[str, Any] = {
-            "shape": list(value.shape),
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "sha256": tensor_digest(value),
-        }
-        inline = INLINE_FLOATS if value.is_floating_point() else INLINE_INTEGERS
-        if value.numel() <= inline:
-            record["values"] = value.tolist()
-        return record
-    if isinstance(value, FromOutput):
-        return {"from_probe": value.probe, "output": value.output}
-    if isinstance(value, Seeded):
-        return {"generator_seed": value.seed}
-    if isinstance(value, Mapping):
-        return {k: _describe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_describe(v) for v in value]
-    return value
 
 
 # --------------------------------------------------------------------------- context
@@ -231,40 +109,6 @@ class _Ctx:
         return torch.randint(low, high, shape, generator=self.gen(name))
 
 
-def seeded_generator(seed: int, name: str) -> torch.Generator:
-    """A generator per seed and tensor (or probe) name: adding one never changes another."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-
-
-def config_get(config: Any, key: str) -> Any:
-    """``key`` of a config object or dict (None when unset, or when there is no config)."""
-    if config is None:
-        return None
-    if isinstance(config, Mapping):
-        return config.get(key)
-    return getattr(config, key, None)
-
-
-def config_value(config: Any, *keys: str, prefer: Sequence[str] = ()) -> Any:
-    """The first of ``keys`` set in ``config``, then in its ``prefer``, text, decoder and
-    encoder sub-configs: what sizes a token model's probes and activations."""
-    for sub in [config, *(config_get(config, s) for s in (*prefer, *_TOKEN_SUBCONFIGS))]:
-        for key in keys:
-            value = config_get(sub, key)
-            if value is not None:
-                return value
-    return None
-
-
-def parameters_of(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
-    """``fn``'s named parameters (``*args`` and ``**kwargs`` left out): what inputs it takes."""
-    return {
-        n: p
-        for n, p in inspect.signature(fn).parameters.items()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    }
-
-
 def _side(value: Any, default: int, cap: int) -> int:
     """A spatial size from a config value (int or [h, w]), capped to keep inference cheap."""
     if isinstance(value, list | tuple):
@@ -273,34 +117,11 @@ def _side(value: Any, default: int, cap: int) -> int:
     return side if side <= cap else cap
 
 
-# --------------------------------------------------------------------------- family detection
-
-
-def library_of(model: Any) -> str:
-    """The library whose base the class inherits (``transformers``, ``diffusers``,
-    ``open_clip``, else ``torch``), wherever the class is defined: remote or user code
-    subclasses a library's model, and diffusers defines transformers models too (the Stable
-    Diffusion safety checker is a transformers PreTrainedModel)."""
-    roots = [base.__module__.split(".")[0] for base in type(model).__mro__]
-    if "transformers" in roots:
-        return "transformers"
-    return next((root for root in roots if root in ("diffusers", "open_clip")), "torch")
-
-
 def _is_autoencoder(model: Any) -> bool:
     return (
         callable(getattr(model, "encode", None))
         and callable(getattr(model, "decode", None))
         and (config_get(model.config, "latent_channels") is not None)
-    )
-
-
-def is_open_clip(model: Any) -> bool:
-    """Whether ``model`` is an OpenCLIP model (image and text towers, ``forward(image, text)``)."""
-    return (
-        callable(getattr(model, "encode_image", None))
-        and callable(getattr(model, "encode_text", None))
-        and "image" in parameters_of(model.forward)
     )
 
 
@@ -639,72 +460,6 @@ def _open_clip_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     text[:, TEXT_LEN - 1] = vocab - 1
     kwargs = {"image": smooth_image(ctx.gen("image"), BATCH, 3, side, side), "text": text}
     yield ModelInputs("clip", (Probe("forward", "forward", kwargs),), ctx.seed)
-
-
-# --------------------------------------------------------------------------- pipelines
-
-#: Denoising steps of the end-to-end run: two exercise the scheduler's update and the
-#: transformer on its own output, which one step would not.
-PIPELINE_STEPS = 2
-
-
-def pipeline_inputs(pipe: Any, *, seed: int = 0, latent_side: int = LATENT_SIDE) -> ModelInputs:
-    """A short seeded end-to-end call of a diffusers pipeline: prompt, 2 steps, decode.
-
-    Sizes are the pipeline's own defaults, made small: at most ``latent_side`` latents a side
-    (the coverage level's) and two latent frames for video, so a real checkpoint runs in
-    seconds on a GPU.
-    """
-    params = parameters_of(pipe.__call__)
-    kwargs: dict[str, Any] = {"num_inference_steps": PIPELINE_STEPS}
-    if "prompt" in params:
-        kwargs["prompt"] = SENTENCES[0]
-    if "class_labels" in params:
-        kwargs["class_labels"] = [1]
-    if "generator" in params:
-        kwargs["generator"] = Seeded(seed)
-    if "output_type" in params:
-        kwargs["output_type"] = "pt"
-    denoiser = next(
-        (
-            getattr(pipe, n)
-            for n in ("transformer", "unet", "prior")
-            if getattr(pipe, n, None) is not None
-        ),
-        None,
-    )
-    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(
-        pipe, "vae_scale_factor", None
-    )
-    if denoiser is not None and scale and "height" in params and "width" in params:
-        config = denoiser.config
-        latent_h = _side(
-            config_get(config, "sample_height") or config_get(config, "sample_size"),
-            latent_side,
-            latent_side,
-        )
-        latent_w = _side(
-            config_get(config, "sample_width") or config_get(config, "sample_size"),
-            latent_side,
-            latent_side,
-        )
-        kwargs["height"], kwargs["width"] = latent_h * int(scale), latent_w * int(scale)
-    text_tokens = (
-        config_get(denoiser.config, "max_text_seq_length") if denoiser is not None else None
-    )
-    if "max_sequence_length" in params and text_tokens:
-        kwargs["max_sequence_length"] = int(text_tokens)
-    temporal = getattr(pipe, "vae_scale_factor_temporal", None)
-    if "num_frames" in params and temporal:
-        kwargs["num_frames"] = 1 + int(temporal) * (LATENT_FRAMES - 1)
-    if "image" in params and params["image"].default is inspect.Parameter.empty:
-        side = kwargs.get("height", 8 * latent_side)
-        image = smooth_image(
-            torch.Generator().manual_seed(seed), 1, 3, side, kwargs.get("width", side)
-        )
-        kwargs["image"] = (image + 1) / 2  # pipelines take images in [0, 1]
-    probe = Probe("pipeline", "__call__", kwargs, images=True)
-    return ModelInputs("pipeline", (probe,), seed)
 
 
 # --------------------------------------------------------------------------- public API
