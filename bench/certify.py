@@ -52,7 +52,7 @@ IMPORTS = (
     "from transformers import LlamaForCausalLM\n"
     "import precision_convert.cli.main, precision_convert.api.conversion\n"
     "import precision_convert.validation.certify.runner\n"
-    "import precision_convert.validation.calibration\n"
+    "import precision_convert.validation.calibration.plans\n"
     "print(psutil.Process().memory_info().rss)\n"
 )
 

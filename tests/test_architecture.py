@@ -70,3 +70,19 @@ def test_cycle_inside_one_layer_breaks_the_check(tmp_path: Path) -> None:
     passed, report = _checker().check(repo)
     assert not passed
     assert "import cycle" in report and "precision_convert.conversion.runtime.loader" in report
+
+
+#: Most lines a product module may have: past it, a module holds more than one responsibility
+#: and is split by them (docs/architecture.md lists each module and what it is for).
+MAX_MODULE_LINES = 600
+
+
+def test_no_product_module_is_over_the_size_limit() -> None:
+    sizes = {
+        path.relative_to(REPO).as_posix(): len(path.read_text().splitlines())
+        for folder in ("precision_convert", "convert", "validate", "recipes")
+        for path in (REPO / folder).rglob("*.py")
+    }
+    assert len(sizes) > 50  # the walk found the product, not an empty folder
+    over = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"

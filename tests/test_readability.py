@@ -457,7 +457,7 @@ def test_calibration_warns_once_per_spike_in_the_right_words(hot_t5: Path, tmp_p
 
 
 def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> None:
-    from precision_convert.validation.calibration import (
+    from precision_convert.validation.calibration.watch import (
         CARRIED,
         STILL_LOW,
         WATCH_WARNINGS,

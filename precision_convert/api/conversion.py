@@ -41,7 +41,7 @@ from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
-    from precision_convert.validation.calibration import Calibration
+    from precision_convert.validation.calibration.plans import Calibration
     from precision_convert.validation.certify.certificate import Certificate
     from precision_convert.validation.probe.inputs.userdata import CalibrationData
     from precision_convert.validation.probe.run.session import PriorRuns
@@ -179,7 +179,7 @@ def plan_model(
     if not (calibrate and decoded.safe):
         return plan_with(()), None
     from precision_convert.progress import forecasting
-    from precision_convert.validation.calibration import calibrated_plan
+    from precision_convert.validation.calibration.plans import calibrated_plan
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
     level = coverage or DEFAULT_LEVEL

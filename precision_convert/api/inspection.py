@@ -22,7 +22,7 @@ from precision_convert.names import units
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
-    from precision_convert.validation.calibration import Calibration
+    from precision_convert.validation.calibration.plans import Calibration
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ _PRELOAD = [
     "precision_convert.cli.model",
     "precision_convert.cli.validate",
     "precision_convert.api.conversion",
-    "precision_convert.validation.calibration",
+    "precision_convert.validation.calibration.plans",
     "precision_convert.validation.certify.runner",
 ]
 #: Models the trials convert: 8 MiB of fp32 without an architecture (a plain cast needs no

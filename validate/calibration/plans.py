@@ -1,0 +1,303 @@
+"""Calibrated plans: the recipe's islands, plus what the model's own activations demand.
+
+For ``fp16-safe`` the fp32 model runs once on the validation inputs under recording hooks, and
+every module is watched (:func:`~.activations.near_limit`): each module's output, containers
+included (a decoder layer's output is the residual stream, which no weighted module outputs),
+and what each weighted module receives. Near fp16's limit (within the activation margin):
+
+* a weighted module's output makes it a ``range`` island (its fp32 output flows on);
+* a precision island's output (a norm, a recipe's timestep embedding) upgrades it to ``range``:
+  the loader would cast that fp32 output back to fp16, recreating the overflow;
+* a compute-dtype weighted module's input makes it a ``range`` island: the loader casts what a
+  module receives to the module's own dtype;
+* any other tensor (a container's stream, what a norm receives) must be carried in fp32 by the
+  candidate as loaded. The candidate runs under dtype hooks; while one such tensor is still
+  carried in fp16, the latest weighted module that ran before it in its scope becomes a
+  ``range`` island (for a residual stream: the projection added into it, after which the
+  stream flows in fp32), and the candidate is checked again.
+
+Every near-limit tensor is named in a warning with its peak and what became of it. The candidate
+plan is then compared with the fp32 outputs; while it fails,
+:func:`~.analysis.search_islands` bisects for the modules that must also stay fp32 (``search``
+islands). For ``bf16-safe`` the same pass recomputes each weighted layer in bf16 and keeps those
+that lose most of their mantissa (bf16 has fp32's range: nothing is watched for overflow).
+
+The fp32 model is freed before any candidate loads: one model is resident at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from precision_convert.conversion.analysis.activations import (
+    FP32_SHARE_LIMIT,
+    LEAF,
+    ActivationStats,
+    NearLimit,
+    calibrate,
+    losing_precision,
+    near_limit,
+    overflowing,
+)
+from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
+from precision_convert.conversion.runtime.baseline import load_fp32
+from precision_convert.dtypes import Target
+from precision_convert.names import module_of
+from precision_convert.progress import expect, stage
+from precision_convert.validation.calibration.search import PlanWith, _Search
+from precision_convert.validation.calibration.watch import (
+    Watched,
+    _near,
+    _unit_of,
+    _watch_warnings,
+    _watched,
+)
+from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
+from precision_convert.validation.probe.inputs.sweep import SweepSettings
+from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
+from precision_convert.validation.probe.inputs.userdata import (
+    CalibrationData,
+    read_calibration_data,
+)
+from precision_convert.validation.probe.run.execute import Coverage, run_probes
+from precision_convert.validation.probe.run.parity import (
+    recipe_validation,
+    thresholds_for,
+)
+from precision_convert.validation.probe.run.session import (
+    PriorRuns,
+    Swept,
+    fp32_session,
+)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What analysis found for one model."""
+
+    stats: dict[str, ActivationStats]
+    islands: tuple[Island, ...]  # added by analysis and search, on top of the recipe's
+    evaluations: int  # candidate plans checked against fp32
+    passed: bool | None  # the final candidate matched fp32 (None: not checked)
+    task: str
+    warnings: tuple[str, ...] = ()
+    #: Every module output (containers included) and weighted module input whose fp32 peak
+    #: came within the margin of fp16's limit, in execution order (``fp16-safe`` only).
+    near_limit: tuple[Watched, ...] = ()
+    #: What ran, for this conversion's validation to reuse (not part of the result).
+    runs: PriorRuns | None = field(default=None, compare=False, repr=False)
+
+
+@stage("calibration")
+def calibrated_plan(
+    model: ModelSource,
+    target: Target,
+    plan_with: PlanWith,
+    *,
+    search: bool = True,
+    trust_remote_code: bool = False,
+    coverage: str = DEFAULT_LEVEL,
+    calibration_data: str | Path | CalibrationData | None = None,
+    component: str = "",
+) -> tuple[ModelPlan, Calibration]:
+    """The plan for ``target`` with analysis islands, and the calibration behind it.
+
+    The fp32 model runs on the layout its builders choose plus the ``coverage`` level's sweep
+    (``quick``/``standard``/``thorough``, see
+    :mod:`~precision_convert.validation.probe.inputs.sweep`) plus the probes of
+    ``calibration_data`` (text lines or JSONL model inputs; ``component``
+    names a pipeline's component, whose ``<component>/<argument>`` keys it takes and which
+    skips data meant for another).
+    """
+
+    budget_for(coverage)  # an unknown level or unreadable data fails before the model loads
+    data = (
+        read_calibration_data(calibration_data)
+        if calibration_data is not None and not isinstance(calibration_data, CalibrationData)
+        else calibration_data
+    )
+    base = plan_with(())
+    swept, stats = _fp32_sweep(
+        model, target, SweepSettings(coverage, data), component, trust_remote_code, search
+    )
+    existing = {i.name: i for i in base.islands}
+    free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
+    near = near_limit(stats) if target.range_limited else []
+    added = _analysis_islands(stats, base, target, free, near)
+    validation = recipe_validation(base.recipe)
+    task = str(validation.get("task", swept.task))
+    candidates = _Search(
+        model, plan_with, trust_remote_code, swept, thresholds_for(task, validation)
+    )
+    if search and target.range_limited:
+        added = candidates.run(added, free, near, stats)
+    plan = plan_with(added)
+    watched = _watched(near, plan, candidates.carried)
+    warnings = [*plan.warnings, *_watch_warnings(watched)]
+    if candidates.passed is False:
+        warnings.append(
+            "even with every module in fp32 the fp16 candidate does not match fp32 "
+            "(fp16 inputs or outputs overflow); use bf16-safe"
+        )
+    warnings += _share_warnings(plan, target)
+    calibration = Calibration(
+        stats,
+        tuple(added),
+        candidates.evaluations,
+        candidates.passed,
+        task,
+        tuple(warnings),
+        tuple(watched),
+        candidates.prior(plan),
+    )
+    return replace(plan, warnings=tuple(warnings)), calibration
+
+
+def _analysis_islands(
+    stats: dict[str, ActivationStats],
+    base: ModelPlan,
+    target: Target,
+    free: list[str],
+    near: Sequence[NearLimit],
+) -> list[Island]:
+    """The islands the fp32 statistics call for among the ``free`` units: for fp16, every
+    output and near-limit tensor of a single module; for bf16, every layer losing most of
+    its mantissa."""
+    if not target.range_limited:
+        found = losing_precision(stats, free)
+        return [Island(u, "precision", f"{MEASURED}{why}") for u, why in found.items()]
+    found = overflowing(stats, free)
+    added = [Island(u, "range", f"{MEASURED}{why}") for u, why in found.items()]
+    existing = {i.name: i for i in base.islands}
+    added += _range_from_watch(near, stats, existing, set(_float_units(base)), set(found))
+    return added
+
+
+def _share_warnings(plan: ModelPlan, target: Target) -> list[str]:
+    if target.range_limited and plan.fp32_share > FP32_SHARE_LIMIT:
+        return [
+            f"{plan.fp32_share:.0%} of the parameters stay fp32 (over {FP32_SHARE_LIMIT:.0%}): "
+            "fp16-safe saves little here; bf16-safe is recommended"
+        ]
+    return []
+
+
+def _fp32_sweep(
+    model: ModelSource,
+    target: Target,
+    settings: SweepSettings,
+    component: str,
+    trust_remote_code: bool,
+    search: bool,
+) -> tuple[Swept, dict[str, ActivationStats]]:
+    """The fp32 model's session under recording hooks: the probes, their outputs and every
+    module's statistics, all from one run (the outputs are validation's baseline too); with
+    the fp16 search, the outputs under each other attention implementation too."""
+    import torch
+
+    simulate = None if target.range_limited else target.compute.torch
+    searching = search and target.range_limited
+    recorded: dict[str, dict[str, ActivationStats]] = {}
+    used = Coverage()  # recorded too, so that validation can take this run as its baseline
+
+    def run(fp32: Any, inputs: Any) -> Any:
+        with used.track(fp32):
+            stats, outputs = calibrate(
+                fp32, lambda: run_probes(fp32, inputs, "cpu", torch.float32), simulate
+            )
+        recorded["stats"] = stats
+        return outputs
+
+    # The chosen layout, then the coverage sweep and user data: one run records them all.
+    swept = fp32_session(
+        lambda: load_fp32(model.root, trust_remote_code=trust_remote_code).eval(),
+        run,
+        settings,
+        source=model.root,
+        device=torch.device("cpu"),
+        tokenizer=tokenizer_for(model.root),
+        component=component,
+        coverage=lambda: used.fraction,
+        before=lambda inputs, others: _expect(len(inputs.probes), others, searching),
+        attention=searching,
+    )
+    return swept, recorded["stats"]
+
+
+def _expect(probes: int, attention: int, search: bool) -> None:
+    """Say what calibration runs before it runs: the fp32 sweep (under each of ``attention``
+    other implementations too when searching), and the first candidate's under each (the
+    search may add more: each is as many forwards again)."""
+    if search:
+        runs = 1 + attention
+        expect(
+            2 * runs * probes,
+            f"fp32 sweep {probes} x {runs}, first fp16 candidate {probes} x {runs} "
+            "(x: attention implementations)",
+        )
+    else:
+        expect(probes, f"fp32 sweep {probes}")
+
+
+def _range_from_watch(
+    near: Sequence[NearLimit],
+    stats: dict[str, ActivationStats],
+    existing: dict[str, Island],
+    float_units: set[str],
+    overflowing_units: set[str],
+) -> list[Island]:
+    """Range islands that near-limit tensors of single modules call for, beyond the weighted
+    outputs :func:`overflowing` already found.
+
+    A precision island whose output comes near the limit is upgraded (the same name with
+    reason ``range`` outranks the recipe's ``precision`` in the plan), so the loader lets its
+    fp32 output flow instead of casting it back. A compute-dtype weighted module whose output
+    (a head tied to the embedding: its unit is the embedding) or input comes near the limit is
+    kept fp32 with reason ``range``: the loader casts a module's inputs to its own dtype, so in
+    fp16 it would overflow on what it receives.
+    """
+    out: dict[str, Island] = {}
+    for item in near:
+        unit = _unit_of(item.module, stats, float_units)
+        if item.kind != LEAF or unit is None or unit in overflowing_units:
+            continue
+        via = "" if unit == item.module else f" of {item.module}, which shares its weights,"
+        island = existing.get(unit)
+        if item.side == "output" and island is not None and island.reason == "precision":
+            rule = (
+                f"{MEASURED}output{via} peaks at {item.peak:.4g} ({_near(item.peak)}); "
+                f"was a precision island ({island.rule}): its fp32 output now flows on"
+            )
+        elif island is None:
+            rule = f"{MEASURED}{item.side}{via} peaks at {item.peak:.4g} ({_near(item.peak)})"
+            if item.side == "input":
+                rule += ": kept fp32 so that what it receives is not cast to fp16"
+        else:
+            continue
+        out.setdefault(unit, Island(unit, "range", rule))
+    return list(out.values())
+
+
+def _float_units(plan: ModelPlan) -> list[str]:
+    seen: dict[str, None] = {}
+    for tensor in plan.tensors:
+        if tensor.source.is_float:
+            seen.setdefault(tensor.unit, None)
+    return list(seen)
+
+
+def _execution_order(units: Sequence[str], stats: dict[str, ActivationStats]) -> list[str]:
+    """Units sorted by when their module first ran; a tensor unit follows its container."""
+    never = len(stats) + 1
+
+    def order(unit: str) -> int:
+        for name in (unit, module_of(unit)):
+            if name in stats:
+                return stats[name].order
+        return never
+
+    return sorted(units, key=order)
