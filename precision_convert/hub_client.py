@@ -33,7 +33,7 @@ DEFAULT_MAX_RETRY_WAIT = 300.0
 #: A wait longer than this (seconds) is announced on stderr: never a silent sleep.
 ANNOUNCED_WAIT = 5.0
 #: The answers huggingface_hub retries, after the wait they ask for.
-_RETRIED = frozenset({408, 429, 500, 502, 503, 504})
+RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class WaitTooLong(Exception):
@@ -163,7 +163,7 @@ def pace(response: Any) -> None:
     :class:`WaitTooLong` (before the client sleeps) when the wait is longer than
     :func:`max_retry_wait`, else announce it (:func:`announce_wait`); the client, or the
     caller that retries a call the client does not (a commit), then waits."""
-    if response.status_code not in _RETRIED:
+    if response.status_code not in RETRIED_STATUSES:
         return
     seconds = requested_wait(response.status_code, response.headers)
     if seconds is None:

@@ -70,7 +70,9 @@ def push_politely(
 
     def announce(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, PushFailed) and state.next_action is not None and not _asked_by_hub(exc):
+        if not isinstance(exc, PushFailed) or state.next_action is None:
+            return
+        if exc.retry_after is None:  # one the Hub asked for was said as it answered
             answer = exc.status or "no answer"
             announce_wait(f"{repo_id}: push failed ({answer}), retrying", state.next_action.sleep)
 
@@ -96,15 +98,9 @@ def transient(exc: BaseException) -> bool:
     return status is None or status == 429 or status >= 500 or status in (409, 412)
 
 
-def _asked_by_hub(exc: PushFailed) -> bool:
-    """Whether the wait after ``exc`` is the one the Hub asked for (which the worker's Hub
-    client announced when it answered), not the backoff's."""
-    return exc.status == 429 and exc.retry_after is not None
-
-
 class _Wait:
-    """tenacity's wait: the Hub's ``Retry-After`` for a 429 that sends one, else exponential
-    backoff with jitter."""
+    """tenacity's wait: the Hub's ``Retry-After`` for an answer that sends one (a 429 or a
+    5xx), else exponential backoff with jitter."""
 
     def __init__(self, backoff: float) -> None:
         from tenacity import wait_exponential, wait_random
@@ -115,7 +111,7 @@ class _Wait:
 
     def __call__(self, state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, PushFailed) and exc.status == 429 and exc.retry_after is not None:
+        if isinstance(exc, PushFailed) and exc.retry_after is not None:
             return exc.retry_after
         return float(self.backoff(state))
 

@@ -109,6 +109,7 @@ def push_and_report(
     from precision_convert.errors import PushFailed
     from precision_convert.hub import push_with_result
     from precision_convert.hub.errors import retry_wait_limit
+    from precision_convert.hub_client import RETRIED_STATUSES
 
     maximum = retry_wait_limit()
     with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
@@ -129,7 +130,8 @@ def push_and_report(
                 # asked (the client's hook has announced a long wait and refused one beyond
                 # the maximum), then resume; what the Hub holds is not sent again.
                 wait = exc.retry_after
-                if wait is None or wait > maximum or attempt == _WAITED_RETRIES:
+                asked = wait is not None and exc.status in RETRIED_STATUSES
+                if not asked or wait > maximum or attempt == _WAITED_RETRIES:
                     raise
                 time.sleep(wait)
     line = _report(result) + (f": {result.url}" if with_url else "")
