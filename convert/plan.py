@@ -208,13 +208,33 @@ def build_plan(
     keep_fp32: Sequence[str] = (),
     ranges: Mapping[str, RangeStats] | None = None,
     extra_islands: Iterable[Island] = (),
+    tied: Mapping[str, str] | None = None,
 ) -> ModelPlan:
-    """Decide the stored dtype of every tensor for ``target``."""
+    """Decide the stored dtype of every tensor for ``target``.
+
+    ``tied``: modules that share a stored module's weights (``lm_head`` ->
+    ``model.embed_tokens``, see
+    :func:`~precision_convert.conversion.analysis.norms.tied_modules`). A recipe rule or a
+    ``--keep-fp32`` pattern naming either keeps both in fp32: the weight is stored once, and a
+    module holding it beside tensors of another dtype could not run.
+    """
     decoded = check_target(target)
     safe = decoded.safe
     unit_of = units(t.name for t in tensors)
     all_units = sorted(set(unit_of.values()))
     islands: dict[str, Island] = {}
+
+    unit_set = set(all_units)
+
+    def named(pattern: str) -> dict[str, str]:
+        """Unit -> how ``pattern`` names it: itself, or a module sharing its weights."""
+        hits = {u: "" for u in all_units if matches_self_or_ancestor(pattern, u)}
+        for alias, holder in sorted((tied or {}).items()):
+            if holder in unit_set and matches_self_or_ancestor(pattern, alias):
+                hits.setdefault(holder, f" ({alias} shares its weights)")
+            if alias in unit_set and holder in hits:
+                hits.setdefault(alias, f" (it shares {holder}'s weights)")
+        return hits
 
     def keep(unit: str, reason: str, rule: str) -> None:
         current = islands.get(unit)
@@ -228,20 +248,19 @@ def build_plan(
                 keep(unit, "precision", "normalization layer")
     if safe:
         for rule in recipe.rules_for(target):
-            for unit in all_units:
-                pattern = next((p for p in rule.modules if matches_self_or_ancestor(p, unit)), None)
-                if pattern is not None:
-                    keep(unit, rule.reason, f"recipe {recipe.name}: {pattern}")
+            for pattern in rule.modules:
+                for unit, via in named(pattern).items():
+                    keep(unit, rule.reason, f"recipe {recipe.name}: {pattern}{via}")
     for pattern in keep_fp32:
         try:
             validate_pattern(pattern)
         except ValueError as exc:
             raise InputError(f"--keep-fp32: {exc}") from None
-        hits = [u for u in all_units if matches_self_or_ancestor(pattern, u)]
+        hits = named(pattern)
         if not hits:
             raise InputError(f"--keep-fp32 {pattern!r} matches no module of the model")
-        for unit in hits:
-            keep(unit, "user", f"--keep-fp32 {pattern}")
+        for unit, via in hits.items():
+            keep(unit, "user", f"--keep-fp32 {pattern}{via}")
     for island in extra_islands:
         keep(island.name, island.reason, island.rule)
 

@@ -507,3 +507,42 @@ def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
     with pytest.raises(PushFailed):
         push("ns/z")
     assert calls[-1] == "ns/z" and not answers  # not retried: waiting cannot help
+
+
+def test_a_wait_beyond_the_maximum_is_not_waited_and_a_long_backoff_is_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 429 asking for more than PRECISION_CONVERT_MAX_RETRY_WAIT fails the push at once (its
+    message says when to run it again); one within it is waited; a backoff longer than a few
+    seconds is said on stderr."""
+    import precision_convert.hub as hub_module
+    from precision_convert.batch.etiquette import Etiquette, push_politely
+    from precision_convert.errors import PushFailed
+
+    monkeypatch.setenv("PRECISION_CONVERT_MAX_RETRY_WAIT", "60")
+    answers: list[Exception | str] = [_failed(429, 86400.0), _failed(429, 60.0), _failed(503)]
+    answers.append("pushed")
+
+    def push_with_result(converted: Path, repo_id: str, **options: object) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(hub_module, "push_with_result", push_with_result)
+    waits: list[float] = []
+    etiquette = Etiquette(tmp_path / "locks", interval=0.0, retries=4, backoff=8.0)
+
+    def push() -> object:
+        return push_politely(
+            tmp_path, "ns/x", create_pr=False, private=None, etiquette=etiquette, sleep=waits.append
+        )
+
+    with pytest.raises(PushFailed) as stopped:
+        push()
+    assert stopped.value.retry_after == 86400.0 and waits == []  # not retried, nothing waited
+    assert push() == "pushed"
+    assert waits[0] == 60.0 and 16.0 <= waits[1] <= 24.0, waits  # second try: 2 x 8 s + jitter
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines  # the Hub's own wait is announced by the worker's client
+    assert lines[0].startswith("precision-convert: ns/x: push failed (503), retrying: waiting ")

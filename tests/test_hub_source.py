@@ -301,6 +301,20 @@ def test_hub_failure_mid_way_is_one_line_and_exit_2(
     _assert_nothing_written(tmp_path)
 
 
+def test_a_hub_asking_to_wait_a_day_is_one_line_saying_when(hub: FakeHub, tmp_path: Path) -> None:
+    """``Retry-After: 86400``: huggingface_hub would sleep a day (five times over, for the
+    requests it retries); the command stops at once and says when to try again."""
+    hub.inject(rf"^/api/models/{REPO}", status=429, headers={"Retry-After": "86400"})
+    started = time.monotonic()
+    done = _cli(["model", REPO, "--to", "bf16-safe", "--no-validate"], hub.endpoint, tmp_path)
+    assert time.monotonic() - started < 60
+    line = _assert_one_line_error(
+        done, REPO, "asking to wait 24 h, more than PRECISION_CONVERT_MAX_RETRY_WAIT allows"
+    )
+    assert "try again after" in line
+    _assert_nothing_written(tmp_path)
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

@@ -668,6 +668,88 @@ def test_retry_after_is_read_as_seconds_or_an_http_date(
     assert refused.value.retry_after is not None and 28 <= refused.value.retry_after <= 30
 
 
+@pytest.fixture
+def command_client() -> Iterator[None]:
+    """huggingface_hub's client as the command sets it up for its process (``run()`` calls
+    :func:`bound_hub_requests`; CliRunner does not), for this test only."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http
+
+    from precision_convert.hub_client import bound_hub_requests
+
+    before = _http._GLOBAL_CLIENT_FACTORY
+    bound_hub_requests()
+    yield
+    set_client_factory(before)
+
+
+def test_a_wait_beyond_the_maximum_stops_with_when_to_retry(
+    served: Served, hub: FakeHub, command_client: None
+) -> None:
+    """``Retry-After: 86400`` on the preupload: no sleeping for a day (the client would, five
+    times over), but one line saying when to run push again; nothing committed, and the rerun
+    completes."""
+    from datetime import UTC, datetime, timedelta
+
+    repo_id = "ns/tiny-retry-tomorrow"
+    hub.inject(r"/preupload/", status=429, headers={"Retry-After": "86400"})
+    started = time.monotonic()
+    done = _push(str(served.output), repo_id)
+    assert time.monotonic() - started < 30
+    tomorrow = (datetime.now(UTC) + timedelta(days=1)).strftime("%Y-%m-%d")
+    _one_line_error(
+        done,
+        2,
+        f"{repo_id}: the Hub answered 429 to POST /api/models/{repo_id}/preupload/main asking "
+        "to wait 24 h, more than PRECISION_CONVERT_MAX_RETRY_WAIT allows (300 s)",
+        f"run push again after {tomorrow} ",
+    )
+    paths = [p for _, p in hub.requests]
+    assert paths.count(f"/api/models/{repo_id}/preupload/main") == 1  # not retried
+    assert set(hub.files(repo_id)) == {".gitattributes"}  # the repo as created, no commit
+    hub.faults.clear()
+    again = _push(str(served.output), repo_id)
+    assert again.exit_code == 0, again.output
+    assert hub.files(repo_id).keys() - {".gitattributes"} == _local_files(served.output).keys()
+
+
+@pytest.mark.parametrize("where", ["preupload", "commit"])
+def test_a_wait_within_the_maximum_is_honoured_and_announced(
+    served: Served,
+    hub: FakeHub,
+    command_client: None,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """A short ``Retry-After`` is waited, by the client (the preupload) or by the command (the
+    commit, which the client does not retry), and the push completes. A wait longer than
+    ``ANNOUNCED_WAIT`` (lowered here, so that a 1 s wait counts) is said on stderr."""
+    import precision_convert.hub_client as hub_client
+
+    monkeypatch.setattr(hub_client, "ANNOUNCED_WAIT", 0.5)
+    repo_id = f"ns/tiny-retry-soon-{where}"
+    hub.inject(rf"/{where}/", status=429, headers={"Retry-After": "1"}, times=1)
+    started = time.monotonic()
+    done = _push(str(served.output), repo_id)
+    assert done.exit_code == 0, done.output
+    assert time.monotonic() - started >= 1.0
+    path = f"/api/models/{repo_id}/{where}/main"
+    assert [p for _, p in hub.requests].count(path) == 2
+    (line,) = [line for line in done.stderr.splitlines() if "waiting" in line]
+    assert line.startswith(f"precision-convert: the Hub answered 429 to POST {path}: waiting 1 s")
+    assert line.endswith(" UTC")
+    assert hub.files(repo_id).keys() - {".gitattributes"} == _local_files(served.output).keys()
+
+
+def test_a_bad_maximum_is_refused_before_anything_is_sent(
+    served: Served, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRECISION_CONVERT_MAX_RETRY_WAIT", "a while")
+    done = _push(str(served.output), "ns/tiny-bad-maximum")
+    _one_line_error(done, 2, "PRECISION_CONVERT_MAX_RETRY_WAIT='a while'", "in seconds")
+    assert hub.requests == []
+
+
 def test_failed_commit_is_one_line_and_a_rerun_completes(served: Served, hub: FakeHub) -> None:
     repo_id = "ns/tiny-commit-503"
     hub.inject(r"/commit/", status=503)  # the commit call is not retried by the client

@@ -1,4 +1,5 @@
-"""A user-level cache of what skeleton analysis found: which modules of a class are norms.
+"""A user-level cache of what skeleton analysis found: which modules of a class are norms, and
+which share a parameter (tied weights).
 
 Building a skeleton imports the model's library (transformers alone takes seconds to import)
 to learn a handful of module names that depend only on the class, its config and the installed
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 CACHE_VARIABLE = "PRECISION_CONVERT_CACHE"
 _DISABLED = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
 #: Bump when the layout of an entry or the meaning of its key changes.
-SCHEMA = 1
+SCHEMA = 2
 #: Top-level config fields that name, date or type a checkpoint without shaping its modules
 #: (and our own record, written into converted configs under either name).
 IGNORED_CONFIG_KEYS = frozenset(
@@ -68,10 +69,12 @@ _MAX_ENTRY_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class SkeletonNorms:
-    """What a skeleton says: its normalization modules and its base-model prefix."""
+    """What a skeleton says: its normalization modules, its base-model prefix, and the groups
+    of modules that hold one parameter between them (a head tied to the embedding)."""
 
     modules: frozenset[str]
     prefix: str
+    tied: tuple[tuple[str, ...], ...] = ()
 
 
 def cache_dir() -> Path | None:
@@ -144,10 +147,15 @@ def load(key: Mapping[str, Any]) -> SkeletonNorms | None:
         or not isinstance(entry.get("prefix"), str)
         or not isinstance(entry.get("modules"), list)
         or not all(isinstance(m, str) for m in entry["modules"])
+        or not isinstance(entry.get("tied"), list)
+        or not all(
+            isinstance(g, list) and all(isinstance(m, str) for m in g) for g in entry["tied"]
+        )
     ):
         logger.debug("ignoring a norm cache entry that does not match its key: %s", path)
         return None
-    return SkeletonNorms(frozenset(entry["modules"]), entry["prefix"])
+    tied = tuple(tuple(group) for group in entry["tied"])
+    return SkeletonNorms(frozenset(entry["modules"]), entry["prefix"], tied)
 
 
 def store(key: Mapping[str, Any], found: SkeletonNorms) -> None:
@@ -155,7 +163,14 @@ def store(key: Mapping[str, Any], found: SkeletonNorms) -> None:
     path = _entry_path(key)
     if path is None:
         return
-    payload = _canonical({"key": key, "modules": sorted(found.modules), "prefix": found.prefix})
+    payload = _canonical(
+        {
+            "key": key,
+            "modules": sorted(found.modules),
+            "prefix": found.prefix,
+            "tied": [list(group) for group in found.tied],
+        }
+    )
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

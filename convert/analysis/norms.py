@@ -1,4 +1,5 @@
-"""Find normalization modules on a meta-device skeleton of the model.
+"""Find normalization modules, and modules that share their weights, on a meta-device skeleton
+of the model.
 
 The model is built from its config with no weights by
 :func:`~precision_convert.conversion.runtime.builders.build_skeleton` (the builder ``pc.load``
@@ -62,10 +63,43 @@ def skeleton_norms(
             name for name, module in model.named_modules() if name and _is_normalization(module)
         ),
         getattr(model, "base_model_prefix", "") or "",
+        _tied_groups(model),
     )
     if key is not None:
         norm_cache.store(key, found)
     return found
+
+
+def tied_modules(source: ModelSource, *, trust_remote_code: bool = False) -> dict[str, str]:
+    """Modules that share a parameter with a module the checkpoint stores it under (a head
+    tied to the embedding: ``lm_head`` -> ``model.embed_tokens``); each in checkpoint names
+    where it stores tensors of its own, else as the model names it. Empty when no skeleton can
+    be built.
+
+    The checkpoint stores a tied parameter once, under one of its names, so a user's name for
+    the other module matches no stored tensor of it; this says which stored one it is."""
+    found = skeleton_norms(source, trust_remote_code=trust_remote_code)
+    if found is None:
+        return {}
+    stored = {module_of(t.name) for t in source.tensors()}
+    out: dict[str, str] = {}
+    for group in found.tied:
+        named = [(_checkpoint_name(m, found.prefix, stored), m) for m in group]
+        holder = next((name for name, _ in named if name is not None), None)
+        if holder is None:
+            continue
+        out.update({name or model_name: holder for name, model_name in named if name != holder})
+    return out
+
+
+def _tied_groups(model: Any) -> tuple[tuple[str, ...], ...]:
+    """Groups of module names holding one parameter object between them, sorted."""
+    holders: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), set()).add(name)
+    return tuple(sorted({tuple(sorted(names)) for names in holders.values() if len(names) > 1}))
 
 
 def _is_normalization(module: Any) -> bool:
@@ -92,14 +126,16 @@ def _by_name(tensor_names: Iterable[str]) -> set[str]:
 
 def _align_names(found: SkeletonNorms, checkpoint_modules: set[str]) -> set[str]:
     """Map skeleton module names onto checkpoint names (base-model prefix added or dropped)."""
-    prefix = found.prefix
-    aligned: set[str] = set()
-    for name in found.modules:
-        for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
-            if candidate in checkpoint_modules:
-                aligned.add(candidate)
-                break
-    return aligned
+    aligned = (_checkpoint_name(name, found.prefix, checkpoint_modules) for name in found.modules)
+    return {name for name in aligned if name is not None}
+
+
+def _checkpoint_name(name: str, prefix: str, checkpoint_modules: set[str]) -> str | None:
+    """A skeleton module's name in the checkpoint (base-model prefix added or dropped)."""
+    for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+        if candidate in checkpoint_modules:
+            return candidate
+    return None
 
 
 #: The code a cached answer depends on besides the libraries: this module and the builders.

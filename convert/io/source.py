@@ -20,6 +20,7 @@ from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.tensors import FileTensor, LazyTensor, MemoryTensor
 from precision_convert.dtypes import from_torch
 from precision_convert.errors import InputError, UnsafeCheckpointError
+from precision_convert.hub_client import WaitTooLong
 
 #: Weight file stems each library writes, in the order we prefer them.
 _WEIGHT_STEMS = ("model", "diffusion_pytorch_model", "open_clip_model")
@@ -187,6 +188,8 @@ def _hub_failure(exc: Exception, revision: str | None) -> str:
         )
     if isinstance(exc, RevisionNotFoundError):
         return f"the Hub repo has no revision {revision or 'main'!r}"
+    if isinstance(exc, WaitTooLong):  # its text says what was asked and when to come back
+        return f"not a local directory, and the Hub could not provide it now: {exc}"
     lines = str(exc).strip().splitlines()
     detail = lines[0].removeprefix("Got: ") if lines else type(exc).__name__
     if lines and not isinstance(exc, OSError):  # transport errors: their text alone is vague

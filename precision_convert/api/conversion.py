@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.api.options import ConversionOptions
-from precision_convert.conversion.analysis.norms import normalization_modules
+from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import (
     VARIANT_NAME,
@@ -164,6 +164,13 @@ def plan_model(
         norms = set()
     if ranges is None and decoded.range_limited:
         ranges = scan_ranges(tensors if pool is None else [PooledTensor(t, pool) for t in tensors])
+    # Names that only a module sharing a stored one's weights answers to (a tied lm_head),
+    # wherever a pattern may name one: the user's, or a -safe target's recipe rules.
+    tied = (
+        tied_modules(model, trust_remote_code=trust_remote_code)
+        if keep_fp32 or (decoded.safe and chosen.rules_for(decoded.value))
+        else {}
+    )
 
     def plan_with(extra: Sequence[Island]) -> ModelPlan:
         return build_plan(
@@ -174,6 +181,7 @@ def plan_model(
             keep_fp32=keep_fp32,
             ranges=ranges,
             extra_islands=extra,
+            tied=tied,
         )
 
     if not (calibrate and decoded.safe):

@@ -11,7 +11,11 @@ itself, but not every call of a commit. So each push here:
 - retries what may pass later — 429 (after its ``Retry-After``, seconds or an HTTP date, when
   the Hub sends one), 5xx, a branch that moved meanwhile (409/412), a lost connection — with
   exponential backoff plus jitter (tenacity), so workers that failed together do not come back
-  together; anything else (a refused gate, a bad token, a 4xx) is raised at once.
+  together; anything else (a refused gate, a bad token, a 4xx) is raised at once. A wait the
+  Hub asks for beyond ``PRECISION_CONVERT_MAX_RETRY_WAIT`` is not waited: the push fails at
+  once with a line saying when to run it again (``batch --resume`` pushes it then). A wait
+  longer than a few seconds is announced on stderr: the worker's Hub client announces those
+  the Hub asks for, the backoff its own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from precision_convert.errors import PushFailed
+from precision_convert.hub_client import announce_wait, max_retry_wait
 
 if TYPE_CHECKING:
     from tenacity import RetryCallState
@@ -63,27 +68,39 @@ def push_politely(
         with _turn(etiquette, repo_id, sleep):
             return push_with_result(converted, repo_id, create_pr=create_pr, private=private)
 
+    def announce(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if not isinstance(exc, PushFailed) or state.next_action is None:
+            return
+        if exc.retry_after is None:  # one the Hub asked for was said as it answered
+            answer = exc.status or "no answer"
+            announce_wait(f"{repo_id}: push failed ({answer}), retrying", state.next_action.sleep)
+
     retrying = Retrying(
         retry=retry_if_exception(transient),
         wait=_Wait(etiquette.backoff),
         stop=stop_after_attempt(etiquette.retries + 1),
         sleep=sleep,
+        before_sleep=announce,
         reraise=True,  # the last PushFailed itself, not tenacity's RetryError
     )
     return retrying(attempt)
 
 
 def transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is a push that may pass if tried again later."""
+    """Whether ``exc`` is a push that may pass if tried again later, and soon enough: a wait
+    the Hub asks for beyond ``PRECISION_CONVERT_MAX_RETRY_WAIT`` is not waited."""
     if not isinstance(exc, PushFailed):
+        return False
+    if exc.retry_after is not None and exc.retry_after > max_retry_wait():
         return False
     status = exc.status
     return status is None or status == 429 or status >= 500 or status in (409, 412)
 
 
 class _Wait:
-    """tenacity's wait: the Hub's ``Retry-After`` for a 429 that sends one, else exponential
-    backoff with jitter."""
+    """tenacity's wait: the Hub's ``Retry-After`` for an answer that sends one (a 429 or a
+    5xx), else exponential backoff with jitter."""
 
     def __init__(self, backoff: float) -> None:
         from tenacity import wait_exponential, wait_random
@@ -94,7 +111,7 @@ class _Wait:
 
     def __call__(self, state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, PushFailed) and exc.status == 429 and exc.retry_after is not None:
+        if isinstance(exc, PushFailed) and exc.retry_after is not None:
             return exc.retry_after
         return float(self.backoff(state))
 

@@ -250,11 +250,16 @@ class _Reader:
     def absolute(self, values: dict[str, Any]) -> dict[str, Any]:
         """Paths relative to the manifest's folder; a recipe that is a file, too."""
         for key in _PATH_KEYS & values.keys():
-            values[key] = str((self.base / Path(values[key]).expanduser()).absolute())
+            values[key] = str(self.local(values[key]).absolute())
         recipe = values.get("recipe")
-        if recipe is not None and (recipe.endswith(".toml") or (self.base / recipe).exists()):
-            values["recipe"] = str((self.base / Path(recipe).expanduser()).absolute())
+        if recipe is not None and (recipe.endswith(".toml") or self.local(recipe).exists()):
+            values["recipe"] = str(self.local(recipe).absolute())
         return values
+
+    def local(self, raw: str) -> Path:
+        """A path the manifest names: ``~`` expanded (TOML strings reach no shell, and a folder
+        literally named ``~`` is never meant), then relative to the manifest's folder."""
+        return self.base / Path(raw).expanduser()
 
     def source(self, raw: Any, index: int) -> tuple[str, bool] | None:
         """(an absolute directory or a Hub id, whether it is a Hub id); None: a problem."""
@@ -262,7 +267,7 @@ class _Reader:
         if not isinstance(raw, str) or not raw.strip():
             problem = "source must be a directory or a Hub repo id"
         else:
-            local = self.base / Path(raw).expanduser()
+            local = self.local(raw)
             if local.exists() or raw.startswith((".", "/", "~")):
                 if local.is_dir():
                     return str(local.resolve()), False
@@ -311,7 +316,7 @@ def read_manifest(path: str | Path) -> Manifest:
         raise reader.error()
     defaults = reader.absolute(reader.options(raw_defaults, "defaults", 0))
     reader.check_option_values(defaults, "defaults", 0)
-    output_dir = reader.base / Path(defaults.pop("output_dir", "converted")).expanduser()
+    output_dir = reader.local(defaults.pop("output_dir", "converted"))
     jobs: list[Job] = []
     for index, entry in enumerate(entries):
         jobs += _jobs(reader, defaults, entry, index, output_dir.absolute(), len(jobs))

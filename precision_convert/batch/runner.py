@@ -185,7 +185,9 @@ def _starts(
     ]
     if pushes:
         from precision_convert.hub import check_write_access
+        from precision_convert.hub.errors import retry_wait_limit
 
+        retry_wait_limit()  # a bad value is refused before anything runs, not in each push
         check_write_access([(push.repo_id, push.create_pr) for push in pushes])
     _clear_leftovers(settings, manifest.jobs)
     return starts

@@ -273,6 +273,7 @@ class Command(TyperCommand):
         return _no_flag_placeholders(super().get_params(ctx))
 
     def invoke(self, ctx: Any) -> Any:
+        ctx.params = {name: expand_home(name, value) for name, value in ctx.params.items()}
         # A command wraps everything it may write in reported_errors; a Ctrl-C before that
         # (while its arguments are converted, or its first imports run) wrote nothing, and
         # would otherwise end in typer's silent exit 130.
@@ -288,6 +289,28 @@ class Command(TyperCommand):
             else:
                 pieces += param.get_usage_pieces(ctx)
         return pieces
+
+
+#: Parameters that are a path or a name (a Hub id, a recipe): a value starting with ``~`` can
+#: only be a path, since no Hub id or recipe name starts with it.
+PATH_OR_NAME = frozenset({"source", "baseline", "recipe"})
+
+
+def expand_home(name: str, value: Any) -> Any:
+    """``value`` of the parameter ``name`` with a leading ``~`` expanded to the home folder.
+
+    The shell expands ``~`` only at the start of a word, so ``--output=~/x`` arrives as is and
+    would otherwise be written into a folder literally named ``~``. Every path parameter
+    (``Path`` values, lists of them) and :data:`PATH_OR_NAME` are expanded here, once, before a
+    command runs, so what it writes and prints is the expanded path.
+    """
+    if isinstance(value, Path):
+        return value.expanduser()
+    if isinstance(value, list | tuple) and any(isinstance(v, Path) for v in value):
+        return type(value)(expand_home(name, v) for v in value)
+    if name in PATH_OR_NAME and isinstance(value, str) and value.startswith("~"):
+        return str(Path(value).expanduser())
+    return value
 
 
 def one_line_usage_errors(app: typer.Typer) -> None:

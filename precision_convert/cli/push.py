@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -105,21 +106,41 @@ def push_and_report(
     """Push and say what happened on stderr (``with_url``: the URL too, for ``model --push``,
     whose stdout is the conversion's report); for ``push`` and for ``model … --push`` (call it
     inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
+    from precision_convert.errors import PushFailed
     from precision_convert.hub import push_with_result
+    from precision_convert.hub.errors import retry_wait_limit
+    from precision_convert.hub_client import RETRIED_STATUSES
 
+    maximum = retry_wait_limit()
     with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
-        result = push_with_result(
-            converted,
-            repo_id,
-            create_pr=create_pr,
-            private=private,
-            revision=revision,
-            commit_message=commit_message,
-            token=token,
-        )
+        for attempt in range(_WAITED_RETRIES + 1):
+            try:
+                result = push_with_result(
+                    converted,
+                    repo_id,
+                    create_pr=create_pr,
+                    private=private,
+                    revision=revision,
+                    commit_message=commit_message,
+                    token=token,
+                )
+                break
+            except PushFailed as exc:
+                # A call the client does not retry (the commit) was told to wait: wait as
+                # asked (the client's hook has announced a long wait and refused one beyond
+                # the maximum), then resume; what the Hub holds is not sent again.
+                wait = exc.retry_after
+                asked = wait is not None and exc.status in RETRIED_STATUSES
+                if not asked or wait > maximum or attempt == _WAITED_RETRIES:
+                    raise
+                time.sleep(wait)
     line = _report(result) + (f": {result.url}" if with_url else "")
     console.print(line, highlight=False, soft_wrap=True)
     return result
+
+
+#: Pushes resumed after a wait the Hub asked for, before its answer is reported as the error.
+_WAITED_RETRIES = 3
 
 
 def _report(result: PushResult) -> str:

@@ -33,7 +33,8 @@
    open pull request N, as huggingface_hub takes it. Uploads go through huggingface_hub's
    preupload and LFS machinery: the Hub reports the objects it already holds and the client
    skips them, so a push that was interrupted uploads only what is missing when run again; the
-   client retries 429 and 5xx answers itself.
+   client retries 429 and 5xx answers itself, after the wait the Hub asks for (which the
+   command bounds, see :mod:`precision_convert.hub_client`).
 
 The token comes from the ``token`` argument, ``HF_TOKEN`` or the user's login, is handed only to
 ``HfApi``, and is scrubbed from every message this module produces. Errors surface as this

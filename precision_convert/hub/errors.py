@@ -7,8 +7,6 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 from precision_convert.errors import (
@@ -17,6 +15,14 @@ from precision_convert.errors import (
     InputError,
     PrecisionConvertError,
     PushFailed,
+)
+from precision_convert.hub_client import (
+    MAX_RETRY_WAIT_VARIABLE,
+    WaitTooLong,
+    clock,
+    duration,
+    max_retry_wait,
+    retry_after,
 )
 
 
@@ -66,6 +72,20 @@ def _role(identity: Mapping[str, Any]) -> str | None:
 
 def _organizations(identity: Mapping[str, Any]) -> list[str]:
     return [o["name"] for o in identity.get("orgs", []) if isinstance(o, dict) and "name" in o]
+
+
+def retry_wait_limit() -> float:
+    """The longest wait before a retry that a push may make (``PRECISION_CONVERT_MAX_RETRY_WAIT``),
+    read before anything is sent, so a bad value is refused as bad input rather than met
+    mid-push.
+
+    Raises:
+        InputError: not a number of seconds.
+    """
+    try:
+        return max_retry_wait()
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 @dataclass
@@ -138,6 +158,15 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
         lines = [line.strip() for line in str(message).splitlines() if line.strip()]
         return scrub(lines[0] if lines else type(error).__name__)
 
+    if isinstance(exc, WaitTooLong):
+        return PushFailed(
+            f"{repo_id}: the Hub answered {exc.status} to {exc.request} asking to wait "
+            f"{duration(exc.seconds)}, more than {MAX_RETRY_WAIT_VARIABLE} allows "
+            f"({exc.maximum:g} s); run push again after {clock(exc.seconds)}: files the Hub "
+            "already holds are not uploaded twice",
+            status=exc.status,
+            retry_after=exc.seconds,
+        )
     if isinstance(exc, LocalTokenNotFoundError):
         return HubAuthError("no Hugging Face token: set HF_TOKEN or log in (hf auth login)")
     if isinstance(exc, RevisionNotFoundError):
@@ -148,7 +177,7 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
         return InputError(f"{repo_id}: no such model repo on the Hub, or this token cannot see it")
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
-        after = _retry_after(exc.response.headers.get("Retry-After"))
+        after = retry_after(exc.response.headers.get("Retry-After"))
         answered = {"status": status, "retry_after": after}
         if status == 401:
             return HubAuthError(
@@ -190,19 +219,3 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
         f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {first_line(exc)}); "
         "run push again to resume"
     )
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header: a number of seconds or an HTTP date."""
-    if not value:
-        return None
-    text = value.strip()
-    if text.isdigit():
-        return float(text)
-    try:
-        when = parsedate_to_datetime(text)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
