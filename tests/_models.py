@@ -291,6 +291,56 @@ def autoencoder_kl() -> Any:
     )
 
 
+#: The SDXL VAE shrunk in width and depth: four levels (8x downsampling), sample_size 1024.
+SDXL_VAE: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "block_out_channels": (8, 8, 16, 16),
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "norm_num_groups": 4,
+    "layers_per_block": 1,
+    "sample_size": 1024,
+}
+#: The planted value weight: the decoder's mid-block ``to_v`` peaks at about 700x the latent
+#: side (5.6k at 8x8 latents, 22k at 32x32, 45k at 64x64, 90k at 128x128: past fp16's 65504
+#: only at 1024 px).
+PLANTED_VALUE = 350.0
+
+
+def sdxl_vae(*, planted: bool = False) -> Any:
+    """An SDXL-shaped ``AutoencoderKL`` (sample_size 1024), seeded; with ``planted``, its
+    decoder's mid-block attention overflows fp16 only at large latent sides.
+
+    The planting is real weights: GroupNorm group 0 of the mid-block attention is left holding
+    one nonzero pixel (a corner, made by a zero-padding edge kernel on a channel that ``norm2``
+    holds constant), and a GroupNorm normalises a lone spike to sqrt(pixels in the group), so
+    the value projection reading it grows linearly with the latent side.
+    """
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**SDXL_VAE).eval()
+    if planted:
+        decoder = vae.decoder
+        resnet, attention = decoder.mid_block.resnets[0], decoder.mid_block.attentions[0]
+        constant = 4  # a channel outside group 0 that norm2 makes constant
+        edge = torch.tensor([1.0, -1.0, 0.0])  # sums to 0 inside, to 1 only at the (0, 0) corner
+        with torch.no_grad():
+            decoder.conv_in.weight[0:4] = 0  # group 0 of the residual stream: zero ...
+            decoder.conv_in.bias[0:4] = 0
+            resnet.norm2.weight[constant] = 0
+            resnet.norm2.bias[constant] = 3.0
+            resnet.conv2.weight[0:4] = 0
+            resnet.conv2.bias[0:4] = 0
+            resnet.conv2.weight[0, constant] = 10 * torch.outer(edge, edge)  # ... but a corner
+            attention.group_norm.weight[0] = 1.0
+            attention.to_v.weight[:, 0] = 0
+            attention.to_v.weight[0, 0] = PLANTED_VALUE
+    return vae
+
+
 def cogvideox_transformer() -> Any:
     from diffusers import CogVideoXTransformer3DModel
 

@@ -1,0 +1,106 @@
+"""A certificate holds at the sizes the model declares: a VAE with sample_size 1024 is judged
+decoding 1024 px images, not only the small ones that run in milliseconds.
+
+The overflow is real: ``_models.sdxl_vae(planted=True)`` sets weights of a real diffusers
+``AutoencoderKL`` so its decoder's mid-block value projection grows with the latent side and
+passes fp16's limit only at 128x128 latents (1024 px); a plain fp16 cast shows it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import _models
+import pytest
+import torch
+
+import precision_convert as pc
+from precision_convert.api.conversion import convert
+from precision_convert.dtypes import FP16_MAX
+
+#: Latents a side of a 1024 px image (the SDXL VAE downsamples 8x), and of a 256 px one.
+DECLARED_LATENT = 128
+SMALL_LATENT = 32
+VALUE = "decoder.mid_block.attentions.0.to_v"
+
+
+def _decode(vae: Any, side: int) -> torch.Tensor:
+    dtype = next(vae.parameters()).dtype
+    z = torch.randn(1, 4, side, side, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        return vae.decode(z).sample.float()
+
+
+@pytest.fixture(scope="module")
+def planted_vae(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("planted-vae")
+    _models.sdxl_vae(planted=True).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_vae(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plain-vae")
+    _models.sdxl_vae().save_pretrained(path)
+    return path
+
+
+def test_planted_vae_overflows_fp16_only_at_its_declared_size() -> None:
+    """The reproduction: the fp32 decode is finite at every side, the value projection's peak
+    grows with the side, and a plain fp16 cast is all NaN at 1024 px but finite at 256 px."""
+    vae = _models.sdxl_vae(planted=True)
+    peaks: dict[int, float] = {}
+    module = vae.get_submodule(VALUE)
+    for side in (SMALL_LATENT, DECLARED_LATENT):
+        handle = module.register_forward_hook(
+            lambda _m, _i, out, side=side: peaks.__setitem__(side, float(out.abs().max()))
+        )
+        assert _decode(vae, side).isfinite().all()
+        handle.remove()
+    assert peaks[SMALL_LATENT] < FP16_MAX / 2 < FP16_MAX < peaks[DECLARED_LATENT]
+    half = vae.half()
+    assert _decode(half, SMALL_LATENT).isfinite().all()
+    assert _decode(half, DECLARED_LATENT).isnan().all()
+
+
+def _sizes(certificate: Any) -> dict[str, Any]:
+    (component,) = certificate.to_json()["components"]
+    return component["inputs"]["sizes"]
+
+
+def test_declared_image_side_decides_the_certificate(planted_vae: Path, tmp_path: Path) -> None:
+    """fp16 is refused at 1024 px (the small probes alone passed it); fp16-safe makes the value
+    projection a range island and its load decodes 1024 px finite; bf16-safe passes; each
+    certificate names the image side run."""
+    results = {
+        target: convert(planted_vae, to=target, output=tmp_path / target, coverage="quick")
+        for target in ("fp16", "fp16-safe", "bf16-safe")
+    }
+    fp16 = results["fp16"].certificate
+    assert fp16.verdict == "fail"
+    assert any("1024x1024" in line for line in fp16.failures), fp16.failures
+    for target in ("fp16-safe", "bf16-safe"):
+        certificate = results[target].certificate
+        assert certificate.verdict == "pass", (target, certificate.failures)
+        assert _sizes(certificate)["image_side"]["run"] == 1024
+    plan = pc.inspect(tmp_path / "fp16-safe")
+    assert any(i.module == VALUE and i.reason == "range" for i in plan.islands), plan.islands
+    loaded = pc.load(tmp_path / "fp16-safe")
+    reference = _decode(_models.sdxl_vae(planted=True), DECLARED_LATENT)
+    decoded = _decode(loaded, DECLARED_LATENT)
+    assert decoded.isfinite().all()
+    assert torch.nn.functional.cosine_similarity(
+        decoded.flatten().double(), reference.flatten().double(), dim=0
+    ) > 0.999
+
+
+def test_plain_vae_is_certified_at_its_declared_size(plain_vae: Path, tmp_path: Path) -> None:
+    """No false fail: without the planted weights fp16 and fp16-safe pass at 1024 px with no
+    range island added."""
+    for target in ("fp16", "fp16-safe"):
+        result = convert(plain_vae, to=target, output=tmp_path / target, coverage="quick")
+        assert result.certificate.verdict == "pass", (target, result.certificate.failures)
+        assert _sizes(result.certificate)["image_side"] == {"declared": 1024, "run": 1024}
+    plan = pc.inspect(tmp_path / "fp16-safe")
+    assert not [i for i in plan.islands if i.reason == "range"], plan.islands
