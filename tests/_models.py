@@ -292,14 +292,16 @@ def autoencoder_kl() -> Any:
 
 
 #: The SDXL VAE shrunk in width and depth: four levels (8x downsampling), sample_size 1024.
+#: Four channels at the full-resolution levels: a 1024 px pass in fp16 on a CPU is what a
+#: declared-size certificate costs, and it grows with the channels there.
 SDXL_VAE: dict[str, Any] = {
     "in_channels": 3,
     "out_channels": 3,
     "latent_channels": 4,
-    "block_out_channels": (8, 8, 16, 16),
+    "block_out_channels": (4, 4, 4, 8),
     "down_block_types": ("DownEncoderBlock2D",) * 4,
     "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "norm_num_groups": 4,
+    "norm_num_groups": 2,
     "layers_per_block": 1,
     "sample_size": 1024,
 }
@@ -325,7 +327,7 @@ def sdxl_vae(*, planted: bool = False) -> Any:
     if planted:
         decoder = vae.decoder
         resnet, attention = decoder.mid_block.resnets[0], decoder.mid_block.attentions[0]
-        constant = 4  # a channel outside group 0 that norm2 makes constant
+        constant = 4  # a channel outside group 0 (channels 0-3) that norm2 makes constant
         edge = torch.tensor([1.0, -1.0, 0.0])  # sums to 0 inside, to 1 only at the (0, 0) corner
         with torch.no_grad():
             decoder.conv_in.weight[0:4] = 0  # group 0 of the residual stream: zero ...

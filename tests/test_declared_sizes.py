@@ -8,6 +8,7 @@ passes fp16's limit only at 128x128 latents (1024 px); a plain fp16 cast shows i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ import torch
 import precision_convert as pc
 from precision_convert.api.conversion import convert
 from precision_convert.dtypes import FP16_MAX
+from precision_convert.validation.probe.inputs.budgets import budget_for
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.sizes import declared_size_probes
+from precision_convert.validation.probe.inputs.sweep import sweep
 
 #: Latents a side of a 1024 px image (the SDXL VAE downsamples 8x), and of a 256 px one.
 DECLARED_LATENT = 128
@@ -64,11 +69,45 @@ def test_planted_vae_overflows_fp16_only_at_its_declared_size() -> None:
     assert _decode(half, DECLARED_LATENT).isnan().all()
 
 
+def test_sweep_probes_the_declared_sizes() -> None:
+    """The quick sweep (the cheapest level) encodes and decodes the VAE at its sample_size, and
+    runs a video denoiser at its declared latent frames; the record names what ran."""
+    vae = _models.sdxl_vae()
+    chosen = next(input_candidates(vae, seed=0))
+    swept = sweep(vae, chosen, "quick")
+    declared = [p for p in swept.probes if p.sweep.get("kind") == "declared-size"]
+    assert [p.name for p in declared] == ["encode@1024x1024", "decode@1024x1024"]
+    (image,) = declared[0].kwargs.values()
+    assert tuple(image.shape) == (1, 3, 1024, 1024)
+    assert swept.describe()["sizes"] == {"image_side": {"declared": 1024, "run": 1024}}
+
+    video = _models.make("cogvideox-transformer")  # sample_frames 9, 4x: 3 latent frames
+    chosen = next(input_candidates(video, seed=0))
+    swept = sweep(video, chosen, "quick")
+    (probe,) = [p for p in swept.probes if p.sweep.get("kind") == "declared-size"]
+    assert probe.sweep["latent_frames"] == 3
+    batch, *channels_and_frames = probe.kwargs["hidden_states"].shape[:3]
+    assert batch == 1 and sorted(channels_and_frames) == [3, 4]  # either 5-D layout
+    assert swept.sizes["latent_frames"] == {"declared": 3, "run": 3}
+
+
+def test_a_side_over_the_budget_is_recorded_not_run() -> None:
+    """A declared side whose activations pass the level's budget is not run, and says so."""
+    vae = _models.sdxl_vae()
+    chosen = next(input_candidates(vae, seed=0))
+    tight = replace(budget_for("quick"), declared_activation_bytes=1 << 20)
+    probes, sizes = declared_size_probes(vae, chosen, tight)
+    assert probes == []
+    assert sizes["image_side"]["run"] == 64
+    assert "declared_activation_bytes" in sizes["image_side"]["not_run"]
+
+
 def _sizes(certificate: Any) -> dict[str, Any]:
-    (component,) = certificate.to_json()["components"]
+    (component,) = certificate.to_dict()["components"]
     return component["inputs"]["sizes"]
 
 
+@pytest.mark.slow  # three conversions, each running 1024 px passes in fp16 on a CPU (minutes)
 def test_declared_image_side_decides_the_certificate(planted_vae: Path, tmp_path: Path) -> None:
     """fp16 is refused at 1024 px (the small probes alone passed it); fp16-safe makes the value
     projection a range island and its load decodes 1024 px finite; bf16-safe passes; each
@@ -84,17 +123,23 @@ def test_declared_image_side_decides_the_certificate(planted_vae: Path, tmp_path
         certificate = results[target].certificate
         assert certificate.verdict == "pass", (target, certificate.failures)
         assert _sizes(certificate)["image_side"]["run"] == 1024
-    plan = pc.inspect(tmp_path / "fp16-safe")
-    assert any(i.module == VALUE and i.reason == "range" for i in plan.islands), plan.islands
+        card = (tmp_path / target / "README.md").read_text()
+        assert "image side (px) run: 1024 of 1024 declared" in card
+    islands = results["fp16-safe"].components[0].plan.islands
+    assert any(i.name == VALUE and i.reason == "range" for i in islands), islands
     loaded = pc.load(tmp_path / "fp16-safe")
     reference = _decode(_models.sdxl_vae(planted=True), DECLARED_LATENT)
     decoded = _decode(loaded, DECLARED_LATENT)
     assert decoded.isfinite().all()
-    assert torch.nn.functional.cosine_similarity(
-        decoded.flatten().double(), reference.flatten().double(), dim=0
-    ) > 0.999
+    assert (
+        torch.nn.functional.cosine_similarity(
+            decoded.flatten().double(), reference.flatten().double(), dim=0
+        )
+        > 0.999
+    )
 
 
+@pytest.mark.slow  # two conversions at 1024 px
 def test_plain_vae_is_certified_at_its_declared_size(plain_vae: Path, tmp_path: Path) -> None:
     """No false fail: without the planted weights fp16 and fp16-safe pass at 1024 px with no
     range island added."""
@@ -102,5 +147,5 @@ def test_plain_vae_is_certified_at_its_declared_size(plain_vae: Path, tmp_path: 
         result = convert(plain_vae, to=target, output=tmp_path / target, coverage="quick")
         assert result.certificate.verdict == "pass", (target, result.certificate.failures)
         assert _sizes(result.certificate)["image_side"] == {"declared": 1024, "run": 1024}
-    plan = pc.inspect(tmp_path / "fp16-safe")
-    assert not [i for i in plan.islands if i.reason == "range"], plan.islands
+    islands = result.components[0].plan.islands
+    assert not [i for i in islands if i.reason == "range"], islands

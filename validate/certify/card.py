@@ -276,7 +276,8 @@ def _charts(charts: Sequence[str]) -> list[str]:
 
 def _reach(certificate: Certificate) -> list[str]:
     """The card's coverage section: per component, the positions, context length and token
-    ids its probes reached (every range left untested named), or the timesteps they ran at."""
+    ids its probes reached (every range left untested named), or the timesteps they ran at,
+    and the image side and frames run against those the model declares."""
     lines = []
     for c in certificate.components:
         reach = c.inputs.get("reach") or {}
@@ -299,6 +300,7 @@ def _reach(certificate: Certificate) -> list[str]:
         if "timesteps" in reach:
             steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
             parts.append(f"timesteps run: {steps} (none between)")
+        parts += _sizes_run(c.inputs.get("sizes") or {})
         if parts:
             who = f"`{c.name}`: " if c.name else ""
             level = c.inputs.get("coverage") or "no sweep"
@@ -306,6 +308,27 @@ def _reach(certificate: Certificate) -> list[str]:
     if not lines:
         return []
     return ["## Inputs reached", "", *lines, ""]
+
+
+#: How the card names each size of an ``inputs.sizes`` record.
+_SIZE_WORDS = {
+    "image_side": "image side (px)",
+    "latent_side": "latent side",
+    "latent_frames": "latent frames",
+}
+
+
+def _sizes_run(sizes: dict[str, Any]) -> list[str]:
+    """Per size the model declares: what ran against what it declares, and why a declared
+    size was not run (so a reader knows whether 1024 px or 49 frames were judged)."""
+    parts = []
+    for key, size in sizes.items():
+        words = _SIZE_WORDS.get(key, key)
+        declared = size.get("declared")
+        said = f" of {declared} declared" if declared is not None else ""
+        why = f" ({declared} not run: {size['not_run']})" if size.get("not_run") else ""
+        parts.append(f"{words} run: {size.get('run')}{said}{why}")
+    return parts
 
 
 def _untested(ranges: list[Any], why: str | None) -> str:

@@ -57,6 +57,11 @@ class Budget:
     #: Latents a side of a pipeline's end-to-end call (at most; the pipeline's own size when
     #: smaller). The call decodes full images, or video frames, in every load path checked.
     pipeline_latent_side: int = 32
+    #: Bytes the largest fp32 activation of one declared-size probe (:mod:`.sizes`: a VAE at
+    #: its sample_size, a denoiser at its declared latents) may take: 2 GiB holds SDXL's VAE
+    #: at 1024 px (512 MiB at its first level) and a UNet at 128x128 latents; a bigger forward
+    #: is recorded as not run.
+    declared_activation_bytes: int = 2 << 30
 
 
 BUDGETS: dict[str, Budget] = {
@@ -110,6 +115,7 @@ BUDGETS: dict[str, Budget] = {
         conditioning=True,
         max_output=1 << 22,
         blockwise_vocabulary_probes=16,
+        declared_activation_bytes=8 << 30,
     ),
 }
 

@@ -82,6 +82,9 @@ class ModelInputs:
     #: What bounds a token model's inputs (vocabulary, position limit), set by the sweep:
     #: what :func:`~.positions.reach` measures the probes against.
     limits: Mapping[str, Any] | None = None
+    #: The sizes the model declares and those run (:func:`~.sizes.declared_size_probes`):
+    #: image side, latent side and frames, each ``declared``, ``run`` and why ``not_run``.
+    sizes: Mapping[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         """Every probe precisely enough to replay it, as the certificate records it.
@@ -99,6 +102,7 @@ class ModelInputs:
             **({"memory_budget": self.memory} if self.memory else {}),
             **({"tokenizer": dict(self.tokenizer)} if self.tokenizer else {}),
             "probes": {p.name: _describe_probe(p) for p in self.probes},
+            **({"sizes": dict(self.sizes)} if self.sizes else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
         }
 

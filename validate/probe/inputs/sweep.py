@@ -12,6 +12,8 @@ family:
 - diffusion denoisers, autoencoders, vision and speech encoders (:mod:`.media_probes`):
   timesteps across the schedule and realistic conditioning, larger images, normalized-image
   contrast and longer audio;
+- autoencoders and denoisers: the image side, latent side and frame count the model declares
+  (:mod:`.sizes`);
 - any model: the user's calibration data (:mod:`.user_probes`).
 
 How much is swept is a coverage budget (:mod:`.budgets`): ``quick``, ``standard`` (default) or
@@ -54,6 +56,7 @@ from precision_convert.validation.probe.inputs.model_inputs import (
     tensor_digest,
 )
 from precision_convert.validation.probe.inputs.positions import position_probes, token_limits
+from precision_convert.validation.probe.inputs.sizes import declared_size_probes
 from precision_convert.validation.probe.inputs.token_probes import (
     token_probes,
     token_spec,
@@ -113,10 +116,13 @@ def sweep(
     tok = usable(tokenizer) if (chosen.tokenizer or {}).get("usable", True) else None
     probes: list[Probe] = []
     notes: list[str] = []
+    sizes: dict[str, Any] = {}
     if chosen.origin != "file":
         made, made_notes = _built(model, chosen, budget, tok, train_timesteps)
         probes += made
         notes += made_notes
+        declared, sizes = declared_size_probes(model, chosen, budget)
+        probes += declared
     if data is not None:
         probes += user_probes(
             model, chosen, data, tokenizer=tok, budget=budget, component=component
@@ -140,6 +146,7 @@ def sweep(
         coverage=budget.level,
         memory=memory,
         limits=token_limits(spec) if spec is not None else None,
+        sizes=sizes or None,
     )
 
 
