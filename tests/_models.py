@@ -363,6 +363,57 @@ def cogvideox_transformer() -> Any:
     )
 
 
+#: The planted feed-forward unit's weight on the frame-position channel: the unit peaks near
+#: 22k on the sincos positions of other frame counts and at 75k on the 13 declared frames.
+PLANTED_FRAME_WEIGHT = 14000.0
+
+
+def cogvideox_i2v_transformer(*, planted: bool = False) -> Any:
+    """A CogVideoX-5B-I2V-shaped transformer (learned positional embeddings, 49 frames: 13
+    latent), seeded; with ``planted``, its first block's feed-forward overflows fp16 only on
+    the declared frame count, from latent frame 3 on.
+
+    The planting is real weights: channel 0 of the learned frame-position embedding is 0 for
+    latent frames 0 and 1 and grows by 3 a frame after, and one up-projection unit reads that
+    channel (its down-projection column scaled by the inverse, so fp32 computes a sane
+    function). diffusers uses the learned table only at the declared frame count (sincos
+    positions otherwise), which is why probes of 2 frames never see it.
+    """
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=16,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=49,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+        use_rotary_positional_embeddings=True,
+        use_learned_positional_embeddings=True,
+    ).eval()
+    if planted:
+        text, per_frame = 8, (8 // 2) ** 2  # text tokens, then 4x4 patches a latent frame
+        ff = model.transformer_blocks[0].ff.net
+        with torch.no_grad():
+            table = model.patch_embed.pos_embedding
+            for frame in range(13):
+                rows = slice(text + frame * per_frame, text + (frame + 1) * per_frame)
+                table[0, rows, 0] = 3.0 * max(0, frame - 1)
+            ff[0].proj.weight[0] = 0
+            ff[0].proj.weight[0, 0] = PLANTED_FRAME_WEIGHT
+            ff[0].proj.bias[0] = 0
+            ff[2].weight[:, 0] /= PLANTED_FRAME_WEIGHT
+    return model
+
+
 def cogvideox_vae() -> Any:
     from diffusers import AutoencoderKLCogVideoX
 

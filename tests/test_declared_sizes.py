@@ -1,9 +1,12 @@
 """A certificate holds at the sizes the model declares: a VAE with sample_size 1024 is judged
-decoding 1024 px images, not only the small ones that run in milliseconds.
+decoding 1024 px images, and a 49-frame video transformer on 13 latent frames, not only on
+the small sizes that run in milliseconds.
 
-The overflow is real: ``_models.sdxl_vae(planted=True)`` sets weights of a real diffusers
+The overflows are real: ``_models.sdxl_vae(planted=True)`` sets weights of a real diffusers
 ``AutoencoderKL`` so its decoder's mid-block value projection grows with the latent side and
-passes fp16's limit only at 128x128 latents (1024 px); a plain fp16 cast shows it.
+passes fp16's limit only at 128x128 latents (1024 px); ``cogvideox_i2v_transformer(planted=
+True)`` sets a learned frame-position table and a feed-forward unit so the first block passes
+it only on the declared frames. A plain fp16 cast shows each.
 """
 
 from __future__ import annotations
@@ -70,11 +73,14 @@ def test_planted_vae_overflows_fp16_only_at_its_declared_size() -> None:
 
 
 def test_sweep_probes_the_declared_sizes() -> None:
-    """The quick sweep (the cheapest level) encodes and decodes the VAE at its sample_size, and
-    runs a video denoiser at its declared latent frames; the record names what ran."""
+    """The default sweep encodes and decodes the VAE at its sample_size; even the quick one
+    runs a video denoiser at its declared latent frames; the record names what ran, and what
+    quick did not."""
     vae = _models.sdxl_vae()
     chosen = next(input_candidates(vae, seed=0))
-    swept = sweep(vae, chosen, "quick")
+    quick = sweep(vae, chosen, "quick").sizes["image_side"]
+    assert quick["run"] == 64 and "quick level runs no declared sides" in quick["not_run"]
+    swept = sweep(vae, chosen)
     declared = [p for p in swept.probes if p.sweep.get("kind") == "declared-size"]
     assert [p.name for p in declared] == ["encode@1024x1024", "decode@1024x1024"]
     (image,) = declared[0].kwargs.values()
@@ -95,7 +101,7 @@ def test_a_side_over_the_budget_is_recorded_not_run() -> None:
     """A declared side whose activations pass the level's budget is not run, and says so."""
     vae = _models.sdxl_vae()
     chosen = next(input_candidates(vae, seed=0))
-    tight = replace(budget_for("quick"), declared_activation_bytes=1 << 20)
+    tight = replace(budget_for("standard"), declared_activation_bytes=1 << 20)
     probes, sizes = declared_size_probes(vae, chosen, tight)
     assert probes == []
     assert sizes["image_side"]["run"] == 64
@@ -113,7 +119,7 @@ def test_declared_image_side_decides_the_certificate(planted_vae: Path, tmp_path
     projection a range island and its load decodes 1024 px finite; bf16-safe passes; each
     certificate names the image side run."""
     results = {
-        target: convert(planted_vae, to=target, output=tmp_path / target, coverage="quick")
+        target: convert(planted_vae, to=target, output=tmp_path / target)
         for target in ("fp16", "fp16-safe", "bf16-safe")
     }
     fp16 = results["fp16"].certificate
@@ -144,8 +150,75 @@ def test_plain_vae_is_certified_at_its_declared_size(plain_vae: Path, tmp_path: 
     """No false fail: without the planted weights fp16 and fp16-safe pass at 1024 px with no
     range island added."""
     for target in ("fp16", "fp16-safe"):
-        result = convert(plain_vae, to=target, output=tmp_path / target, coverage="quick")
+        result = convert(plain_vae, to=target, output=tmp_path / target)
         assert result.certificate.verdict == "pass", (target, result.certificate.failures)
         assert _sizes(result.certificate)["image_side"] == {"declared": 1024, "run": 1024}
     islands = result.components[0].plan.islands
     assert not [i for i in islands if i.reason == "range"], islands
+
+
+FRAME_UNIT = "transformer_blocks.0.ff.net.0.proj"
+
+
+def _denoise(model: Any, frames: int) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, frames, 4, 8, 8, generator=g).to(dtype)
+    text = (0.5 * torch.randn(1, 8, 32, generator=g)).to(dtype)
+    with torch.no_grad():
+        out = model(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([500]))
+    return out.sample.float()
+
+
+def test_planted_video_transformer_overflows_fp16_only_at_its_declared_frames() -> None:
+    """The reproduction: fp32 is finite at 2 and 13 latent frames, the feed-forward's peak is
+    below the margin at 2 and past fp16's limit at 13, and a plain fp16 cast is all NaN at 13
+    latent frames (49 frames) but finite at 2."""
+    model = _models.cogvideox_i2v_transformer(planted=True)
+    peaks: dict[int, float] = {}
+    unit = model.get_submodule(FRAME_UNIT)
+    for frames in (2, 13):
+        handle = unit.register_forward_hook(
+            lambda _m, _i, out, frames=frames: peaks.__setitem__(frames, float(out.abs().max()))
+        )
+        assert _denoise(model, frames).isfinite().all()
+        handle.remove()
+    assert peaks[2] < FP16_MAX / 2 < FP16_MAX < peaks[13]
+    half = model.half()
+    assert _denoise(half, 2).isfinite().all()
+    assert _denoise(half, 13).isnan().all()
+
+
+@pytest.mark.parametrize("planted", [True, False], ids=["planted", "plain"])
+def test_declared_frames_decide_the_certificate(planted: bool, tmp_path: Path) -> None:
+    """At quick coverage (frames always run): planted, fp16 is refused and fp16-safe makes the
+    feed-forward a range island and its load is finite at 13 frames; plain, both pass with
+    no range island (no false fail); bf16-safe passes either way; certificates name 13 frames."""
+    source = tmp_path / "source"
+    _models.cogvideox_i2v_transformer(planted=planted).save_pretrained(source)
+    results = {
+        target: convert(source, to=target, output=tmp_path / target, coverage="quick")
+        for target in ("fp16", "fp16-safe", "bf16-safe")
+    }
+    assert (results["fp16"].certificate.verdict == "fail") is planted
+    for target in ("fp16-safe", "bf16-safe"):
+        certificate = results[target].certificate
+        assert certificate.verdict == "pass", (target, certificate.failures)
+        assert _sizes(certificate)["latent_frames"] == {"declared": 13, "run": 13}
+    islands = results["fp16-safe"].components[0].plan.islands
+    ranged = [i.name for i in islands if i.reason == "range"]
+    if planted:  # the unit, and the down-projection that receives its output
+        assert FRAME_UNIT in ranged, ranged
+        assert all(n.startswith("transformer_blocks.0.ff.") for n in ranged), ranged
+    else:
+        assert ranged == [], ranged
+    loaded = pc.load(tmp_path / "fp16-safe")
+    reference = _denoise(_models.cogvideox_i2v_transformer(planted=planted), 13)
+    output = _denoise(loaded, 13)
+    assert output.isfinite().all()
+    assert (
+        torch.nn.functional.cosine_similarity(
+            output.flatten().double(), reference.flatten().double(), dim=0
+        )
+        > 0.999
+    )

@@ -62,6 +62,8 @@ class Budget:
     #: at 1024 px (512 MiB at its first level) and a UNet at 128x128 latents; a bigger forward
     #: is recorded as not run.
     declared_activation_bytes: int = 2 << 30
+    #: Whether declared image and latent sides run at all (declared frame counts always do).
+    declared_sides: bool = True
 
 
 BUDGETS: dict[str, Budget] = {
@@ -83,6 +85,9 @@ BUDGETS: dict[str, Budget] = {
         # 64-pixel images: a video pipeline's 5-frame decode in low precision takes minutes
         # on a CPU at 256 pixels (the zoo's 7 MB CogVideoX: 285 s), seconds at 64.
         pipeline_latent_side=8,
+        # A 1024 px fp16 pass of even an 8-channel VAE takes most of a minute on a CPU, and a
+        # certificate makes a dozen: the sides are the default level's; quick says so.
+        declared_sides=False,
     ),
     # The default. Every vocabulary id once (a 32k vocabulary is 8 probes of 4096 tokens;
     # 128k+ ones are capped at 32 probes of bigger chunks: tens of seconds on one GPU for an

@@ -10,8 +10,10 @@ small built probes, a sweep runs:
   compression, or ``num_frames``), always, and at its ``sample_size`` (``sample_height`` /
   ``sample_width``) latents a side.
 
-A side runs where one forward's largest activation fits the level's
-:attr:`~.budgets.Budget.declared_activation_bytes`; otherwise the record says it was not run.
+A side runs where the level runs declared sides (:attr:`~.budgets.Budget.declared_sides`:
+``standard``, the default, and ``thorough``) and one forward's largest activation fits its
+:attr:`~.budgets.Budget.declared_activation_bytes`; otherwise the record says why it was not
+run.
 Declared-size probes run at batch 1: the size is what they test, not batching. What ran is
 :func:`sizes_record`'s record, kept in the certificate's ``inputs.sizes``.
 """
@@ -75,11 +77,19 @@ def _at_batch_one(value: Any) -> Any:
     return value
 
 
-def _size(declared: int | None, run: int, fits: bool, budget: Budget) -> dict[str, Any]:
+def _fits(activation_bytes: int, budget: Budget) -> bool:
+    """Whether a declared side whose largest activation takes ``activation_bytes`` runs."""
+    return budget.declared_sides and activation_bytes <= budget.declared_activation_bytes
+
+
+def _size(declared: int | None, run: int, budget: Budget) -> dict[str, Any]:
+    """A size's record; a declared side larger than the one run says why it was not run."""
     record: dict[str, Any] = {"declared": declared, "run": run}
-    if declared is not None and declared > run and not fits:
+    if declared is not None and declared > run:
         record["not_run"] = (
-            f"one forward is over the {budget.level} level's declared_activation_bytes "
+            f"the {budget.level} level runs no declared sides (standard and thorough do)"
+            if not budget.declared_sides
+            else f"one forward is over the {budget.level} level's declared_activation_bytes "
             f"({budget.declared_activation_bytes >> 20} MiB for one activation)"
         )
     return record
@@ -112,15 +122,14 @@ def _autoencoder(
     if image is None or image.dim() != 4 or declared is None:
         return [], {}
     built = int(image.shape[-1])
-    fits = autoencoder_bytes(config, declared) <= budget.declared_activation_bytes
-    if declared <= built or not fits:
-        return [], {"image_side": _size(declared, built, fits, budget)}
+    if declared <= built or not _fits(autoencoder_bytes(config, declared), budget):
+        return [], {"image_side": _size(declared, built, budget)}
     side = f"{declared}x{declared}"
     g = seeded_generator(chosen.seed, f"declared-{side}")
     pixels = smooth_image(g, 1, int(image.shape[1]), declared, declared)
     how = {"kind": "declared-size", "height": declared, "width": declared, "seed": chosen.seed}
     probes = encode_decode(f"@{side}", {name: pixels}, decode, how, budget)
-    return probes, {"image_side": _size(declared, declared, fits, budget)}
+    return probes, {"image_side": _size(declared, declared, budget)}
 
 
 def _denoiser(
@@ -143,9 +152,9 @@ def _denoiser(
     run_frames = max(frames or 0, built_frames or 0) or None
     patch = _first(config_value(config, "patch_size")) or 1
     tokens = (run_frames or 1) * ((side or built_side) // patch) ** 2
-    fits = tokens * bytes_per_token(model, logits=False) <= budget.declared_activation_bytes
+    fits = _fits(tokens * bytes_per_token(model, logits=False), budget)
     run_side = side if side is not None and side > built_side and fits else built_side
-    record: dict[str, Any] = {"latent_side": _size(side, run_side, fits, budget)}
+    record: dict[str, Any] = {"latent_side": _size(side, run_side, budget)}
     if frame_axis is not None:
         record["latent_frames"] = {"declared": frames, "run": run_frames}
     if run_side == built_side and run_frames == built_frames:
