@@ -223,6 +223,18 @@ class TargetLock:
             self.path.unlink()  # while still locked (see the class docstring)
         self._lock.release()
 
+    def __enter__(self) -> TargetLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
 
 def _write_pid(fd: int) -> None:
     """filelock's ``on_acquired``: the holder's pid, for another run's message."""

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,9 @@ def run_batch(
     )
     with exclusive(manifest.output_dir):
         starts = _starts(manifest, settings, resume=resume, overwrite=overwrite)
+        if resume or overwrite:  # what it was asked to redo, as it stands now
+            existing = [job.output for job in manifest.jobs if _exists(job.output)]
+            settings = replace(settings, replaceable=frozenset(existing))
         tasks = []
         for job in manifest.jobs:  # kept jobs are reported now, the others run
             start = starts[job.key]
@@ -194,7 +197,7 @@ def _starts(
 def _refuse_existing(jobs: list[Job]) -> None:
     """The rule ``model`` keeps with ``--overwrite``: an existing output is replaced only when
     asked. Every job in the way is named; nothing has run."""
-    existing = [job.output for job in jobs if job.output.exists() or job.output.is_symlink()]
+    existing = [job.output for job in jobs if _exists(job.output)]
     if not existing:
         return
     shown = ", ".join(str(path) for path in existing[:3])
@@ -204,6 +207,11 @@ def _refuse_existing(jobs: list[Job]) -> None:
         f"{what} already ({shown}{more}): --resume keeps finished jobs and redoes the rest, "
         "--overwrite redoes every job"
     )
+
+
+def _exists(path: Path) -> bool:
+    """Something is at ``path``: a folder, a file, or a link (a broken one included)."""
+    return path.exists() or path.is_symlink()
 
 
 def _clear_leftovers(settings: Settings, jobs: tuple[Job, ...]) -> None:

@@ -61,8 +61,9 @@ def batch(
         bool,
         typer.Option(
             "--overwrite",
-            help="Redo every job, replacing outputs that exist (without it or --resume, an "
-            "existing output stops the run before anything runs).",
+            help="Redo every job, replacing the outputs that exist when the run starts (without "
+            "it or --resume, an existing output stops the run before anything runs). An output "
+            "another run writes while a job runs is never replaced: that job fails.",
         ),
     ] = False,
 ) -> None:
