@@ -18,10 +18,12 @@ changes the process, so only code that owns its process (the command, a batch wo
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 #: The signals handled like Ctrl-C, in the order their names are tried.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -66,11 +68,11 @@ def watch(*, ctrl_c: bool = True) -> None:
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
     """The handler :func:`watch` installs: record the signal, raise its exception."""
-    terminating = any(s != signal.SIGINT for s in _received)
+    already = terminating()
     _received.append(signum)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    if not terminating:
+    if not already:
         raise Terminated(signum)
 
 
@@ -80,6 +82,20 @@ def check() -> None:
     if _received:
         first = _received[0]
         raise KeyboardInterrupt if first == signal.SIGINT else Terminated(first)
+
+
+def terminating() -> bool:
+    """Whether a SIGTERM or SIGHUP arrived since :func:`watch`."""
+    return any(s != signal.SIGINT for s in _received)
+
+
+def exit_now(code: object) -> NoReturn:
+    """End the process with ``code`` (an int, as ``SystemExit`` carries it) at once: the
+    output streams flushed, the interpreter's teardown skipped."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream loses what is left
+            stream.flush()
+    os._exit(code if isinstance(code, int) else 1)
 
 
 def exit_code(exc: KeyboardInterrupt) -> int:

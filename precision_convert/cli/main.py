@@ -75,4 +75,12 @@ def run() -> None:
     # Peak memory that follows what is live, not the heap's history (a forward's freed
     # activations otherwise stay in the heap between live ones).
     map_large_allocations()
-    one_line_usage_errors(app)
+    try:
+        one_line_usage_errors(app)
+    except SystemExit as done:
+        if interrupts.terminating():
+            # SIGTERM or SIGHUP: the run has cleaned up and said so; the interpreter's own
+            # teardown (freeing a big model object by object) would hold the exit for
+            # seconds a scheduler does not wait, so the process ends here.
+            interrupts.exit_now(done.code)
+        raise
