@@ -77,17 +77,22 @@ NOTHING_WRITTEN = "nothing was written"
 @contextmanager
 def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Iterator[None]:
     """Turn library errors into one line on stderr (a line per problem when the error holds
-    several) and the error's exit code.
+    several) and the error's exit code; an ``OSError`` too (exit 2, its file and what to do).
 
     Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
     then (a conversion may have committed its output before validation was interrupted);
     SIGTERM and SIGHUP likewise, exit 143 and 129 (see :mod:`precision_convert.interrupts`).
     """
     from precision_convert import interrupts
-    from precision_convert.errors import PrecisionConvertError, printable
+    from precision_convert.errors import FileSystemError, PrecisionConvertError, printable
 
     try:
-        yield
+        try:
+            yield
+        except OSError as exc:
+            # The file system refused something no library call turned into an error of ours
+            # (a report, a certificate written in place): one line, like every other error.
+            raise FileSystemError(exc) from exc
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
