@@ -52,6 +52,7 @@ TERMINATED = [
     ("calibration", "SIGTERM"),
     ("validation", "SIGTERM"),
     ("batch", "SIGTERM"),
+    ("push", "SIGTERM"),
     ("conversion", "SIGHUP"),
 ]
 #: Seeds of the full mode: five per (kind, signal), ten per kind.
