@@ -11,6 +11,14 @@ beside it, released by the kernel even on SIGKILL) from the moment it starts wri
 output is committed; a second run stops at once with a message naming the other's pid. The lock
 is the ``filelock`` library's (the one huggingface_hub uses), held without blocking.
 
+Every writer of an output takes that lock: ``model`` for its whole run, a batch job as it
+moves its certified output into place (:func:`precision_convert.batch.job.into_place`), and
+``validate`` while it certifies an output in place (:class:`TargetLock` directly).
+
+Names beside the target stay within the file system's limits (:func:`_marker`): an output name
+up to 255 bytes gets shortened staging and lock names, and a path that cannot hold an output's
+files is refused before any work (:func:`check_path_length`).
+
 Two rules keep a run from destroying what it did not write, both checked here for every caller
 (``model``, ``validate``, ``batch``): an output never overlaps a source (:func:`check_apart`,
 every path resolved, links included), and ``--overwrite`` replaces only an empty directory or
