@@ -25,7 +25,7 @@ import sys
 from types import FrameType
 from typing import Any, NoReturn
 
-#: The signals handled like Ctrl-C, in the order their names are tried.
+#: The signals :func:`watch` handles: Ctrl-C, and the two that end a run as it does.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 #: Every signal received since :func:`watch`, first first; never cleared: the process is on
@@ -42,10 +42,9 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def watch(*, ctrl_c: bool = True) -> None:
-    """Handle SIGTERM, SIGHUP and (``ctrl_c``) SIGINT: record each, then raise.
+def watch() -> None:
+    """Handle SIGINT, SIGTERM and SIGHUP: record each, then raise (:func:`on_signal`).
 
-    A batch worker passes ``ctrl_c=False``: it ignores SIGINT, its driver owns the Ctrl-C.
     A second SIGTERM or SIGHUP while the first one's cleanup runs is recorded but not raised,
     so it cannot cut that cleanup short (a scheduler follows up with SIGKILL if it must).
 
@@ -55,8 +54,7 @@ def watch(*, ctrl_c: bool = True) -> None:
     one line says it was interrupted, at the next :func:`check`.
     """
     for signum in SIGNALS:
-        if ctrl_c or signum != signal.SIGINT:
-            signal.signal(signum, on_signal)
+        signal.signal(signum, on_signal)
     previous = sys.unraisablehook
 
     def unraisable(report: Any) -> None:
@@ -67,7 +65,8 @@ def watch(*, ctrl_c: bool = True) -> None:
 
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
-    """The handler :func:`watch` installs: record the signal, raise its exception."""
+    """The handler :func:`watch` installs (and a batch worker calls for a job in progress):
+    record the signal, raise its exception."""
     already = terminating()
     _received.append(signum)
     if signum == signal.SIGINT:
