@@ -201,10 +201,16 @@ def _owner_alive(pid: int) -> bool:
 
 
 def clean_leftovers(target: Path) -> list[Path]:
-    """Remove staging/trash directories for ``target`` left by runs that are no longer alive."""
+    """Remove staging/trash directories for ``target`` left by runs that are no longer alive,
+    and the lock file of a run killed before it could remove it (one nobody holds)."""
     removed: list[Path] = []
     if not target.parent.is_dir():
         return removed
+    lock = TargetLock(target)
+    if lock.path.is_file():
+        # Held (by this run too): it stays. Taken and released: the file is removed.
+        with contextlib.suppress(InputError, OSError), lock:
+            removed.append(lock.path)
     for kind in (_STAGING, _TRASH):
         prefix = _marker(target, kind)
         for entry in target.parent.iterdir():

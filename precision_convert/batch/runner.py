@@ -146,8 +146,15 @@ def run_batch(
             outcomes = run_ray(tasks, settings, ray_address, listener)
         else:
             outcomes = run_local(tasks, settings, jobs, listener)
-        for outcome in outcomes:
-            _finish(report, outcome, listener)
+        try:
+            for outcome in outcomes:
+                _finish(report, outcome, listener)
+        except KeyboardInterrupt:
+            # The workers are stopped (local: waited for; Ray: cancelled, killed): what one
+            # killed mid-move left beside a target goes now, not at the next run.
+            for job in manifest.jobs:
+                clean_leftovers(job.output)
+            raise
         order = {job.key: job.index for job in manifest.jobs}
         report.outcomes.sort(key=lambda o: order[o.key])
         report.finished = datetime.now(UTC).isoformat(timespec="seconds")
