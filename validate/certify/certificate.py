@@ -336,6 +336,6 @@ def write_atomically(files: Mapping[Path, str]) -> None:
         for tmp in temporary.values():
             with contextlib.suppress(OSError):  # a folder made read-only keeps it: hidden
                 tmp.unlink(missing_ok=True)
-        raise FileSystemError(exc, path) from None
+        raise FileSystemError(exc).at(path) from None  # the file, not its hidden temporary
     for path, tmp in temporary.items():
         os.replace(tmp, path)
