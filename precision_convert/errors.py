@@ -6,6 +6,7 @@ line that names the file or thing at fault and, where there is one, the fix.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 
@@ -32,6 +33,36 @@ class InputError(PrecisionConvertError, ValueError):
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = str(path) if path is not None else None
         super().__init__(f"{printable(self.path)}: {message}" if self.path else message)
+
+
+class FileSystemError(InputError):
+    """The file system refused a read or write (no space, read-only, permission, a name or
+    path too long): one line naming the path and what to do. ``path``: the file the error
+    names, else ``fallback`` (``write()`` on a full disk names no file). ``cause`` keeps the
+    error, so a caller may name another path for it (:meth:`at`)."""
+
+    def __init__(self, exc: OSError, fallback: str | Path | None = None) -> None:
+        self.cause = exc
+        path = exc.filename if exc.filename is not None else fallback
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        advice = _ADVICE.get(exc.errno or 0)
+        super().__init__(f"{reason}: {advice}" if advice else reason, path)
+
+    def at(self, path: str | Path) -> FileSystemError:
+        """The same error, naming ``path`` (the output a staging directory stood for)."""
+        return FileSystemError(OSError(self.cause.errno, self.cause.strerror), path)
+
+
+#: What to do about each file-system error a run may meet, by errno.
+_ADVICE = {
+    errno.ENOSPC: "free space on that file system, or write elsewhere, then run again",
+    errno.EDQUOT: "your disk quota is used up: free space, or write elsewhere, then run again",
+    errno.EFBIG: "a file size limit was reached: raise it (ulimit -f), or write elsewhere",
+    errno.EROFS: "the file system is read-only: choose an output on a writable one",
+    errno.EACCES: "check its permissions (and its folder's), or choose another output",
+    errno.EPERM: "check its permissions (and its folder's), or choose another output",
+    errno.ENAMETOOLONG: "a name or path is too long for this file system: choose a shorter -o",
+}
 
 
 class UnsafeCheckpointError(InputError):

@@ -49,6 +49,10 @@ class Settings:
     output_dir: Path
     threads: int  # torch intra-op threads per job: fixed, so metrics repeat bit for bit
     etiquette: Etiquette
+    #: The outputs a job may replace: those that existed when the run started and that the
+    #: run was asked to redo (``--overwrite``, ``--resume``). Any other output found at the
+    #: target when a job moves into place was written meanwhile by another run: it is kept.
+    replaceable: frozenset[Path] = frozenset()
 
     @classmethod
     def for_run(cls, output_dir: Path, threads: int, **etiquette: Any) -> Settings:
@@ -184,6 +188,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
 
     options = job.options
     scratch = settings.scratch(job)
+    replaceable = job.output in settings.replaceable
     with _stage(outcome, "validate"):
         try:
             certificate = validate(
@@ -196,12 +201,13 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
                 trust_remote_code=options.trust_remote_code,
             )
         except CannotValidateError:
-            into_place(scratch, job.output)  # with the failing certificate saying what is missing
+            # With the failing certificate saying what is missing.
+            into_place(scratch, job.output, replaceable)
             raise
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-        into_place(scratch, job.output)
+        into_place(scratch, job.output, replaceable)
         describe(outcome, certificate)
         if not certificate.passed:
             first = certificate.failures[0] if certificate.failures else "no metric was judged"
@@ -213,15 +219,28 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
     return outcome
 
 
-def into_place(staged: Path, target: Path) -> None:
-    """Rename the certified ``staged`` directory to ``target``, replacing what is there, the
-    way ``model`` commits its output: under the target's lock, made durable first, the old
-    output moved aside and removed only once the new one is in place."""
+def into_place(staged: Path, target: Path, replaceable: bool) -> None:
+    """Rename the certified ``staged`` directory to ``target`` the way ``model`` commits its
+    output: under the target's lock (a ``model`` run writing it now makes this job fail at
+    once), made durable first, an old output moved aside and removed only once the new one is
+    in place. An output is replaced only when ``replaceable`` (see
+    :attr:`Settings.replaceable`); one that another run wrote meanwhile is kept, and the job
+    fails saying so. ``staged`` is gone either way."""
     from precision_convert.conversion.io.staging import StagedOutput
+    from precision_convert.errors import InputError, OutputExistsError
 
-    with StagedOutput(target, overwrite=True) as place:
-        os.replace(staged, place.path)  # onto the empty directory it made for the output
-        place.commit()
+    try:
+        with StagedOutput(target, overwrite=replaceable) as place:
+            os.replace(staged, place.path)  # onto the empty directory it made for the output
+            place.commit()
+    except OutputExistsError:
+        raise InputError(
+            "another run wrote this output while the job ran; it is kept as it is (run the "
+            "batch with --overwrite to replace it)",
+            target,
+        ) from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -76,24 +77,38 @@ NOTHING_WRITTEN = "nothing was written"
 @contextmanager
 def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Iterator[None]:
     """Turn library errors into one line on stderr (a line per problem when the error holds
-    several) and the error's exit code.
+    several) and the error's exit code; an ``OSError`` too (exit 2, its file and what to do).
 
     Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
-    then (a conversion may have committed its output before validation was interrupted).
+    then (a conversion may have committed its output before validation was interrupted);
+    SIGTERM and SIGHUP likewise, exit 143 and 129 (see :mod:`precision_convert.interrupts`).
     """
-    from precision_convert.errors import PrecisionConvertError, printable
+    from precision_convert import interrupts
+    from precision_convert.errors import FileSystemError, PrecisionConvertError, printable
 
     try:
-        yield
+        try:
+            yield
+        except OSError as exc:
+            # The file system refused something no library call turned into an error of ours
+            # (a report, a certificate written in place): one line, like every other error.
+            raise FileSystemError(exc) from exc
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
         for line in str(exc).splitlines() or [""]:  # several problems (a manifest's): a line each
             print(f"precision-convert: {printable(line)}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
-        print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        say(f"{interrupts.stopped_by(exc)}; {on_disk()}")
+        raise typer.Exit(interrupts.exit_code(exc)) from None
+
+
+def say(line: str) -> None:
+    """One ``precision-convert: ...`` line on stderr. A stderr that is gone (the terminal of
+    a SIGHUP) loses the line; the exit code still says what happened."""
+    with contextlib.suppress(OSError):
+        print(f"precision-convert: {line}", file=sys.stderr, flush=True)
 
 
 def emit_json(payload: Any) -> None:
@@ -318,9 +333,11 @@ def one_line_usage_errors(app: typer.Typer) -> None:
     line on stderr, exit 2, like every other error, instead of typer's box."""
     try:
         code = app(standalone_mode=False)
-    except KeyboardInterrupt:  # before any command began (typer still building the commands)
-        print(f"precision-convert: interrupted; {NOTHING_WRITTEN}", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # before any command began (typer building the commands)
+        from precision_convert import interrupts
+
+        say(f"{interrupts.stopped_by(exc)}; {NOTHING_WRITTEN}")
+        sys.exit(interrupts.exit_code(exc))
     except typer.TyperException as exc:  # click's usage errors, as typer vendors them
         message = exc.format_message().strip().rstrip(".")
         context = getattr(exc, "ctx", None)

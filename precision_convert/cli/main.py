@@ -59,6 +59,12 @@ def _root(
 
 def run() -> None:
     """Console-script entry point."""
+    # First, so that a SIGTERM or SIGHUP from here on ends in the command's one line and exit
+    # code (143, 129) like a Ctrl-C, with its cleanup, not in a silent death that leaves the
+    # lock and staging directory behind. Every such signal is recorded as well as raised: one
+    # that something swallows on its way up (seen while torch imports numpy) still stops the
+    # run before it renames an output into place or commits to the Hub.
+    interrupts.watch()
     # transformers/diffusers draw their own tqdm bars ("Loading weights") on every model they
     # build; the command shows one progress display of its own instead.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -69,8 +75,12 @@ def run() -> None:
     # Peak memory that follows what is live, not the heap's history (a forward's freed
     # activations otherwise stay in the heap between live ones).
     map_large_allocations()
-    # Every Ctrl-C is recorded as well as raised: one that something swallows on its way up
-    # (seen while torch imports numpy) still stops the run before it renames an output into
-    # place or commits to the Hub (see precision_convert.interrupts).
-    interrupts.watch()
-    one_line_usage_errors(app)
+    try:
+        one_line_usage_errors(app)
+    except SystemExit as done:
+        if interrupts.terminating():
+            # SIGTERM or SIGHUP: the run has cleaned up and said so; the interpreter's own
+            # teardown (freeing a big model object by object) would hold the exit for
+            # seconds a scheduler does not wait, so the process ends here.
+            interrupts.exit_now(done.code)
+        raise

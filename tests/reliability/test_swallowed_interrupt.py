@@ -8,9 +8,9 @@ stops before it renames its output into place or commits to the Hub.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -63,9 +63,8 @@ def test_a_swallowed_ctrl_c_stops_the_push_before_its_commit(
     hub: object,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    recorded = threading.Event()
-    recorded.set()  # what the handler leaves behind when its KeyboardInterrupt was swallowed
-    monkeypatch.setattr(interrupts, "_interrupted", recorded)
+    # What the handler leaves behind when its KeyboardInterrupt was swallowed.
+    monkeypatch.setattr(interrupts, "_received", [signal.SIGINT])
 
     done = CliRunner().invoke(app, ["push", str(served.output), "ns/never-committed"])
 

@@ -479,7 +479,7 @@ def write_card(certificate: Certificate, directory: str | Path) -> Path:
     (``precision_activations.png`` at the top or in a pipeline component's folder)."""
     directory = Path(directory)
     path = directory / CARD_NAME
-    write_atomically(path, render_card(certificate, directory))
+    write_atomically({path: render_card(certificate, directory)})
     return path
 
 

@@ -13,6 +13,7 @@ the files on disk are the ones that were certified (the one verifier,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from precision_convert.errors import FileSystemError
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
@@ -298,20 +300,42 @@ def certificate_files(directory: str | Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if CERTIFICATE_FILE.fullmatch(p.name))
 
 
-def write(certificate: Certificate, directory: str | Path) -> Path:
-    """Write the certificate atomically (a crash never leaves half a file), replacing any
-    other certificate in ``directory`` (a re-validation under another variant name)."""
-    path = Path(directory) / certificate.file_name
-    for stale in certificate_files(directory):
+def write(
+    certificate: Certificate, directory: str | Path, with_files: Mapping[str, str] | None = None
+) -> Path:
+    """Write the certificate, and ``with_files`` (name: text; the card), all or none of them
+    (see :func:`write_atomically`), replacing any other certificate in ``directory`` (a
+    re-validation under another variant name)."""
+    root = Path(directory)
+    path = root / certificate.file_name
+    files = {path: json.dumps(certificate.to_dict(), indent=2) + "\n"}
+    files.update((root / name, text) for name, text in (with_files or {}).items())
+    write_atomically(files)
+    for stale in certificate_files(root):
         if stale != path.name:
-            (Path(directory) / stale).unlink()
-    write_atomically(path, json.dumps(certificate.to_dict(), indent=2) + "\n")
+            (root / stale).unlink()
     return path
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: through a hidden temporary file (hidden,
-    so a run killed mid-write leaves nothing a hash check would count as an extra file)."""
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def write_atomically(files: Mapping[Path, str]) -> None:
+    """Write every file whole, or none of them: each through a hidden temporary file (hidden,
+    so a run killed mid-write leaves nothing a hash check would count as an extra file), all
+    written before any is moved into place, so a full disk leaves the files that were there
+    (never a new certificate beside an old card).
+
+    Raises:
+        FileSystemError: the file system refused a write, naming the file.
+    """
+    temporary: dict[Path, Path] = {}
+    path = next(iter(files), Path())
+    try:
+        for path, text in files.items():
+            temporary[path] = path.parent / f".{path.name}.tmp"
+            temporary[path].write_text(text, encoding="utf-8")
+    except OSError as exc:
+        for tmp in temporary.values():
+            with contextlib.suppress(OSError):  # a folder made read-only keeps it: hidden
+                tmp.unlink(missing_ok=True)
+        raise FileSystemError(exc).at(path) from None  # the file, not its hidden temporary
+    for path, tmp in temporary.items():
+        os.replace(tmp, path)

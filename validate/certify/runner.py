@@ -45,8 +45,9 @@ from precision_convert.errors import CannotValidateError, InputError
 from precision_convert.progress import diffusers_bars_off, forecasting, stage
 from precision_convert.validation.certify.assembly import _certificate, _not_run, _Run
 from precision_convert.validation.certify.blockwise import validate_blockwise
-from precision_convert.validation.certify.card import write_card
+from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
+    CARD_NAME,
     SELF_BASELINE,
     SOURCE_BASELINE,
     Certificate,
@@ -232,8 +233,7 @@ def _write_certificate(
 ) -> Certificate:
     """:func:`_certificate`, written with its card into the converted directory."""
     certificate = _certificate(run, results, cannot=cannot)
-    write(certificate, run.root)
-    write_card(certificate, run.root)
+    write(certificate, run.root, {CARD_NAME: render_card(certificate, run.root)})
     return certificate
 
 

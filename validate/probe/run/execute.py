@@ -8,7 +8,9 @@ that produced them can be freed before the next one is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -250,7 +252,10 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
     """
 
     def __init__(self, directory: Path) -> None:
-        self._directory = Path(tempfile.mkdtemp(prefix="outputs-", dir=directory))
+        try:
+            self._directory = Path(tempfile.mkdtemp(prefix="outputs-", dir=directory))
+        except OSError as exc:
+            raise _no_room(directory, exc.strerror or str(exc)) from None
         self._files: dict[str, Path] = {}
 
     def __setitem__(self, probe: str, outputs: dict[str, torch.Tensor]) -> None:
@@ -258,7 +263,14 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
         # torch.save writes each storage straight from memory; safetensors' save_file needed a
         # clone of every output and copied each again into Python bytes: three copies of a
         # probe's outputs at once.
-        torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
+        try:
+            torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
+        except (OSError, RuntimeError) as exc:
+            # A full TMPDIR: torch reports it as a RuntimeError ("unexpected pos …"), which
+            # would otherwise pass for the model rejecting its inputs.
+            path.unlink(missing_ok=True)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "write failed"
+            raise _no_room(self._directory.parent, why) from None
         self._files[probe] = path
 
     def __getitem__(self, probe: str) -> dict[str, torch.Tensor]:
@@ -272,6 +284,19 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _no_room(directory: Path, why: str) -> CannotValidateError:
+    """Validation cannot keep its probe outputs in the temporary folder: said as such (what is
+    left free there included), never blamed on the model; the output gets a failing
+    certificate that says so, as for any validation that cannot run."""
+    with contextlib.suppress(OSError):
+        why += f"; {shutil.disk_usage(directory).free / 2**20:.0f} MiB free there"
+    return CannotValidateError(
+        f"cannot validate: the probe outputs cannot be written to the temporary folder "
+        f"{directory} ({why}): free space there, or set TMPDIR to a folder with room, then "
+        "run validate again"
+    )
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -298,10 +323,11 @@ def spilled_outputs(directory: Path) -> Iterator[None]:
 def outputs_on_disk() -> Iterator[None]:
     """Inside, probe outputs are kept in a temporary directory of their own, removed on exit
     (:func:`spilled_outputs`): a sweep's kept outputs are not small next to a mid-size model."""
-    with (
-        tempfile.TemporaryDirectory(prefix="precision-convert-outputs-") as spill,
-        spilled_outputs(Path(spill)),
-    ):
+    try:
+        folder = tempfile.TemporaryDirectory(prefix="precision-convert-outputs-")
+    except OSError as exc:
+        raise _no_room(Path(tempfile.gettempdir()), exc.strerror or str(exc)) from None
+    with folder as spill, spilled_outputs(Path(spill)):
         yield
 
 
