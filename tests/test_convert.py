@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from precision_convert.api.conversion import convert
 from precision_convert.api.options import ConversionOptions
-from precision_convert.names import units
+from precision_convert.core.names import units
 
 TARGETS = ["bf16-safe", "fp16-safe", "bf16", "fp16"]
 COMPUTE = {

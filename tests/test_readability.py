@@ -33,8 +33,8 @@ from precision_convert.conversion.analysis.chart import (
     activation_chart,
     heatmap_data,
 )
-from precision_convert.folding import Role, blocks, fold, ranges
-from precision_convert.progress import report, reporting, shorten, stage
+from precision_convert.core.folding import Role, blocks, fold, ranges
+from precision_convert.core.progress import report, reporting, shorten, stage
 from precision_convert.validation.certify.card_metrics import (
     BAR_LABEL,
     BAR_WIDTH,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from precision_convert.conversion.io.staging import StagedOutput, TargetLock, clean_leftovers
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 _HOLD = """
 import sys, time

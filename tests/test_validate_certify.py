@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from precision_convert.api.conversion import convert
 from precision_convert.cli.validate import validate_command
-from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,

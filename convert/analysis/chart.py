@@ -2,7 +2,7 @@
 
 One bar per module stops being readable long before a real model (an SDXL UNet has over a
 thousand weighted modules), so modules are folded into layer roles (see
-:mod:`precision_convert.folding`): each panel is one repeated structure (``model.layers.{}``,
+:mod:`precision_convert.core.folding`): each panel is one repeated structure (``model.layers.{}``,
 ``down_blocks.{}.attentions.{}``), rows are the roles inside it (``self_attn.q_proj``),
 columns the layer indices, and a strip below holds the modules outside repeated layers. The
 colour is the peak |activation| of the fp32 run on a log scale relative to fp16's 65504
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN, ActivationStats
-from precision_convert.dtypes import FP16_MAX
-from precision_convert.folding import Role, fold
+from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.folding import Role, fold
 
 #: File name of the chart beside a model's weights; the model card shows it when present.
 CHART_NAME = "precision_activations.png"

@@ -18,9 +18,9 @@ from typing import Any
 
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.tensors import FileTensor, LazyTensor, MemoryTensor
-from precision_convert.dtypes import from_torch
-from precision_convert.errors import InputError, UnsafeCheckpointError
-from precision_convert.hub_client import WaitTooLong
+from precision_convert.core.dtypes import from_torch
+from precision_convert.core.errors import InputError, UnsafeCheckpointError
+from precision_convert.core.hub_client import WaitTooLong
 
 #: Weight file stems each library writes, in the order we prefer them.
 _WEIGHT_STEMS = ("model", "diffusion_pytorch_model", "open_clip_model")

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from precision_convert import interrupts
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.source import check_text
-from precision_convert.errors import (
+from precision_convert.core import interrupts
+from precision_convert.core.errors import (
     FileSystemError,
     InputError,
     OutputExistsError,
@@ -386,7 +386,7 @@ class StagedOutput:
     def commit(self) -> None:
         """Make the staged directory durable and move it to the target path.
 
-        A Ctrl-C swallowed on its way up (see :mod:`precision_convert.interrupts`) stops it
+        A Ctrl-C swallowed on its way up (see :mod:`precision_convert.core.interrupts`) stops it
         here, before the rename: the target keeps what it held.
         """
         _fsync_tree(self.path)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from precision_convert.conversion.io.header import TensorEntry
-from precision_convert.dtypes import DType
+from precision_convert.core.dtypes import DType
 
 if TYPE_CHECKING:
     import torch

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from precision_convert.conversion.io import tensors as _tensors
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.tensors import LazyTensor
-from precision_convert.dtypes import DType
+from precision_convert.core.dtypes import DType
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ from precision_convert.conversion.runtime.builders import (
     uses_remote_code,
 )
 from precision_convert.conversion.runtime.streaming import fp32_dtype
-from precision_convert.errors import CannotValidateError, WeightsDoNotMap
+from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap
 
 
 def load_fp32(directory: Path, *, trust_remote_code: bool = False) -> Any:

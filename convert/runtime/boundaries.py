@@ -43,7 +43,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 #: Attribute holding a module's registry: hook name -> the torch handles that implement it.
 REGISTRY_ATTR = "_precision_convert_hooks"

@@ -11,7 +11,7 @@ frequencies, causal masks) are computed at construction and are not in the check
 
 Whatever a library raises while building from a config it rejects (``num_attention_heads: 0``
 is a ZeroDivisionError, ``hidden_size: "16"`` a validation error, an unknown ``model_type`` a
-ValueError) leaves here as one :class:`~precision_convert.errors.CannotBuildModel` naming the
+ValueError) leaves here as one :class:`~precision_convert.core.errors.CannotBuildModel` naming the
 config key at fault when it can be told: a source that cannot be built is bad input.
 """
 
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
-from precision_convert.dtypes import DType
-from precision_convert.errors import CannotBuildModel, InputError, PrecisionConvertError
+from precision_convert.core.dtypes import DType
+from precision_convert.core.errors import CannotBuildModel, InputError, PrecisionConvertError
 
 if TYPE_CHECKING:
     import torch

@@ -41,8 +41,8 @@ from precision_convert.conversion.runtime.record import (
     tensors_under,
 )
 from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_save
-from precision_convert.dtypes import FP32, DType
-from precision_convert.errors import InputError
+from precision_convert.core.dtypes import FP32, DType
+from precision_convert.core.errors import InputError
 
 if TYPE_CHECKING:
     import torch

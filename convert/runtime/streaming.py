@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_map
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
 from precision_convert.conversion.runtime.memory import release_freed_memory
-from precision_convert.dtypes import DType
-from precision_convert.errors import WeightsDoNotMap
+from precision_convert.core.dtypes import DType
+from precision_convert.core.errors import WeightsDoNotMap
 
 #: Checkpoint name -> state-dict key (see :mod:`.builders`).
 KeyMap = Callable[[str], str | None]

@@ -34,8 +34,8 @@ from precision_convert.conversion.plan import (
     check_target,
     scan_ranges,
 )
-from precision_convert.dtypes import Target
-from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.core.dtypes import Target
+from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
@@ -186,7 +186,7 @@ def plan_model(
 
     if not (calibrate and decoded.safe):
         return plan_with(()), None
-    from precision_convert.progress import forecasting
+    from precision_convert.core.progress import forecasting
     from precision_convert.validation.calibration.plans import calibrated_plan
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 

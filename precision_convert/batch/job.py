@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.batch.etiquette import Etiquette, push_politely
 from precision_convert.batch.manifest import Job
 from precision_convert.batch.state import STATE_DIR, JobState, Start, StateStore
-from precision_convert.errors import CheckFailed, PrecisionConvertError
+from precision_convert.core.errors import CheckFailed, PrecisionConvertError
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ConvertedComponent
@@ -181,7 +181,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
     none removes the staged output and leaves the target as it was."""
     if outcome.failed:
         return outcome
-    from precision_convert.errors import CannotValidateError
+    from precision_convert.core.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.certify.verify import verify
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
@@ -227,7 +227,7 @@ def into_place(staged: Path, target: Path, replaceable: bool) -> None:
     :attr:`Settings.replaceable`); one that another run wrote meanwhile is kept, and the job
     fails saying so. ``staged`` is gone either way."""
     from precision_convert.conversion.io.staging import StagedOutput
-    from precision_convert.errors import InputError, OutputExistsError
+    from precision_convert.core.errors import InputError, OutputExistsError
 
     try:
         with StagedOutput(target, overwrite=replaceable) as place:
@@ -333,7 +333,7 @@ def own_process(threads: int) -> None:
     import warnings
 
     from precision_convert.conversion.runtime.memory import map_large_allocations
-    from precision_convert.hub_client import bound_hub_requests
+    from precision_convert.core.hub_client import bound_hub_requests
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")

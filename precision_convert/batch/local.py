@@ -33,7 +33,6 @@ from functools import partial
 from types import FrameType
 from typing import Any
 
-from precision_convert import interrupts
 from precision_convert.batch.job import (
     FAILED,
     Outcome,
@@ -44,6 +43,7 @@ from precision_convert.batch.job import (
     validate_stage,
 )
 from precision_convert.batch.manifest import Job
+from precision_convert.core import interrupts
 
 #: A listener of job stages: ``(job key, stage)``.
 EventSink = Callable[[str, str], None]

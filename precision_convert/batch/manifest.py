@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from precision_convert._version import __version__
 from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
-from precision_convert.errors import InputError, printable
+from precision_convert.core._version import __version__
+from precision_convert.core.errors import InputError, printable
 from precision_convert.recipes import TARGETS
 
 #: ``[[model]]`` keys that only an entry can have.

@@ -29,7 +29,7 @@ from precision_convert.batch.job import (
 )
 from precision_convert.batch.local import EventSink, Task
 from precision_convert.batch.manifest import Job
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 _DONE = "done"
 

@@ -18,13 +18,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from precision_convert._version import __version__
 from precision_convert.batch.job import DONE, FAILED, RUNNING, SKIPPED, Outcome, Settings, recorded
 from precision_convert.batch.local import EventSink, Task, run_local
 from precision_convert.batch.manifest import Job, Manifest
 from precision_convert.batch.state import Resume, Start, exclusive, resume_point
 from precision_convert.conversion.io.staging import clean_leftovers
-from precision_convert.errors import InputError
+from precision_convert.core._version import __version__
+from precision_convert.core.errors import InputError
 
 REPORT_NAME = "batch_report.json"
 #: Every run's own report, named by when it started (REPORT_NAME is the latest run's).

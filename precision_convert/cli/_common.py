@@ -16,7 +16,7 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from precision_convert.progress import shorten
+from precision_convert.core.progress import shorten
 
 #: Columns of a line written off a terminal (a log, a file, a pipe) when ``COLUMNS`` does not
 #: say: as wide as the line is, so nothing is wrapped, split or elided for a screen that is
@@ -81,10 +81,10 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
 
     Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
     then (a conversion may have committed its output before validation was interrupted);
-    SIGTERM and SIGHUP likewise, exit 143 and 129 (see :mod:`precision_convert.interrupts`).
+    SIGTERM and SIGHUP likewise, exit 143 and 129 (see :mod:`precision_convert.core.interrupts`).
     """
-    from precision_convert import interrupts
-    from precision_convert.errors import FileSystemError, PrecisionConvertError, printable
+    from precision_convert.core import interrupts
+    from precision_convert.core.errors import FileSystemError, PrecisionConvertError, printable
 
     try:
         try:
@@ -124,7 +124,7 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
     Off a terminal (a log, a pipe) the stages are plain lines instead (:class:`_PlainSteps`):
     no bar, nothing redrawn, no escape codes. A no-op when disabled.
     """
-    from precision_convert.progress import reporting
+    from precision_convert.core.progress import reporting
 
     if not enabled:
         yield lambda label, n: None
@@ -334,7 +334,7 @@ def one_line_usage_errors(app: typer.Typer) -> None:
     try:
         code = app(standalone_mode=False)
     except KeyboardInterrupt as exc:  # before any command began (typer building the commands)
-        from precision_convert import interrupts
+        from precision_convert.core import interrupts
 
         say(f"{interrupts.stopped_by(exc)}; {NOTHING_WRITTEN}")
         sys.exit(interrupts.exit_code(exc))

@@ -1,7 +1,7 @@
 """The human-readable reports of ``inspect``, ``model`` and ``validate``, on stdout.
 
 A model with 80 layers has 80 copies of every module; the reports fold them into one row per
-role (``model.layers.{0..79}.mlp.down_proj``, see :mod:`precision_convert.folding`) and say
+role (``model.layers.{0..79}.mlp.down_proj``, see :mod:`precision_convert.core.folding`) and say
 which instances differ, so a report of a real model fits on a screen and still names every
 fp32 island. Tables are sized to the terminal: a name too long for its column loses its
 middle, where a folded name repeats least (its head says where, its tail what).
@@ -19,8 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from precision_convert.cli._common import console, elide, out
-from precision_convert.dtypes import Target
-from precision_convert.folding import Role, fold
+from precision_convert.core.dtypes import Target
+from precision_convert.core.folding import Role, fold
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ConversionResult

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from precision_convert import interrupts
 from precision_convert.cli._common import console, out, reported_errors, say
+from precision_convert.core import interrupts
 
 if TYPE_CHECKING:
     from precision_convert.batch.job import Outcome

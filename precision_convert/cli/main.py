@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from precision_convert import interrupts
 from precision_convert.cli import batch as batch_cmd
 from precision_convert.cli import inspect as inspect_cmd
 from precision_convert.cli import model as model_cmd
@@ -17,7 +16,8 @@ from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
 from precision_convert.cli._common import Command, Group, one_line_usage_errors
 from precision_convert.conversion.runtime.memory import map_large_allocations
-from precision_convert.hub_client import bound_hub_requests
+from precision_convert.core import interrupts
+from precision_convert.core.hub_client import bound_hub_requests
 
 app = typer.Typer(
     name="precision-convert",
@@ -41,7 +41,7 @@ app.command("recipes", cls=Command)(recipes_cmd.recipes)
 
 def _version(value: bool) -> None:
     if value:
-        from precision_convert._version import __version__
+        from precision_convert.core._version import __version__
 
         typer.echo(f"precision-convert {__version__}")
         raise typer.Exit()

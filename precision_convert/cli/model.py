@@ -119,7 +119,7 @@ def model(
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
     if push is not None and not validate:
         with reported_errors():
-            from precision_convert.errors import InputError
+            from precision_convert.core.errors import InputError
 
             raise InputError("--push needs a certificate: drop --no-validate")
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
@@ -130,7 +130,7 @@ def model(
             print_certificate,
             print_conversion,
         )
-        from precision_convert.errors import CannotValidateError
+        from precision_convert.core.errors import CannotValidateError
 
     target = output if output is not None else default_output(source, to)
     before = _inode(target)

@@ -106,10 +106,10 @@ def push_and_report(
     """Push and say what happened on stderr (``with_url``: the URL too, for ``model --push``,
     whose stdout is the conversion's report); for ``push`` and for ``model … --push`` (call it
     inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
-    from precision_convert.errors import PushFailed
+    from precision_convert.core.errors import PushFailed
+    from precision_convert.core.hub_client import RETRIED_STATUSES
     from precision_convert.hub import push_with_result
     from precision_convert.hub.errors import retry_wait_limit
-    from precision_convert.hub_client import RETRIED_STATUSES
 
     maximum = retry_wait_limit()
     with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):

@@ -76,7 +76,7 @@ def validate_command(
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
         from precision_convert.cli._reports import note_unvalidated, print_certificate
         from precision_convert.conversion.io.staging import TargetLock, real_path
-        from precision_convert.errors import CannotValidateError
+        from precision_convert.core.errors import CannotValidateError
         from precision_convert.validation.certify.runner import validate
         from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -143,8 +143,8 @@ def require_pass(certificate: Certificate, converted: Path, *, calibrated: bool 
     """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
     not a certification, whatever it found). ``calibrated``: whether the conversion measured
     the model for islands (a failing safe conversion that did not is told how to)."""
-    from precision_convert.dtypes import Target
-    from precision_convert.errors import CheckFailed
+    from precision_convert.core.dtypes import Target
+    from precision_convert.core.errors import CheckFailed
 
     if not certificate.passed:
         why = certificate.why_not_certified(converted)

@@ -9,14 +9,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from precision_convert.errors import (
+from precision_convert.core.errors import (
     HubAuthError,
     HubPermissionError,
     InputError,
     PrecisionConvertError,
     PushFailed,
 )
-from precision_convert.hub_client import (
+from precision_convert.core.hub_client import (
     MAX_RETRY_WAIT_VARIABLE,
     WaitTooLong,
     clock,

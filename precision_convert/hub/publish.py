@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from precision_convert import interrupts
 from precision_convert.conversion.io.hashing import HashedFile
-from precision_convert.errors import (
+from precision_convert.core import interrupts
+from precision_convert.core.errors import (
     HubAuthError,
     InputError,
     NotAsCertified,

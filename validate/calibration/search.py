@@ -32,7 +32,7 @@ from precision_convert.conversion.output import write_model
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.names import module_of
+from precision_convert.core.names import module_of
 from precision_convert.validation.calibration.watch import (
     CARRIED,
     STILL_LOW,

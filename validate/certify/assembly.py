@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from precision_convert._version import __version__
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
     Source,
 )
-from precision_convert.errors import CannotValidateError
+from precision_convert.core._version import __version__
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import (
     FAIL,
     PASS,

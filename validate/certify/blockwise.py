@@ -40,8 +40,8 @@ from precision_convert.conversion.runtime.streaming import (
     install_placeholders,
     stored_dtype,
 )
-from precision_convert.errors import CannotValidateError, WeightsDoNotMap
-from precision_convert.nested import map_tensors, tensors_in
+from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap
+from precision_convert.core.nested import map_tensors, tensors_in
 from precision_convert.validation.certify.components import (
     Component,
     ComponentResult,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.chart import CHART_NAME
-from precision_convert.dtypes import BY_TORCH_NAME, Target
+from precision_convert.core.dtypes import BY_TORCH_NAME, Target
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,

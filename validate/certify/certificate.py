@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from precision_convert.errors import FileSystemError
+from precision_convert.core.errors import FileSystemError
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"

@@ -57,8 +57,8 @@ from precision_convert.conversion.io.source import ModelSource, PipelineSource, 
 from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.errors import InputError
-from precision_convert.progress import stage
+from precision_convert.core.errors import InputError
+from precision_convert.core.progress import stage
 from precision_convert.validation.certify.certificate import LoadPath, failure_line
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.certify.load_ways import (

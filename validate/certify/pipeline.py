@@ -17,7 +17,7 @@ from precision_convert.conversion.io.source import (
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import (
     ComponentRecord,
 )

@@ -25,7 +25,7 @@ from precision_convert.conversion.io.source import (
 )
 from precision_convert.conversion.io.staging import written_here
 from precision_convert.conversion.runtime.loader import read_record
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     SELF_BASELINE,

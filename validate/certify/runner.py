@@ -16,7 +16,7 @@ the certificate in place, is settled before anything runs (:mod:`.reference`).
 
 The certificate and the model card are written into the converted directory whatever the
 verdict, so a user can see why a conversion failed; a model that cannot be fed at all
-(:class:`~precision_convert.errors.CannotValidateError`) still gets a failing certificate that
+(:class:`~precision_convert.core.errors.CannotValidateError`) still gets a failing certificate that
 says what is missing, and the error is raised as before.
 """
 
@@ -41,8 +41,8 @@ from precision_convert.conversion.io.staging import check_apart
 from precision_convert.conversion.plan import PlanRecord
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import read_record
-from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import diffusers_bars_off, forecasting, stage
+from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.progress import diffusers_bars_off, forecasting, stage
 from precision_convert.validation.certify.assembly import _certificate, _not_run, _Run
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import render_card

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from precision_convert.conversion.io.hashing import HASH_THREADS, HashedFile, hash_paths
-from precision_convert.errors import InputError, NotAsCertified
+from precision_convert.core.errors import InputError, NotAsCertified
 from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,

@@ -16,7 +16,7 @@ import torch
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.progress import expect, stage
+from precision_convert.core.progress import expect, stage
 from precision_convert.validation.certify.components import (
     Component,
     ComponentResult,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,

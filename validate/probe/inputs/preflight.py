@@ -27,7 +27,7 @@ import torch
 
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, Source
 from precision_convert.conversion.runtime.builders import build_skeleton
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.probe.inputs.model_inputs import Probe
 from precision_convert.validation.probe.inputs.token_probes import (
     UNKNOWN_POSITION_LIMIT,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.probe.inputs.budgets import Budget
 from precision_convert.validation.probe.inputs.media_probes import encode_decode
 from precision_convert.validation.probe.inputs.model_inputs import (

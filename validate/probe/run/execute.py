@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_leaves
 
 from precision_convert.conversion.runtime.memory import release_freed_memory
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
-from precision_convert.dtypes import from_torch
-from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import forward_ran, record_forwards, report
+from precision_convert.core.dtypes import from_torch
+from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.progress import forward_ran, record_forwards, report
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
