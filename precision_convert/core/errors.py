@@ -90,6 +90,12 @@ class WeightsDoNotMap(InputError):
     renames them on load): the model must be built by the library's ``from_pretrained``."""
 
 
+class CertificateError(InputError):
+    """A certificate that this version cannot take as its own: another format version, a field
+    missing, unknown or mistyped, or several certificates where one belongs. The verifier
+    (push, ``batch --resume``, ``validate --verify``) reports it as :class:`NotAsCertified`."""
+
+
 class CheckFailed(PrecisionConvertError):
     """A check did not pass: parity not met, push refused. The CLI exits 1."""
 
@@ -111,6 +117,16 @@ class NotAsCertified(CheckFailed):
         self.path = str(directory)
         self.problems = list(problems)
         super().__init__(f"{self.path}: {self.prefix}: " + "; ".join(problems))
+
+
+class ChangedSinceCertified(CheckFailed):
+    """A file's bytes changed between the push's gate and their upload: raised inside the Hub
+    client by the upload stream, and turned into :class:`PushRefused` by ``push``. ``path`` is
+    the file's path in the repo."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: changed since certification")
 
 
 class PushRefused(NotAsCertified):

@@ -9,6 +9,8 @@ working. It is a package rather than an ``errors.py`` so that the move of the mo
 from precision_convert.core.errors import (
     CannotBuildModel,
     CannotValidateError,
+    CertificateError,
+    ChangedSinceCertified,
     CheckFailed,
     FileSystemError,
     HubAuthError,
@@ -27,6 +29,8 @@ from precision_convert.core.errors import (
 __all__ = [
     "CannotBuildModel",
     "CannotValidateError",
+    "CertificateError",
+    "ChangedSinceCertified",
     "CheckFailed",
     "FileSystemError",
     "HubAuthError",

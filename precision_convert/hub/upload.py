@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from precision_convert.conversion.io.hashing import BLOCK_BYTES, HashedFile
+from precision_convert.core.errors import ChangedSinceCertified
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd
@@ -94,14 +95,6 @@ class CertifiedReader(io.BufferedIOBase):
             self._handle = None
         self._block = b""
         super().close()
-
-
-class ChangedSinceCertified(Exception):
-    """A file's bytes changed between the gate and its upload (raised inside the client)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        super().__init__(f"{path}: changed since certification")
 
 
 def changed_file(exc: BaseException) -> str | None:

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from precision_convert.core.errors import FileSystemError
+from precision_convert.core.errors import CertificateError, FileSystemError
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
 CERTIFICATE_NAME = "precision_certificate.json"
@@ -212,16 +212,20 @@ class Certificate:
 
     @classmethod
     def read(cls, directory: str | Path) -> Certificate:
-        """The certificate stored in ``directory`` (FileNotFoundError when there is none)."""
+        """The certificate stored in ``directory``.
+
+        Raises:
+            FileNotFoundError: there is none.
+            CertificateError: there are several (the verifier refuses them too: which one
+                speaks for the files cannot be told), or the one is not in this version's format.
+        """
         found = certificate_files(directory)
         if not found:
             raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
+        if len(found) > 1:
+            raise CertificateError(f"more than one certificate ({', '.join(found)})", directory)
         path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
-
-
-class CertificateError(ValueError):
-    """A certificate that does not follow the format this version reads."""
 
 
 @cache
