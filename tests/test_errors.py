@@ -1,4 +1,5 @@
-"""Every error class exits the command with its own code."""
+"""Every error class exits the command with its own code, and ``one_line`` is the one way an
+exception becomes a line of a message."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import typer
 
 import precision_convert.core.errors as errors
 from precision_convert.cli._common import reported_errors
+from precision_convert.core.errors import one_line
 from precision_convert.validation.certify.certificate import Certificate
 
 #: One instance of every error class, with the exit code the command gives it.
@@ -48,6 +50,16 @@ def test_the_command_exits_with_the_error_s_code_and_one_line(
         raise error
     assert exited.value.exit_code == code
     assert capsys.readouterr().err == f"precision-convert: {error}\n"
+
+
+def test_one_line_names_foreign_errors_and_keeps_ours_as_they_are() -> None:
+    assert one_line(RuntimeError("\n  shapes differ \nsee below")) == "RuntimeError: shapes differ"
+    assert one_line(ValueError("expected one of:\n  a, b\nmore")) == (
+        "ValueError: expected one of: a, b"
+    )
+    assert one_line(KeyError()) == "KeyError"
+    assert one_line(errors.InputError("no such file", "x")) == "x: no such file"
+    assert one_line(errors.CheckFailed("")) == "CheckFailed"
 
 
 def test_reading_several_certificates_is_refused_as_the_verifier_refuses(tmp_path: Path) -> None:

@@ -19,7 +19,12 @@ from typing import Any
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.tensors import FileTensor, LazyTensor, MemoryTensor
 from precision_convert.core.dtypes import from_torch
-from precision_convert.core.errors import InputError, UnsafeCheckpointError
+from precision_convert.core.errors import (
+    InputError,
+    UnsafeCheckpointError,
+    first_line,
+    one_line,
+)
 from precision_convert.core.hub_client import WaitTooLong
 
 #: Weight file stems each library writes, in the order we prefer them.
@@ -190,9 +195,9 @@ def _hub_failure(exc: Exception, revision: str | None) -> str:
         return f"the Hub repo has no revision {revision or 'main'!r}"
     if isinstance(exc, WaitTooLong):  # its text says what was asked and when to come back
         return f"not a local directory, and the Hub could not provide it now: {exc}"
-    lines = str(exc).strip().splitlines()
-    detail = lines[0].removeprefix("Got: ") if lines else type(exc).__name__
-    if lines and not isinstance(exc, OSError):  # transport errors: their text alone is vague
+    text = first_line(str(exc)).removeprefix("Got: ")
+    detail = text or type(exc).__name__
+    if text and not isinstance(exc, OSError):  # transport errors: their text alone is vague
         detail = f"{type(exc).__name__}: {detail}"
     return f"not a local directory, and the Hub could not provide it: {detail}"
 
@@ -550,8 +555,7 @@ def _pickle_file(path: Path, output_name: str) -> WeightFile:
             path,
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"cannot read PyTorch checkpoint: {first}", path) from None
+        raise InputError(f"cannot read PyTorch checkpoint: {one_line(exc)}", path) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(

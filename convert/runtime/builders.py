@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 from precision_convert.core.dtypes import DType
-from precision_convert.core.errors import CannotBuildModel, InputError, PrecisionConvertError
+from precision_convert.core.errors import (
+    CannotBuildModel,
+    InputError,
+    PrecisionConvertError,
+    one_line,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -157,16 +162,14 @@ def library_errors(source: ModelSource, cls: type | None = None) -> Iterator[Non
         at_fault = f" ({field!r} = {source.config[field]!r})" if field else ""
         raise CannotBuildModel(
             f"{source.library} cannot build the model {what}from it{at_fault}: "
-            f"{type(exc).__name__}: {_first_words(exc)}",
+            f"{_shortened(one_line(exc))}",
             source.root / source.config_name,
             field,
         ) from exc
 
 
-def _first_words(exc: BaseException) -> str:
-    """The first line of the message (with the next, when it only introduces it), cut short."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines or [""])[0]
+def _shortened(text: str) -> str:
+    """``text`` cut to 200 characters: a library's config error may quote the whole config."""
     return text if len(text) <= 200 else text[:199] + "…"
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.batch.etiquette import Etiquette, push_politely
 from precision_convert.batch.manifest import Job
 from precision_convert.batch.state import STATE_DIR, JobState, Start, StateStore
-from precision_convert.core.errors import CheckFailed, PrecisionConvertError
+from precision_convert.core.errors import CheckFailed, one_line
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ConvertedComponent
@@ -122,15 +122,6 @@ def _stage(outcome: Outcome, stage: str) -> Iterator[None]:
         outcome.status, outcome.reason = FAILED, f"{stage}: {one_line(exc)}"
     finally:
         outcome.timings[stage] = round(time.perf_counter() - began, 3)
-
-
-def one_line(exc: BaseException) -> str:
-    """An error as one line: our own messages as they are, others with their class name."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if isinstance(exc, PrecisionConvertError):
-        return text or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _ignore(stage: str) -> None:

@@ -22,14 +22,13 @@ from precision_convert.batch.job import (
     Outcome,
     Settings,
     convert_stage,
-    one_line,
     own_process,
     push_stage,
     validate_stage,
 )
 from precision_convert.batch.local import EventSink, Task
 from precision_convert.batch.manifest import Job
-from precision_convert.core.errors import InputError
+from precision_convert.core.errors import InputError, one_line
 
 _DONE = "done"
 

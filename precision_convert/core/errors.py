@@ -24,6 +24,25 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def first_line(text: str) -> str:
+    """The first line of ``text`` that is not blank, stripped; with the next one when it only
+    introduces it (ends in ``:``). ``""`` when there is none."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
+    return lines[0] if lines else ""
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line for a message or a report: the :func:`first_line` of its text, after
+    its class name unless it is one of ours (their messages already say what and where); the
+    class name alone when it has no text. Every exception shown in one line goes through here."""
+    text = first_line(str(exc))
+    if isinstance(exc, PrecisionConvertError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class InputError(PrecisionConvertError, ValueError):
     """The source, a flag or a file given by the user is unusable. Nothing was written.
 

@@ -15,6 +15,7 @@ from precision_convert.core.errors import (
     InputError,
     PrecisionConvertError,
     PushFailed,
+    first_line,
 )
 from precision_convert.core.hub_client import (
     MAX_RETRY_WAIT_VARIABLE,
@@ -153,10 +154,9 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
     def scrub(text: str) -> str:
         return text.replace(token, "***") if token else text
 
-    def first_line(error: BaseException) -> str:
+    def said(error: BaseException) -> str:  # what the Hub answered, in one line
         message = getattr(error, "server_message", None) or str(error)
-        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-        return scrub(lines[0] if lines else type(error).__name__)
+        return scrub(first_line(str(message)) or type(error).__name__)
 
     if isinstance(exc, WaitTooLong):
         return PushFailed(
@@ -191,12 +191,10 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
                 hint = _forbidden_hint(
                     repo_id, errors.user, errors.proposes, errors.identity, creating=errors.creating
                 )
-            return HubPermissionError(
-                f"{repo_id}: {refused} (403 Forbidden: {first_line(exc)}); {hint}"
-            )
+            return HubPermissionError(f"{repo_id}: {refused} (403 Forbidden: {said(exc)}); {hint}")
         if status in (409, 412):
             return PushFailed(
-                f"{repo_id}: {branch!r} moved while pushing ({first_line(exc)}); nothing was "
+                f"{repo_id}: {branch!r} moved while pushing ({said(exc)}); nothing was "
                 "committed: run push again",
                 **answered,
             )
@@ -208,14 +206,14 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
                 **answered,
             )
         return PushFailed(
-            f"{repo_id}: the Hub refused the push{where} ({status}: {first_line(exc)})",
+            f"{repo_id}: the Hub refused the push{where} ({status}: {said(exc)})",
             **answered,
         )
     if isinstance(exc, ValueError) and "README.md" in str(exc):
         return PushFailed(
-            f"{repo_id}: the Hub refused the card's metadata ({first_line(exc)})", status=400
+            f"{repo_id}: the Hub refused the card's metadata ({said(exc)})", status=400
         )
     return PushFailed(
-        f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {first_line(exc)}); "
+        f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {said(exc)}); "
         "run push again to resume"
     )

@@ -40,7 +40,7 @@ from precision_convert.conversion.runtime.streaming import (
     install_placeholders,
     stored_dtype,
 )
-from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap
+from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap, one_line
 from precision_convert.core.nested import map_tensors, tensors_in
 from precision_convert.validation.certify.components import (
     Component,
@@ -329,13 +329,12 @@ def validate_blockwise(
                 component, blocks, store, frozen, device, block_thresholds
             )
         except RUN_ERRORS as exc:
-            text = str(exc).strip().splitlines()
             return ComponentResult(
                 record,
                 metrics,
                 [
                     f"{component.name or 'model'}: the converted model failed to run: "
-                    f"{type(exc).__name__}: {text[0] if text else ''}"
+                    f"{one_line(exc)}"
                 ],
             )
         metrics += block_metrics

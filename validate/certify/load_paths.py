@@ -57,7 +57,7 @@ from precision_convert.conversion.io.source import ModelSource, PipelineSource, 
 from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.core.errors import InputError
+from precision_convert.core.errors import InputError, one_line
 from precision_convert.core.progress import stage
 from precision_convert.validation.certify.certificate import LoadPath, failure_line
 from precision_convert.validation.certify.components import Component
@@ -357,7 +357,7 @@ def _run(
         with stage(record.label):  # ways under another attention run apart
             outputs = run_probes(model, inputs, device, dtype)
     except LOAD_ERRORS as exc:
-        record.detail = f"fails to {step}: {_error_line(exc)}"
+        record.detail = f"fails to {step}: {one_line(exc)}"
     finally:
         if model is not None:
             gone = weakref.ref(model)
@@ -366,11 +366,6 @@ def _run(
     if outputs is not None:
         _judge(record, compare_outputs(component, inputs, baseline, outputs, thresholds))
     return record
-
-
-def _error_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _pc_load(
@@ -485,7 +480,7 @@ def _save_again(
         model.save_pretrained(directory)
         return open_source(directory), None
     except LOAD_ERRORS as exc:
-        return None, _error_line(exc)
+        return None, one_line(exc)
     finally:
         if model is not None:
             gone = weakref.ref(model)

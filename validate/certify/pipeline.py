@@ -17,7 +17,7 @@ from precision_convert.conversion.io.source import (
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.core.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError, one_line
 from precision_convert.validation.certify.certificate import (
     ComponentRecord,
 )
@@ -29,7 +29,7 @@ from precision_convert.validation.certify.load_paths import check_pipeline, skip
 from precision_convert.validation.certify.reference import (
     SourceInfo,
 )
-from precision_convert.validation.certify.whole import _compare_candidate, _first_line
+from precision_convert.validation.certify.whole import _compare_candidate
 from precision_convert.validation.probe.inputs.pipelines import pipeline_inputs
 from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
@@ -68,7 +68,7 @@ def _validate_pipeline(
     except RUN_ERRORS as exc:
         raise CannotValidateError(
             f"cannot run the {record.class_name} pipeline end to end "
-            f"({_first_line(exc)}); pass --inputs"
+            f"({one_line(exc)}); pass --inputs"
         ) from None
     gone = weakref.ref(baseline)
     del baseline

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from precision_convert.conversion.io.hashing import HASH_THREADS, HashedFile, hash_paths
-from precision_convert.core.errors import InputError, NotAsCertified
+from precision_convert.core.errors import InputError, NotAsCertified, one_line
 from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -189,8 +189,7 @@ def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
         data = json.loads((root / names[0]).read_text(encoding="utf-8"))
         return names[0], Certificate.from_dict(data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise NotAsCertified(root, [f"{names[0]}: unreadable ({detail})"]) from None
+        raise NotAsCertified(root, [f"{names[0]}: unreadable ({one_line(exc)})"]) from None
 
 
 def _uncovered(path: str) -> bool:

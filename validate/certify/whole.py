@@ -16,6 +16,7 @@ import torch
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.core.errors import one_line
 from precision_convert.core.progress import expect, stage
 from precision_convert.validation.certify.components import (
     Component,
@@ -189,14 +190,9 @@ def _compare_candidate(
         return compare_outputs(name, inputs, baseline, outputs, thresholds), []
     except RUN_ERRORS as exc:
         what = "pipeline" if name == "pipeline" else "model"
-        return [], [f"{name or 'model'}: the converted {what} failed to run: {_first_line(exc)}"]
+        return [], [f"{name or 'model'}: the converted {what} failed to run: {one_line(exc)}"]
     finally:
         if candidate is not None:
             gone = weakref.ref(candidate)
             candidate = None
             free_model(gone, device)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from precision_convert.core.errors import one_line
+
 #: A ``model_max_length`` at or past this is no limit: transformers stores int(1e30) for a
 #: tokenizer that never set one, and real context lengths stay far below a trillion tokens.
 UNBOUNDED = 10**12
@@ -64,7 +66,7 @@ class ProbeTokenizer:
                 raise ValueError("it encodes a sentence to no token ids")
         # Tokenizers' Rust backend raises plain Exception; any failure here means "unusable".
         except Exception as exc:
-            return cls.unusable(where, f"cannot encode text ({_first_line(exc)})")
+            return cls.unusable(where, f"cannot encode text ({one_line(exc)})")
         return cls(tokenizer, where)
 
     @classmethod
@@ -173,11 +175,6 @@ def _backend(tokenizer: Any) -> str:
     return "python"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
 def pad_rows(
     rows: Sequence[Sequence[int]], pad_id: int, *, side: str = "right", width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,9 +226,7 @@ def tokenizer_for(directory: Path) -> ProbeTokenizer | None:
         # Loading runs the library's converters and the Rust parser, which raise plain
         # Exception on a malformed tokenizer.json: every failure is a note, never a crash.
         except Exception as exc:
-            failed = failed or ProbeTokenizer.unusable(
-                where, f"cannot be loaded ({_first_line(exc)})"
-            )
+            failed = failed or ProbeTokenizer.unusable(where, f"cannot be loaded ({one_line(exc)})")
             continue
         found = ProbeTokenizer.wrap(loaded, where)
         if found.usable:

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from precision_convert.conversion.runtime.memory import release_freed_memory
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
 from precision_convert.core.dtypes import from_torch
-from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.errors import CannotValidateError, InputError, one_line
 from precision_convert.core.progress import forward_ran, record_forwards, report
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.model_inputs import (
@@ -393,8 +393,7 @@ def run_sweep(
         try:
             tried = run(model, trial)
         except RUN_ERRORS as exc:
-            text = str(exc).strip()
-            why = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            why = one_line(exc)
             _refuse_user_data(group[0], why)
             notes.append(f"probe {group[0].name} skipped: the fp32 model rejects it ({why})")
             continue
@@ -456,7 +455,7 @@ def select_inputs(
         try:
             return candidate, run(model, candidate)
         except RUN_ERRORS as e:
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            errors.append(one_line(e))
     detail = errors[-1] if errors else "no candidate inputs"
     raise CannotValidateError(
         f"cannot validate {type(model).__name__}: the model rejected every built input "
