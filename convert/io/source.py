@@ -26,6 +26,7 @@ from precision_convert.core.errors import (
     one_line,
 )
 from precision_convert.core.hub_client import WaitTooLong
+from precision_convert.core.patterns import HUB_ID, VARIANT_FILE, VARIANT_NAME
 
 #: Weight file stems each library writes, in the order we prefer them.
 _WEIGHT_STEMS = ("model", "diffusion_pytorch_model", "open_clip_model")
@@ -41,15 +42,6 @@ _PICKLE_TO_SAFETENSORS = {
 _WEIGHT_FILE = re.compile(
     r".*\.(safetensors|msgpack|h5|ckpt|pt|pth|onnx|gguf)$|.*\.(safetensors|bin)\.index\.json$"
     r"|(pytorch_model|diffusion_pytorch_model|open_clip_pytorch_model)([-.].*)?\.bin$"
-)
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-#: A Hub variant name (``fp16``, ``bf16``, ``non_ema``): it goes inside file names.
-VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")
-#: A variant-named weight file or index: ``model.fp16.safetensors``,
-#: ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json``.
-_VARIANT_FILE = re.compile(
-    r"(?P<stem>[^.]+)\.(?P<variant>[A-Za-z0-9_]+)(?P<shard>-\d+-of-\d+)?\.(?P<ext>safetensors|bin)"
-    r"|(?P<istem>[^.]+)\.(?P<iext>safetensors|bin)\.index\.(?P<ivariant>[A-Za-z0-9_]+)\.json"
 )
 
 
@@ -141,7 +133,7 @@ def resolve(
             raise InputError("--revision applies to Hub repo ids, not local directories", path)
         return path
     text = str(source)
-    if text.startswith((".", "/", "~")) or not _REPO_ID.fullmatch(text):
+    if text.startswith((".", "/", "~")) or not HUB_ID.fullmatch(text):
         raise InputError("no such directory", path)
     from huggingface_hub import snapshot_download
 
@@ -164,7 +156,7 @@ def _variant_files(repo_id: str, revision: str | None, variant: str) -> list[str
         return None
     wanted = []
     for path in HfApi().list_repo_files(repo_id, revision=revision):
-        found = _VARIANT_FILE.fullmatch(path.rsplit("/", 1)[-1])
+        found = VARIANT_FILE.fullmatch(path.rsplit("/", 1)[-1])
         ours = found is not None and variant in (found["variant"], found["ivariant"])
         if ours or not _WEIGHT_FILE.fullmatch(path):
             wanted.append(glob.escape(path))  # allow_patterns are fnmatch patterns
@@ -306,7 +298,7 @@ def variants(root: Path) -> list[str]:
     """The variants whose weights ``root`` holds (a model directory, not a pipeline)."""
     found = set()
     for entry in root.iterdir():
-        match = _VARIANT_FILE.fullmatch(entry.name)
+        match = VARIANT_FILE.fullmatch(entry.name)
         if match and (match["stem"] or match["istem"]) in (*_WEIGHT_STEMS, *_PICKLE_TO_SAFETENSORS):
             found.add(match["variant"] or match["ivariant"])
     return sorted(found)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Sequence
@@ -46,14 +45,13 @@ from precision_convert.core.errors import (
     OutputExistsError,
     PrecisionConvertError,
 )
+from precision_convert.core.patterns import CERTIFICATE_FILE
 
 _STAGING = ".pc-staging-"
 _TRASH = ".pc-trash-"
 _LOCK = ".pc-lock"
 #: Key of the precision-convert record in configs and shard metadata (docs/format.md).
 RECORD_KEY = "precision_convert"
-#: A certificate's file name (``precision_certificate.json``, or a variant's).
-_CERTIFICATE = re.compile(r"precision_certificate(\.[A-Za-z0-9_]+)?\.json")
 
 
 def real_path(path: str | Path) -> Path:
@@ -98,7 +96,7 @@ def written_here(directory: Path) -> bool:
         folders += [d for d in directory.iterdir() if d.is_dir() and not d.is_symlink()]
     for folder in folders:
         for entry in folder.iterdir():
-            if folder is directory and _CERTIFICATE.fullmatch(entry.name) and entry.is_file():
+            if folder is directory and CERTIFICATE_FILE.fullmatch(entry.name) and entry.is_file():
                 return True
             if entry.name.endswith(".safetensors") and entry.is_file() and not entry.is_symlink():
                 with contextlib.suppress(InputError, OSError):  # unreadable: not ours

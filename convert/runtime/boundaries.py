@@ -43,6 +43,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from precision_convert.core.dtypes import FLOATS, FP16
 from precision_convert.core.errors import InputError
 
 #: Attribute holding a module's registry: hook name -> the torch handles that implement it.
@@ -53,7 +54,7 @@ CAST_OUTPUTS = "precision_convert.cast_outputs"
 PROMOTE_MIXED = "precision_convert.promote_mixed"
 CAST_CHECK = "precision_convert.cast_check"
 #: Dtypes a boundary converts between; fp8 and integer tensors are always left alone.
-_CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_CASTABLE = frozenset(d.torch for d in FLOATS)
 #: Functions that refuse mixed floating dtypes instead of promoting them. ``cat`` and the
 #: elementwise ops already promote, so an fp32 tensor meeting an fp16 one only fails here.
 _NO_PROMOTION: frozenset[Callable[..., Any]] = frozenset(
@@ -437,7 +438,7 @@ class _WarnWhenCastWhole:
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self.warned:
             return
-        cast = [name for name, dtype in self.islands.items() if dtype() == torch.float16]
+        cast = [name for name, dtype in self.islands.items() if dtype() == FP16.torch]
         if cast:
             self.warned = True
             logger.warning(

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.api.options import ConversionOptions
+from precision_convert.api.options import ConversionOptions, OptionKeywords
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import (
-    VARIANT_NAME,
     ModelSource,
     PipelineSource,
     Source,
@@ -36,11 +35,14 @@ from precision_convert.conversion.plan import (
 )
 from precision_convert.core.dtypes import Target
 from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.patterns import VARIANT_NAME
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from precision_convert.validation.calibration.plans import Calibration
     from precision_convert.validation.certify.certificate import Certificate
     from precision_convert.validation.probe.inputs.userdata import CalibrationData
@@ -217,18 +219,10 @@ def convert(
     device: str | None = None,
     *,
     options: ConversionOptions | None = None,
-    revision: str | None = None,
-    recipe: str | None = None,
-    keep_fp32: Sequence[str] = (),
-    calibrate: bool | None = None,
     overwrite: bool = False,
-    trust_remote_code: bool = False,
     on_progress: ProgressHook | None = None,
     hub_timeout: float | None = None,
-    coverage: str | None = None,
-    calibration_data: str | Path | None = None,
-    inputs: str | Path | None = None,
-    variant: str | None = None,
+    **keywords: Unpack[OptionKeywords],
 ) -> ConversionResult:
     """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
 
@@ -241,7 +235,8 @@ def convert(
             :class:`~precision_convert.api.options.ConversionOptions`; or pass them as
             keywords of the same names (``device``, ``revision``, ``recipe``, ``keep_fp32``,
             ``calibrate``, ``trust_remote_code``, ``coverage``, ``calibration_data``,
-            ``inputs``, ``variant``, each described there), not both.
+            ``inputs``, ``variant``, each described there). A field given both ways must
+            have the same value in both (an :class:`InputError` otherwise).
         overwrite: replace an output directory this tool wrote before (or an empty one).
         on_progress: called with (what is being written, source bytes just consumed).
         hub_timeout: seconds a Hub download may wait for metadata (see
@@ -255,11 +250,8 @@ def convert(
     Returns:
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
-    chosen = ConversionOptions.given(
-        options, device=device, revision=revision, recipe=recipe, keep_fp32=keep_fp32,
-        calibrate=calibrate, trust_remote_code=trust_remote_code, coverage=coverage,
-        calibration_data=calibration_data, inputs=inputs, variant=variant,
-    )  # fmt: skip
+    given: dict[str, Any] = {"device": device} if device is not None else {}
+    chosen = ConversionOptions.given(options, **given, **keywords)
     run = _Run(validate, overwrite, on_progress, hub_timeout)
     return _convert(source, check_target(to), output, chosen, run)
 

@@ -8,9 +8,12 @@ It imports nothing heavy: the batch manifest reads it before any conversion star
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+from precision_convert.core.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,45 @@ class ConversionOptions:
 
     @classmethod
     def given(cls, options: ConversionOptions | None, **keywords: Any) -> ConversionOptions:
-        """``options``, or the loose ``keywords`` of the same names (``convert()``'s own):
-        one or the other, so no value is silently dropped."""
-        defaults = cls()
-        keywords["keep_fp32"] = tuple(keywords.get("keep_fp32", ()))
-        changed = {k: v for k, v in keywords.items() if v != getattr(defaults, k)}
+        """The options of one ``convert()`` call: ``options`` and the ``keywords`` of the same
+        names that the caller gave (a keyword left out is not in ``keywords``), in one object.
+
+        A field given both ways must have one value: if they differ, one of them would be
+        dropped without a word, so that is refused.
+
+        Raises:
+            TypeError: a keyword that is no field (as for any function).
+            InputError: a field given both ways with different values.
+        """
+        unknown = sorted(set(keywords) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+        if "keep_fp32" in keywords:
+            keywords["keep_fp32"] = tuple(keywords["keep_fp32"])
         if options is None:
-            return cls(**changed)
-        if changed:
-            raise TypeError(f"pass options= or {', '.join(sorted(changed))}, not both")
+            return cls(**keywords)
+        differ = sorted(k for k, v in keywords.items() if v != getattr(options, k))
+        if differ:
+            raise InputError(
+                f"{', '.join(differ)} given as a keyword and in options= with different "
+                "values; give each once"
+            )
         return options
+
+
+class OptionKeywords(TypedDict, total=False):
+    """:class:`ConversionOptions`' fields as ``convert()`` takes them as keywords (``device``
+    is its own parameter); one left out is not given."""
+
+    revision: str | None
+    recipe: str | None
+    keep_fp32: Sequence[str]
+    calibrate: bool | None
+    calibration_data: str | Path | None
+    inputs: str | Path | None
+    coverage: str | None
+    trust_remote_code: bool
+    variant: str | None
 
 
 #: Option names, in declaration order (a batch manifest's keys among them).

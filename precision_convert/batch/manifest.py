@@ -28,6 +28,7 @@ from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
 from precision_convert.core._version import __version__
 from precision_convert.core.errors import InputError, printable
+from precision_convert.core.patterns import HUB_ID, REPO_ID
 from precision_convert.recipes import TARGETS
 
 #: ``[[model]]`` keys that only an entry can have.
@@ -48,8 +49,6 @@ _LIST_KEYS = frozenset({"to", "keep_fp32"})  # a string or a list of strings
 _PATH_KEYS = frozenset({"calibration_data", "inputs"})
 #: ``push = "pr"``: a variant pull request into the source repo.
 PUSH_PR = "pr"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -272,7 +271,7 @@ class _Reader:
                 if local.is_dir():
                     return str(local.resolve()), False
                 problem = f"source {raw!r}: no such directory"
-            elif _HUB_ID.match(raw):
+            elif HUB_ID.fullmatch(raw):
                 return raw, True
             else:
                 problem = f"source {raw!r} is neither a directory nor a Hub repo id"
@@ -413,7 +412,7 @@ def _push(
         usage = "use {name}, {target}, {variant}"
         reader.note(f"push pattern {pattern!r}: {exc} ({usage})", "model", index, "push")
         return None
-    if not _REPO_ID.match(repo_id):
+    if not REPO_ID.fullmatch(repo_id):
         reader.note(f"push: {repo_id!r} is not a Hub repo id", "model", index, "push")
         return None
     return repo_id

@@ -60,6 +60,9 @@ BY_CODE: dict[str, DType] = {d.code: d for d in _TABLE}
 BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in _TABLE}
 BY_SHORT: dict[str, DType] = {d.short: d for d in _TABLE}
 
+#: The floating dtypes a conversion may cast (fp8 stays as stored).
+FLOATS: tuple[DType, ...] = tuple(d for d in _TABLE if d.is_float)
+
 FP32 = BY_CODE["F32"]
 FP16 = BY_CODE["F16"]
 BF16 = BY_CODE["BF16"]

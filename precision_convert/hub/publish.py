@@ -18,23 +18,23 @@ from precision_convert.core.errors import (
     NotAsCertified,
     PushRefused,
 )
+from precision_convert.core.patterns import CERTIFICATE_FILE, REPO_ID, is_variant_file
 from precision_convert.hub.errors import hub_errors
 from precision_convert.hub.upload import addition, changed_file, same_content
 from precision_convert.validation.certify.card import base_model_id, render_card
 from precision_convert.validation.certify.certificate import CARD_NAME
-from precision_convert.validation.certify.verify import Verified, is_variant_file, verify
+from precision_convert.validation.certify.verify import Verified, verify
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: Remote files a new-repo push replaces when its output lacks them: whatever decides what
 #: loads (weights, shard indexes, certificates). Documentation and other files are left alone.
 _LOAD_BEARING = re.compile(
     r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf)"
     r"|\.(safetensors|bin)\.index(\.[\w-]+)?\.json"
-    r"|(^|/)precision_certificate(\.[\w-]+)?\.json)$"
+    rf"|(^|/){CERTIFICATE_FILE.pattern})$"
 )
 #: A branch may be named with or without this prefix.
 _HEADS = "refs/heads/"
@@ -149,7 +149,7 @@ def push_with_result(
     commit_message: str | None = None,
 ) -> PushResult:
     """:func:`push`, returning what was done (for the command's report)."""
-    if not _REPO_ID.match(repo_id):
+    if not REPO_ID.fullmatch(repo_id):
         raise InputError(f"{repo_id!r} is not a Hub repo id (namespace/name)")
     branch, pull_request = _revision(revision)
     if pull_request is not None and create_pr:

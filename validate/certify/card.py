@@ -18,13 +18,13 @@ it, and the repo it is pushed to), so it can be checked by regenerating it.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.chart import CHART_NAME
 from precision_convert.core.dtypes import BY_TORCH_NAME, Target
+from precision_convert.core.patterns import REPO_ID
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -48,13 +48,12 @@ WAY_NAMES = {
     "resave:auto": 're-saved, `"auto"` dtype',
     "resave:pc.load": "re-saved, precision-convert",
 }
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def base_model_id(certificate: Certificate) -> str | None:
     """The Hub id to declare as ``base_model``: the source's repo id when it has one."""
     source_id = certificate.source.get("id")
-    if isinstance(source_id, str) and _REPO_ID.match(source_id) and not Path(source_id).exists():
+    if isinstance(source_id, str) and REPO_ID.fullmatch(source_id) and not Path(source_id).exists():
         return source_id
     return None
 

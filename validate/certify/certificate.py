@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -26,12 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.core.errors import CertificateError, FileSystemError
+from precision_convert.core.patterns import CERTIFICATE_FILE, CERTIFICATE_NAME, certificate_name
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
-CERTIFICATE_NAME = "precision_certificate.json"
-#: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
-#: written with ``--variant`` (it sits beside the source repo's files, under its own name).
-CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json")
 CARD_NAME = "README.md"
 #: The JSON Schema certificates are read back against (docs/schema/, installed as
 #: ``precision_convert.schema``).
@@ -290,10 +286,6 @@ def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
         if values.get("verdict") == PASS and baseline.get("kind") == SELF_BASELINE:
             values["verdict"] = SMOKE_PASS
     return values
-
-
-def certificate_name(variant: str | None) -> str:
-    return f"precision_certificate.{variant}.json" if variant else CERTIFICATE_NAME
 
 
 def certificate_files(directory: str | Path) -> list[str]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from precision_convert.conversion.io.hashing import HASH_THREADS, HashedFile, hash_paths
 from precision_convert.core.errors import InputError, NotAsCertified, one_line
+from precision_convert.core.patterns import is_variant_file
 from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -97,17 +98,6 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
     if problems:
         raise NotAsCertified(root, problems)
     return Verified(root, certificate, certificate_name, variant, files, card)
-
-
-def is_variant_file(path: str, variant: str) -> bool:
-    """``model.<v>.safetensors``, ``model.<v>-00001-of-00002.safetensors``,
-    ``model.safetensors.index.<v>.json`` (and the same for diffusers' names, in any folder)."""
-    name = path.rsplit("/", 1)[-1]
-    v = re.escape(variant)
-    return bool(
-        re.fullmatch(rf".+\.{v}(-\d+-of-\d+)?\.safetensors", name)
-        or re.fullmatch(rf".+\.safetensors\.index\.{v}\.json", name)
-    )
 
 
 def verify_files(directory: str | Path, certificate: Certificate) -> list[str]:

@@ -16,7 +16,6 @@ baseline (:meth:`Swept.matches` says when it may stand in for it).
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from precision_convert.conversion.io.hashing import hash_paths
-from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.conversion.runtime.memory import freed
 from precision_convert.validation.probe.inputs.budgets import activation_allowance
 from precision_convert.validation.probe.inputs.layouts import input_candidates, inputs_from_tensors
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
@@ -161,13 +160,12 @@ def fp32_session(
     (``before`` is told the probes and how many other implementations will run them),
     ``check`` its outputs, and free it before returning, so that the next model to load is
     the only one resident."""
-    model = build()
-    choices = attention_choices(model) if attention else None
-    others = len(choices.others) if choices is not None else 0
     by_attention: dict[str, Outputs] = {}
-    try:
+    with freed(build(), device) as fp32:
+        choices = attention_choices(fp32.model) if attention else None
+        others = len(choices.others) if choices is not None else 0
         task, inputs, outputs = sweep_model(
-            model,
+            fp32.model,
             run,
             settings,
             tokenizer=tokenizer,
@@ -178,17 +176,13 @@ def fp32_session(
         )
         if choices is not None:
             choices, by_attention = outputs_by_attention(
-                model,
+                fp32.model,
                 choices,
                 resolve(inputs, outputs),
                 outputs,
-                lambda fp32, probes: run_probes(fp32, probes, device, torch.float32),
-                allowance=activation_allowance(model),
+                lambda model, probes: run_probes(model, probes, device, torch.float32),
+                allowance=activation_allowance(fp32.model),
             )
-    finally:
-        gone = weakref.ref(model)
-        del model
-        free_model(gone, device)
     if check is not None:
         check(outputs)
     return Swept(
