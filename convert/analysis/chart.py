@@ -212,8 +212,8 @@ def draw(data: HeatmapData, path: Path, title: str) -> None:
     assert image is not None
     bar = fig.colorbar(image, ax=list(axes), extend="max", shrink=0.6, aspect=30)
     decades = [10.0**-k for k in range(DECADES, -1, -1)]
-    values = [FP16_MAX * d for d in decades]
-    bar.set_ticks(decades, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values])
+    peaks = [FP16_MAX * d for d in decades]
+    bar.set_ticks(decades, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in peaks])
     bar.set_label("peak |activation| in the fp32 run (top: fp16's max)", fontsize=8)
     bar.ax.axhline(1.0 / ACTIVATION_MARGIN, color="white", linewidth=1)
     bar.ax.tick_params(labelsize=7)

@@ -481,8 +481,8 @@ def _sharded(
                 f"shard {shard} holds tensor {extra!r} that the index does not list", index_path
             )
         files.append(weight_file)
-    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    return tuple(files), output_index, dict(metadata)
+    metadata = index.get("metadata")
+    return tuple(files), output_index, dict(metadata) if isinstance(metadata, dict) else {}
 
 
 def _without_variant(name: str, variant: str | None) -> str:

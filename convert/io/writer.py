@@ -186,7 +186,7 @@ class _Sink:
                 n = min(total - done, max(1, room))
                 piece = torch.empty(n, dtype=dtype)
                 _cast_into(piece, chunk[done : done + n])
-                self.append(memoryview(piece.view(torch.uint8).numpy()))
+                self.append(piece.view(torch.uint8).numpy().data)
                 del piece
                 done += n
 

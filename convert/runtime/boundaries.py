@@ -127,9 +127,9 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if tensor is not None and tensor.dtype in _CASTABLE:
             yield name, tensor
     skip = module._non_persistent_buffers_set
-    for name, tensor in module._buffers.items():
-        if tensor is not None and name not in skip and tensor.dtype in _CASTABLE:
-            yield name, tensor
+    for name, buffer in module._buffers.items():
+        if buffer is not None and name not in skip and buffer.dtype in _CASTABLE:
+            yield name, buffer
 
 
 def _join(parent: str, child: str) -> str:
@@ -343,7 +343,10 @@ class _DtypeOf:
         raise ValueError(f"{type(module).__name__} holds no floating tensor of dtype {dtype}")
 
     def __call__(self) -> torch.dtype:
-        return self.slots[self.key].dtype
+        tensor = self.slots[self.key]
+        # Only a slot that held a floating tensor is read, and loads replace, never empty, one.
+        assert tensor is not None, f"{self.key} was emptied after its dtype hooks were placed"
+        return tensor.dtype
 
 
 class _CastInputs:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
@@ -42,9 +42,14 @@ from precision_convert.core.errors import (
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PreTrainedModel
 
 #: Maps a tensor name in the weight files to the model's state-dict key (None: no such key).
 KeyMap = Callable[[str], str | None]
+#: A model class of transformers, diffusers or open_clip. Their loaders (``from_config``,
+#: ``from_pretrained``, ``load_config``) differ from library to library and are called as each
+#: documents them, so the class is typed only as a class.
+ModelClass = type[Any]
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,10 @@ class Adapter:
     """How one library builds a model from a directory (see the module docstring)."""
 
     library: str
-    model_class: Callable[[ModelSource, bool], type]
-    skeleton: Callable[[ModelSource, type, bool], nn.Module]  # (source, class, trust_remote_code)
-    pretrained: Callable[[ModelSource, type, torch.dtype, bool], nn.Module]
+    model_class: Callable[[ModelSource, bool], ModelClass]
+    # (source, class, trust_remote_code)
+    skeleton: Callable[[ModelSource, ModelClass, bool], nn.Module]
+    pretrained: Callable[[ModelSource, ModelClass, torch.dtype, bool], nn.Module]
     key_map: Callable[[nn.Module], KeyMap]
 
 
@@ -63,7 +69,7 @@ def adapter(source: ModelSource) -> Adapter:
     return _ADAPTERS[source.library]
 
 
-def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> type:
+def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> ModelClass:
     """The class that builds ``source``: its config's class, remote code only when trusted.
 
     Raises:
@@ -84,7 +90,7 @@ def uses_remote_code(source: ModelSource, *, trust_remote_code: bool) -> bool:
 
 
 def build_skeleton(
-    source: ModelSource, *, trust_remote_code: bool = False, cls: type | None = None
+    source: ModelSource, *, trust_remote_code: bool = False, cls: ModelClass | None = None
 ) -> nn.Module:
     """``source``'s module tree with parameters on the meta device (no weight memory), in eval
     mode and with tied weights tied."""
@@ -94,8 +100,9 @@ def build_skeleton(
     cls = cls or model_class(source, trust_remote_code=trust_remote_code)
     with library_errors(source, cls), init_empty_weights(include_buffers=False):
         model = chosen.skeleton(source, cls, trust_remote_code)
-    if callable(getattr(model, "tie_weights", None)):
-        model.tie_weights()
+    tie_weights = getattr(model, "tie_weights", None)
+    if callable(tie_weights):
+        tie_weights()
     return model.eval()
 
 
@@ -104,7 +111,7 @@ def build_pretrained(
     dtype: torch.dtype,
     *,
     trust_remote_code: bool = False,
-    cls: type | None = None,
+    cls: ModelClass | None = None,
 ) -> nn.Module:
     """``source`` loaded by its library's own ``from_pretrained`` with every tensor in
     ``dtype`` (OpenCLIP: its skeleton filled from the files)."""
@@ -124,7 +131,7 @@ def build_filled(
     dtype_of: Callable[[DType], torch.dtype],
     *,
     trust_remote_code: bool = False,
-    cls: type | None = None,
+    cls: ModelClass | None = None,
 ) -> nn.Module:
     """The skeleton filled from the files one tensor at a time, each in ``dtype_of(stored)``.
 
@@ -144,7 +151,7 @@ def build_filled(
 
 
 @contextmanager
-def library_errors(source: ModelSource, cls: type | None = None) -> Iterator[None]:
+def library_errors(source: ModelSource, cls: ModelClass | None = None) -> Iterator[None]:
     """What the library raises while building ``source`` as one :class:`CannotBuildModel`.
 
     Only this project's own errors and running out of memory pass through unchanged (the
@@ -232,7 +239,7 @@ def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
 # --- transformers ------------------------------------------------------------------------------
 
 
-def _native_transformers_class(source: ModelSource) -> type | None:
+def _native_transformers_class(source: ModelSource) -> ModelClass | None:
     """The class ``architectures`` names: transformers', or for a pipeline component the one
     its ``model_index.json`` names (diffusers' ``StableDiffusionSafetyChecker`` is a
     transformers model whose config reads as CLIP's), as diffusers itself would build it."""
@@ -273,7 +280,7 @@ def _model_index(directory: Path) -> dict[str, Any]:
     return index if isinstance(index, dict) else {}
 
 
-def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
+def _transformers_class(source: ModelSource, trust_remote_code: bool) -> ModelClass:
     """The class named in ``architectures``; remote code (``auto_map``) only when trusted."""
     import transformers
 
@@ -306,7 +313,9 @@ def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
     return native or transformers.AutoModel
 
 
-def _transformers_skeleton(source: ModelSource, cls: type, trust_remote_code: bool) -> nn.Module:
+def _transformers_skeleton(
+    source: ModelSource, cls: ModelClass, trust_remote_code: bool
+) -> nn.Module:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(
@@ -318,7 +327,7 @@ def _transformers_skeleton(source: ModelSource, cls: type, trust_remote_code: bo
 
 
 def _transformers_pretrained(
-    source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
+    source: ModelSource, cls: ModelClass, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
     return cls.from_pretrained(
         source.root, dtype=dtype, trust_remote_code=trust_remote_code, **variant_keyword(source)
@@ -345,7 +354,8 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
             (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in state),
             None,
         )
-    mapping = get_model_conversion_mapping(model)
+    # transformers' adapter builds only transformers models (PreTrainedModel subclasses).
+    mapping = get_model_conversion_mapping(cast("PreTrainedModel", model))
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
 
@@ -361,7 +371,7 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
 # --- diffusers ---------------------------------------------------------------------------------
 
 
-def _diffusers_class(source: ModelSource, trust_remote_code: bool) -> type:
+def _diffusers_class(source: ModelSource, trust_remote_code: bool) -> ModelClass:
     import diffusers
 
     cls = getattr(diffusers, source.class_name or "", None)
@@ -370,7 +380,7 @@ def _diffusers_class(source: ModelSource, trust_remote_code: bool) -> type:
     return cls
 
 
-def _diffusers_skeleton(source: ModelSource, cls: type, trust_remote_code: bool) -> nn.Module:
+def _diffusers_skeleton(source: ModelSource, cls: ModelClass, trust_remote_code: bool) -> nn.Module:
     return cls.from_config(without_record(cls.load_config(source.root)))
 
 
@@ -395,7 +405,7 @@ def _diffusers_dtype_keyword() -> str:
 
 
 def _diffusers_pretrained(
-    source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
+    source: ModelSource, cls: ModelClass, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
     return cls.from_pretrained(
         source.root, **{_diffusers_dtype_keyword(): dtype}, **variant_keyword(source)
@@ -405,7 +415,7 @@ def _diffusers_pretrained(
 # --- open_clip ---------------------------------------------------------------------------------
 
 
-def _open_clip_class(source: ModelSource, trust_remote_code: bool) -> type:
+def _open_clip_class(source: ModelSource, trust_remote_code: bool) -> ModelClass:
     try:
         import open_clip
     except ImportError:
@@ -417,14 +427,14 @@ def _open_clip_class(source: ModelSource, trust_remote_code: bool) -> type:
     return open_clip.model.CustomTextCLIP if text.get("hf_model_name") else open_clip.model.CLIP
 
 
-def _open_clip_skeleton(source: ModelSource, cls: type, trust_remote_code: bool) -> nn.Module:
+def _open_clip_skeleton(source: ModelSource, cls: ModelClass, trust_remote_code: bool) -> nn.Module:
     # The class itself, not open_clip.create_model: that moves the model to a device (meta
     # cannot) and, without pretrained weights, logs that the model is random.
     return cls(**dict(source.config["model_cfg"]))
 
 
 def _open_clip_pretrained(
-    source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
+    source: ModelSource, cls: ModelClass, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
     return build_filled(source, lambda stored: dtype if stored.is_float else stored.torch, cls=cls)
 
@@ -451,7 +461,7 @@ _ADAPTERS: dict[str, Adapter] = {
 }
 
 
-def component_class(library: str, class_name: str) -> type | None:
+def component_class(library: str, class_name: str) -> ModelClass | None:
     """The class a pipeline's ``model_index.json`` names for a component (``[library, cls]``),
     or None when it cannot be imported."""
     module = (

@@ -174,7 +174,7 @@ def plan_model(
         else {}
     )
 
-    def plan_with(extra: Sequence[Island]) -> ModelPlan:
+    def plan_with(extra: Iterable[Island]) -> ModelPlan:
         return build_plan(
             tensors,
             target=decoded,

@@ -231,8 +231,8 @@ class _Reader:
         try:
             self._library_checks(values)
         except InputError as exc:
-            key = next((k for k in ("recipe", "variant", "calibration_data") if k in values), None)
-            self.note(str(exc), table, index, key or "coverage")
+            at = next((k for k in ("recipe", "variant", "calibration_data") if k in values), None)
+            self.note(str(exc), table, index, at or "coverage")
 
     @staticmethod
     def _library_checks(values: Mapping[str, Any]) -> None:
@@ -364,7 +364,7 @@ def _jobs(
     create_pr = values.pop("create_pr", False)
     private = values.pop("private", None)
     options = ConversionOptions(**values)
-    jobs = []
+    jobs: list[Job] = []
     for target in dict.fromkeys(targets):
         push = None
         if push_value is not None:
@@ -432,7 +432,7 @@ def _check_unique(reader: _Reader, jobs: list[Job]) -> None:
     """No two jobs write one folder, push one repo, or add one variant to one source."""
     seen: dict[tuple[str, ...], Job] = {}
     for job in jobs:
-        keys = [("output", job.key)]
+        keys: list[tuple[str, ...]] = [("output", job.key)]
         if job.push is not None and not job.push.variant_pr:
             keys.append(("repo", job.push.repo_id))
         if job.push is not None and job.push.variant_pr:

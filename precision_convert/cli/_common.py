@@ -35,7 +35,7 @@ class _Console(Console):
             return ConsoleDimensions(UNBOUNDED_WIDTH, size.height)
         return size
 
-    size = property(_size, Console.size.fset)  # type: ignore[attr-defined,assignment]
+    size = property(_size, Console.size.fset)  # type: ignore[attr-defined]
 
 
 #: Progress, warnings and notes: stderr, so they never mix into a report or ``--json`` output.

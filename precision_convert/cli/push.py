@@ -130,8 +130,8 @@ def push_and_report(
                 # asked (the client's hook has announced a long wait and refused one beyond
                 # the maximum), then resume; what the Hub holds is not sent again.
                 wait = exc.retry_after
-                asked = wait is not None and exc.status in RETRIED_STATUSES
-                if not asked or wait > maximum or attempt == _WAITED_RETRIES:
+                asked = exc.status in RETRIED_STATUSES
+                if wait is None or not asked or wait > maximum or attempt == _WAITED_RETRIES:
                     raise
                 time.sleep(wait)
     line = _report(result) + (f": {result.url}" if with_url else "")

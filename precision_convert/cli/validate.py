@@ -146,8 +146,8 @@ def require_pass(certificate: Certificate, converted: Path, *, calibrated: bool 
     from precision_convert.core.dtypes import Target
     from precision_convert.core.errors import CheckFailed
 
-    if not certificate.passed:
-        why = certificate.why_not_certified(converted)
+    why = certificate.why_not_certified(converted)  # None: passed
+    if why is not None:
         target = Target.lookup(certificate.target)
         if certificate.verdict == "fail" and target is not None and not target.safe:
             safe = target.with_islands

@@ -34,7 +34,8 @@ class DType:
     def torch(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.torch_name)
+        found: torch.dtype = getattr(torch, self.torch_name)
+        return found
 
 
 _TABLE: tuple[DType, ...] = (
@@ -111,7 +112,7 @@ class Target(StrEnum):
     def lookup(cls, name: object) -> Target | None:
         """The target named ``name`` (as a certificate or record spells it); None if none is."""
         try:
-            return cls(name)
+            return cls(name) if isinstance(name, str) else None
         except ValueError:
             return None
 

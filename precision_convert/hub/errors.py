@@ -178,7 +178,6 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
         after = retry_after(exc.response.headers.get("Retry-After"))
-        answered = {"status": status, "retry_after": after}
         if status == 401:
             return HubAuthError(
                 "the Hub rejected the token (401 Unauthorized): set HF_TOKEN to a valid token "
@@ -196,18 +195,21 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
             return PushFailed(
                 f"{repo_id}: {branch!r} moved while pushing ({said(exc)}); nothing was "
                 "committed: run push again",
-                **answered,
+                status=status,
+                retry_after=after,
             )
         if status == 429 or status >= 500:
             return PushFailed(
                 f"{repo_id}: the Hub answered {status}{where} and did not recover (the client "
                 "retries what it can); run push again later: files it already holds are not "
                 "uploaded twice",
-                **answered,
+                status=status,
+                retry_after=after,
             )
         return PushFailed(
             f"{repo_id}: the Hub refused the push{where} ({status}: {said(exc)})",
-            **answered,
+            status=status,
+            retry_after=after,
         )
     if isinstance(exc, ValueError) and "README.md" in str(exc):
         return PushFailed(

@@ -318,7 +318,7 @@ def _into_pull_request(request: _Request, prs: dict[str, str]) -> _Target:
     """``--revision refs/pr/N``: the open pull request N, whoever opened it."""
     number = request.pull_request
     ref = f"refs/pr/{number}"
-    if ref not in prs:
+    if number is None or ref not in prs:
         raise InputError(f"{request.repo_id}: no pull request #{number} (--revision {ref})")
     details = request.api.get_discussion_details(request.repo_id, number)
     if not details.is_pull_request or details.status != "open":

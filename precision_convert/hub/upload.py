@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from precision_convert.conversion.io.hashing import BLOCK_BYTES, HashedFile
 from precision_convert.core.errors import ChangedSinceCertified
@@ -25,7 +25,8 @@ def addition(file: HashedFile, readers: ExitStack) -> CommitOperationAdd:
     # Built on the path (which reads nothing), then given the certified stream and upload info:
     # a file object passed in directly would be read whole once more just to hash it.
     add = CommitOperationAdd(file.path, file.location)
-    add.path_or_fileobj = readers.enter_context(CertifiedReader(file))
+    # A binary file to the client; typeshed's BinaryIO is a class, not the protocol it reads.
+    add.path_or_fileobj = cast(BinaryIO, readers.enter_context(CertifiedReader(file)))
     # The sample (read from the path) only tells text from binary; it is not uploaded.
     add.upload_info = UploadInfo(file.size, add.upload_info.sample, bytes.fromhex(file.sha256))
     return add

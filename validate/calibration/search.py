@@ -93,7 +93,8 @@ class _Search:
         """``added`` with the islands that make the candidate carry every near-limit tensor
         in fp32, then those the search over the other ``free`` units finds."""
         frozen = self.swept.resolved
-        baselines: dict[str | None, Any] = {None: self.swept.outputs, **self.swept.by_attention}
+        baselines: dict[str | None, Any] = {None: self.swept.outputs}
+        baselines.update(self.swept.by_attention.items())
         with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
             if near:
                 fixes, self.carried = _carry_in_fp32(

@@ -108,8 +108,8 @@ def _certificate(
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]
-    records = {c.record.target for c in components} - {None}
-    compute = {c.record.compute_dtype for c in components} - {None}
+    records = {c.record.target for c in components if c.record.target is not None}
+    compute = {c.record.compute_dtype for c in components if c.record.compute_dtype is not None}
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
     notes += [note for r in results for note in r.notes]
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids

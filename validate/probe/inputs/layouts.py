@@ -483,7 +483,7 @@ def input_candidates(
     """
     tok = probe_tokenizer(tokenizer)
     ctx = _Ctx(model, seed, tok)
-    if ctx.tokenizer is not None and not _fits_vocabulary(ctx):
+    if tok is not None and ctx.tokenizer is not None and not _fits_vocabulary(ctx):
         vocab = ctx.cfg("vocab_size", prefer=("text_config",))
         tok = ProbeTokenizer.unusable(
             tok.where, f"gives ids past the model's vocabulary of {vocab} (another model's?)"

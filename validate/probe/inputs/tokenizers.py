@@ -81,6 +81,7 @@ class ProbeTokenizer:
     def encode(self, text: str, limit: int) -> list[int]:
         """``text``'s ids as a user's call gets them (bos/eos added by the tokenizer's own
         rules), at most ``limit`` of them."""
+        assert self.tokenizer is not None, "encode() is for a usable tokenizer"
         ids = self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=limit)
         return list(ids["input_ids"])[:limit]
 
@@ -127,7 +128,7 @@ class ProbeTokenizer:
     def chat(self, turns: Sequence[str], limit: int) -> list[int] | None:
         """``turns`` (user, assistant, ...) through the tokenizer's chat template; None when
         it has none or the template refuses them."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             return None
         roles = ("user", "assistant")
         messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]

@@ -447,8 +447,8 @@ def _groups(inputs: ModelInputs, chosen: set[str]) -> list[list[Probe]]:
 def select_inputs(
     model: Any,
     candidates: Iterator[ModelInputs],
-    run: Callable[[Any, ModelInputs], dict[str, dict[str, torch.Tensor]]],
-) -> tuple[ModelInputs, dict[str, dict[str, torch.Tensor]]]:
+    run: Callable[[Any, ModelInputs], Outputs],
+) -> tuple[ModelInputs, Outputs]:
     """Run candidates until one works; return it with its outputs (so nothing runs twice)."""
     errors: list[str] = []
     for candidate in candidates:
