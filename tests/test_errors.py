@@ -3,6 +3,7 @@ exception becomes a line of a message."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ EXITS: list[tuple[errors.PrecisionConvertError, int]] = [
     (errors.PrecisionConvertError("base"), 2),
     (errors.InputError("bad flag", "src"), 2),
     (errors.UnsafeCheckpointError("pickle runs code", "model.bin"), 2),
+    (errors.FileSystemError(OSError(errno.ENOSPC, "No space left", "out/model.safetensors")), 2),
     (errors.OutputExistsError("out"), 2),
     (errors.CannotBuildModel("rejected", "config.json", "hidden_size"), 2),
     (errors.WeightsDoNotMap("fused", "src"), 2),
