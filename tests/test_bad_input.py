@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -811,3 +812,46 @@ def test_inputs_the_model_cannot_take(
     if command == "model":
         args += ["--to", "bf16", "-o", str(tmp_path / "out")]
     _refused_cleanly(args, tmp_path, f"{inputs}: --inputs: ", fragment)
+
+
+def test_a_converted_output_given_as_source_names_its_source(
+    zoo_converted: Callable[[str, str], Any], tmp_path: Path, workdir: Path
+) -> None:
+    """An output of this tool is refused as a source before any work, naming the source its
+    certificate records: converting it again would round rounded weights and certify them
+    against themselves."""
+    converted = zoo_converted("gpt2", "bf16-safe").output
+    source_id = json.loads((converted / "precision_certificate.json").read_text())["source"]["id"]
+    before = tree_digest(converted)
+
+    code, stdout, stderr = _invoke(["model", str(converted), "--to", "fp16-safe"])
+
+    assert code == 2, stderr
+    line = assert_one_error_line(
+        stderr,
+        f"{converted}: is a precision-convert output (bf16-safe, converted from {source_id})",
+        "convert the source instead",
+    )
+    assert "pc-staging" not in line and "--baseline" not in line
+    assert stdout == ""
+    assert tree_digest(converted) == before
+    assert list(workdir.iterdir()) == []
+
+
+def test_an_uncertified_output_given_as_source_is_refused(tmp_path: Path, workdir: Path) -> None:
+    """A ``--no-validate`` output carries the record in its weights but no certificate: refused
+    all the same, saying its source is not recorded."""
+    src = tiny_source(tmp_path / "src")
+    out = tmp_path / "out"
+    assert _invoke(["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)])[0] == 0
+    before = tree_digest(tmp_path)
+
+    code, _, stderr = _invoke(["model", str(out), "--to", "fp16", "--no-validate"])
+
+    assert code == 2, stderr
+    assert_one_error_line(
+        stderr, f"{out}: is a precision-convert output (bf16", "its source is not recorded",
+        "convert the source instead",
+    )  # fmt: skip
+    assert tree_digest(tmp_path) == before
+    assert list(workdir.iterdir()) == []
