@@ -247,11 +247,7 @@ def _candidate_carriage(
     candidate does not run)."""
     import torch
 
-    directory = scratch / "candidate"
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir()
-    write_model(model, plan, directory)
-    candidate = load(directory, trust_remote_code=trust_remote_code)
+    candidate = load(_write_candidate(model, plan, scratch), trust_remote_code=trust_remote_code)
     try:
         with carriage(candidate) as seen, torch.no_grad():
             run_probes(candidate, inputs, "cpu", plan.compute.torch)
@@ -263,6 +259,20 @@ def _candidate_carriage(
         gone = weakref.ref(candidate)
         del candidate
         free_model(gone)
+
+
+def _write_candidate(model: ModelSource, plan: ModelPlan, scratch: Path) -> Path:
+    """Write ``plan`` under ``scratch`` where it loads as the source does: a pipeline
+    component in a folder of its name beside the pipeline's ``model_index.json``, whose class
+    for it is the one users get (a safety checker's config alone reads as a ``CLIPModel``)."""
+    index = model.root.parent / "model_index.json"
+    directory = scratch / model.root.name if index.is_file() else scratch / "candidate"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    if index.is_file():
+        shutil.copyfile(index, scratch / index.name)
+    write_model(model, plan, directory)
+    return directory
 
 
 def _searched(units: Iterable[str]) -> list[Island]:
@@ -291,10 +301,7 @@ def _candidate_passes(
     bisection's failing candidates mostly fail where the last one did), so a failing candidate
     costs a few forwards and only a passing one runs every probe.
     """
-    directory = scratch / "candidate"
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir()
-    write_model(model, plan, directory)
+    directory = _write_candidate(model, plan, scratch)
     candidate: Any = None
     try:
         candidate = load(directory, trust_remote_code=trust_remote_code)
