@@ -566,6 +566,67 @@ def test_reports_off_a_terminal_are_as_wide_as_their_lines(
     assert _common.out.width == 80
 
 
+# --------------------------------------------------------------------------- summaries
+
+#: The zoo families a newcomer tries first: a report of each must fit a screen.
+SUMMARISED = ("gpt2", "llama-3.2-1b", "flan-t5-base", "stable-diffusion-1.5")
+#: Lines a summary report may take on stdout.
+SCREEN = 40
+
+
+def _report_lines(result: Any, full: bool, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """What ``model`` prints on stdout for ``result`` (the same two calls), 80 columns wide."""
+    from precision_convert.cli._reports import print_certificate, print_conversion
+
+    capsys.readouterr()
+    print_conversion(result, full=full)
+    print_certificate(result.certificate, result.output, full=full)
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("name", SUMMARISED)
+def test_a_conversion_report_fits_a_screen(
+    zoo_converted: Any, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary holds the verdict, what was judged, the rows nearest their bounds and
+    where the files are, in at most 40 lines; ``--report full`` lists every folded row."""
+    from precision_convert.validation.certify.card_metrics import folded_metrics
+
+    result = zoo_converted(name, "fp16-safe")
+    saved = _common.out._width
+    _common.out._width = 80
+    try:
+        summary = _report_lines(result, False, capsys)
+        full = _report_lines(result, True, capsys)
+    finally:
+        _common.out._width = saved
+    assert len(summary) <= SCREEN, "\n".join(summary)
+    assert summary[-1] == "verdict: pass"
+    assert any(line.startswith("judged: ") and " probes" in line for line in summary)
+    assert any(str(result.output / "precision_certificate.json") in line for line in summary)
+    rows = folded_metrics(result.certificate.metrics)
+    shown = sum(1 for line in full if line.startswith("│") and (" ok " in line))
+    assert shown >= len(rows)  # every folded row (island rows may add more)
+    assert len(full) > len(summary)
+
+
+def test_validate_prints_a_summary_and_the_full_tables_when_asked(
+    zoo_converted: Any, tiny_model: Any, tmp_path: Path
+) -> None:
+    """``validate`` run as users run it: the summary by default, the per-probe charts only
+    with ``--report full``."""
+    import shutil
+
+    copy = tmp_path / "gpt2-fp16-safe"
+    shutil.copytree(zoo_converted("gpt2", "fp16-safe").output, copy)
+    args = ["validate", str(copy), "--baseline", str(tiny_model("gpt2")), "--coverage", "quick"]
+    summary = _invoke(*args).stdout.splitlines()
+    full = _invoke(*args, "--report", "full").stdout.splitlines()
+    assert len(summary) <= SCREEN and summary[-1] == "verdict: pass"
+    assert not any("per probe" in line for line in summary)
+    assert any("rel_l2 per probe" in line for line in full)
+
+
 # --------------------------------------------------------------------------- help
 
 

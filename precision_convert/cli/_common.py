@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -359,5 +360,24 @@ CalibrationDataOption = Annotated[
         metavar="FILE",
         help="Text lines (each cut to the model's position limit, with a warning) or JSONL "
         "of model inputs (a row longer than the limit is refused), added to the probes.",
+    ),
+]
+
+
+class ReportLevel(StrEnum):
+    """How much of a result ``model`` and ``validate`` print: a screenful, or every table."""
+
+    summary = "summary"
+    full = "full"
+
+
+ReportOption = Annotated[
+    ReportLevel,
+    typer.Option(
+        "--report",
+        metavar="LEVEL",
+        help="summary (default: the verdict, what was judged, the metrics nearest their "
+        "bounds, where the files are) or full (every island, metric and probe; the "
+        "certificate always holds them all).",
     ),
 ]

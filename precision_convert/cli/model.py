@@ -11,6 +11,8 @@ from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
+    ReportLevel,
+    ReportOption,
     byte_progress,
     emit_json,
     reported_errors,
@@ -114,6 +116,7 @@ def model(
     private: Annotated[
         bool, typer.Option("--private", help="With --push: create the repo private.")
     ] = False,
+    report: ReportOption = ReportLevel.summary,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
@@ -170,10 +173,10 @@ def model(
         if json_output:
             emit_json(result.to_json())
         else:
-            print_conversion(result)
+            print_conversion(result, full=report == "full")
         if result.certificate is not None:
             if not json_output:
-                print_certificate(result.certificate)
+                print_certificate(result.certificate, result.output, full=report == "full")
             calibrated = all(c.calibration is not None for c in result.components)
             require_pass(result.certificate, result.output, calibrated=calibrated)
             if push is not None:
