@@ -610,6 +610,24 @@ def test_a_conversion_report_fits_a_screen(
     assert len(full) > len(summary)
 
 
+@pytest.mark.parametrize("name", SUMMARISED)
+def test_the_card_opens_with_loading_and_limitations(zoo_converted: Any, name: str) -> None:
+    """A Hub visitor reads how to load the model and what was not judged before line 60,
+    the detail tables after; the certificate stays far below a megabyte."""
+    from huggingface_hub import ModelCard
+
+    output = zoo_converted(name, "fp16-safe").output
+    lines = (output / "README.md").read_text().splitlines()
+    at = {line: i + 1 for i, line in reversed(list(enumerate(lines))) if line.startswith("## ")}
+    assert at["## Loading"] < at["## Limitations"] < 60 < len(lines), at
+    assert at["## Limitations"] < at["## Parity"] < at["## Ways of loading"]
+    limits = "\n".join(lines[at["## Limitations"] : at["## Parity"]])
+    assert "Judged on cpu only" in limits and "not real data" in limits
+    assert "pc.load(" in "\n".join(lines[at["## Loading"] : at["## Limitations"]])
+    assert ModelCard.load(output / "README.md").data.to_dict()["precision_convert"]["loading"]
+    assert (output / "precision_certificate.json").stat().st_size < 1_000_000
+
+
 def test_validate_prints_a_summary_and_the_full_tables_when_asked(
     zoo_converted: Any, tiny_model: Any, tmp_path: Path
 ) -> None:
