@@ -422,12 +422,20 @@ def test_source_is_a_file(tmp_path: Path, workdir: Path) -> None:
     ("flags", "fragments"),
     [
         (["--to", "fp8-safe"], ["unknown target 'fp8-safe'", "bf16-safe"]),
+        (["--to", "fp16_safe"], ["unknown target 'fp16_safe' (did you mean 'fp16-safe'?)"]),
         (["--to", "bf16", "--keep-fp32", "no.such.module"], ["'no.such.module' matches no"]),
         (["--to", "bf16", "--keep-fp32", "layer..weight"], ["--keep-fp32"]),
         (["--to", "bf16", "--revision", "main"], ["--revision applies to Hub repo ids"]),
         (["--to", "bf16", "--recipe", "no-such-recipe"], ["no-such-recipe"]),
     ],
-    ids=["unknown-target", "keep-fp32-no-match", "keep-fp32-invalid", "revision-local", "recipe"],
+    ids=[
+        "unknown-target",
+        "target-misspelled",
+        "keep-fp32-no-match",
+        "keep-fp32-invalid",
+        "revision-local",
+        "recipe",
+    ],
 )
 def test_bad_flags(flags: list[str], fragments: list[str], tmp_path: Path, workdir: Path) -> None:
     src = tiny_source(tmp_path / "src")
@@ -843,7 +851,10 @@ def test_an_uncertified_output_given_as_source_is_refused(tmp_path: Path, workdi
     all the same, saying its source is not recorded."""
     src = tiny_source(tmp_path / "src")
     out = tmp_path / "out"
-    assert _invoke(["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)])[0] == 0
+    code, _, stderr = _invoke(["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)])
+    assert code == 0
+    # The uncertified output is said so, with the command that certifies it.
+    assert f"{out} is not certified (--no-validate): precision-convert validate {out}" in stderr
     before = tree_digest(tmp_path)
 
     code, _, stderr = _invoke(["model", str(out), "--to", "fp16", "--no-validate"])

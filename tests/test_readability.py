@@ -654,13 +654,23 @@ COMMANDS = ("model", "inspect", "validate", "push", "batch", "recipes")
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_reads_like_a_command_line(command: str) -> None:
     """Usage names arguments as the README does (no ``{source}``), flags take no ``<bool>``,
-    and ``-h`` is ``--help``."""
+    arguments and options are shown by words (no ``<str>`` or ``<path>``), and ``-h`` is
+    ``--help``."""
     shown = _invoke(command, "--help").stdout
     assert _invoke(command, "-h").stdout == shown
     usage = next(line for line in shown.splitlines() if "Usage:" in line)
     assert "{" not in usage and f"precision-convert {command} [OPTIONS]" in usage
     assert "<bool>" not in shown
     assert "<bool>" not in _invoke("--help").stdout
+    assert not re.search(r"<(str|path|int|float)>", shown), shown
+
+
+def test_fp32_share_never_reads_zero_for_a_plan_with_islands() -> None:
+    from precision_convert.cli._reports import share_text
+
+    assert share_text(0.0004, True) == "<0.1%"
+    assert share_text(0.0, False) == "0.0%"
+    assert share_text(0.125, True) == "12.5%"
 
 
 def test_device_reads_the_same_wherever_it_is_offered() -> None:

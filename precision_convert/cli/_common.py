@@ -251,11 +251,19 @@ class _StepDisplay:
 
 
 def _no_flag_placeholders(params: list[Any]) -> list[Any]:
-    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included)."""
+    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included); an
+    argument is named by its word (``SOURCE``), not followed by its Python type (``<str>``)."""
     for param in params:
         if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
             param.metavar = ""
+        if isinstance(param, TyperArgument):
+            param.display_type_rich = _no_type  # type: ignore[method-assign]
     return params
+
+
+def _no_type(ctx: Any) -> None:
+    """An argument's type column in the help: empty (its name column already says it)."""
+    return None
 
 
 class Group(TyperGroup):

@@ -246,6 +246,17 @@ def print_islands(title: str, units: Iterable[str], islands: Mapping[str, str]) 
 # --------------------------------------------------------------------------- certificates
 
 
+def note_uncertified(converted: Path, source: str) -> None:
+    """Say (on stderr) that a ``--no-validate`` output holds no certificate, and how to get
+    one: ``push`` refuses it until then."""
+    console.print(
+        f"note: {converted} is not certified (--no-validate): precision-convert validate "
+        f"{converted} --baseline {source}",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
 def note_unvalidated(converted: Path) -> None:
     """Say (on stderr) where the failing certificate of a validation that could not run went."""
     from precision_convert.validation.certify.certificate import CARD_NAME, CERTIFICATE_NAME

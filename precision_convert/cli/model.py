@@ -129,6 +129,7 @@ def model(
         from precision_convert.api.conversion import convert, default_output
         from precision_convert.api.options import ConversionOptions
         from precision_convert.cli._reports import (
+            note_uncertified,
             note_unvalidated,
             print_certificate,
             print_conversion,
@@ -174,6 +175,8 @@ def model(
             emit_json(result.to_json())
         else:
             print_conversion(result, full=report == "full")
+        if not validate:
+            note_uncertified(result.output, source)
         if result.certificate is not None:
             if not json_output:
                 print_certificate(result.certificate, result.output, full=report == "full")
