@@ -281,3 +281,44 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     for layer in range(layers + 1):  # every position, whole (small next to the logits)
         assert outputs[f"hidden_states.{layer}"].shape[:2] == (1, 2048)
     assert "positions only" in lengths[2048].sweep["logits"]
+
+
+def test_make_zoo_model_checks_its_packages_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A family whose tokenizer needs sentencepiece, without it: one line naming the packages
+    and the pip command, exit 2, nothing written."""
+    import importlib.util
+
+    import make_zoo_model
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *rest: object) -> object:
+        return None if name == "sentencepiece" else real(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert zoo.missing_packages("flan-t5-base") == ["sentencepiece"]
+    assert zoo.missing_packages("gpt2") == []
+    assert make_zoo_model.main(["flan-t5-base", str(tmp_path / "flan")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["make_zoo_model.py: flan-t5-base needs sentencepiece: pip install sentencepiece"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_zoo_model_leaves_no_half_written_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import make_zoo_model
+
+    def half_then_fail(name: str, path: Path) -> Path:
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+        raise RuntimeError("tokenizer trainer crashed")
+
+    monkeypatch.setattr(zoo, "build", half_then_fail)
+    assert make_zoo_model.main(["gpt2", str(tmp_path / "gpt2")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "make_zoo_model.py: building gpt2 failed: tokenizer trainer crashed"
+    )
+    assert list(tmp_path.iterdir()) == []
