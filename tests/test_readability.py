@@ -419,6 +419,31 @@ def test_a_converted_pipeline_loads_and_validates_quietly(
     assert any("config attributes" in s for s in logged)
 
 
+def test_pc_load_of_a_pipeline_says_no_more_than_diffusers_plain_load(
+    zoo_converted: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``pc.load`` passes diffusers each component built as its declared class; diffusers'
+    "non-standard module" warning (and its module printout) about the safety checker is not
+    shown, as a plain ``from_pretrained`` shows none, and the logger is left as it was."""
+    from diffusers import DiffusionPipeline
+
+    import precision_convert as pc
+
+    out = zoo_converted("stable-diffusion-1.5", "fp16-safe").output
+    logger = logging.getLogger("diffusers.pipelines.pipeline_loading_utils")
+    before = list(logger.filters)
+    capfd.readouterr()
+    with _diffusers_log() as logged:
+        pipe = pc.load(out)
+    said = [*logged, capfd.readouterr().err]
+    assert not [s for s in said if "non-standard module" in s], said
+    assert logger.filters == before
+    # The capture hears it when it is said: diffusers' own load given the component.
+    with _diffusers_log() as logged:
+        DiffusionPipeline.from_pretrained(out, safety_checker=pipe.safety_checker)
+    assert any("non-standard module" in s for s in logged)
+
+
 @pytest.fixture(scope="module")
 def hot_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """README's tiny T5 (examples/make_tiny_t5.py): feed-forward outputs past 65504."""
