@@ -15,10 +15,8 @@ treated as one whose fp32 output must flow on.
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +32,7 @@ from precision_convert.conversion.runtime.builders import (
     KeyMap,
     build_pretrained,
     component_class,
+    declared_classes_unquestioned,
     key_map,
 )
 from precision_convert.conversion.runtime.devices import move, resolve_device
@@ -120,32 +119,8 @@ def _load_pipeline(source: PipelineSource, trust_remote_code: bool) -> Any:
         )
         for name, model in source.components.items()
     }
-    with _declared_classes_unquestioned():
+    with declared_classes_unquestioned():
         return diffusers.DiffusionPipeline.from_pretrained(source.root, **components)
-
-
-#: The diffusers logger that questions a component passed to ``from_pretrained``, and what it
-#: says of one whose class comes from a pipeline module (a safety checker).
-_LOADING_LOGGER = "diffusers.pipelines.pipeline_loading_utils"
-_NON_STANDARD = "You have passed a non-standard module"
-
-
-def _drop_non_standard(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith(_NON_STANDARD)
-
-
-@contextmanager
-def _declared_classes_unquestioned() -> Iterator[None]:
-    """Drop diffusers' "non-standard module" warning (with the component's whole module
-    printout) while the pipeline is assembled: each component passed is of the very class
-    ``model_index.json`` declares, and a plain ``DiffusionPipeline.from_pretrained`` of the
-    same folder says nothing. The filter is removed afterwards: no trace on the logger."""
-    logger = logging.getLogger(_LOADING_LOGGER)
-    logger.addFilter(_drop_non_standard)
-    try:
-        yield
-    finally:
-        logger.removeFilter(_drop_non_standard)
 
 
 def _component_class(name: str, spec: list[Any], source: PipelineSource) -> type:
