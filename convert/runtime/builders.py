@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import linecache
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -472,3 +473,27 @@ def component_class(library: str, class_name: str) -> ModelClass | None:
     except (ImportError, AttributeError):
         return None
     return found if isinstance(found, type) else None
+
+
+#: The diffusers logger that questions a component passed to ``from_pretrained``, and what it
+#: says of one whose class comes from a pipeline module (a safety checker).
+_LOADING_LOGGER = "diffusers.pipelines.pipeline_loading_utils"
+_NON_STANDARD = "You have passed a non-standard module"
+
+
+def _drop_non_standard(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_NON_STANDARD)
+
+
+@contextmanager
+def declared_classes_unquestioned() -> Iterator[None]:
+    """Drop diffusers' "non-standard module" warning (with the component's whole module
+    printout) while the pipeline is assembled: each component passed is of the very class
+    ``model_index.json`` declares, and a plain ``DiffusionPipeline.from_pretrained`` of the
+    same folder says nothing. The filter is removed afterwards: no trace on the logger."""
+    logger = logging.getLogger(_LOADING_LOGGER)
+    logger.addFilter(_drop_non_standard)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_non_standard)

@@ -7,7 +7,7 @@ trace; the output path only ever receives a complete, fsynced directory.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -283,10 +283,11 @@ def _convert(
 
         supplied = read_inputs(options.inputs)
     root = resolve(source, options.revision, timeout=run.hub_timeout)
+    opened = open_source(root)
+    check_not_converted(opened, source)
     target_dir = Path(output) if output is not None else default_output(source, target)
     staged = StagedOutput(target_dir, overwrite=run.overwrite, sources=(root,))
     staged.check()
-    opened = open_source(root)
     if data is not None or supplied is not None:
         from precision_convert.validation.probe.inputs.preflight import check_user_inputs
 
@@ -420,6 +421,35 @@ def check_variant(variant: str | None) -> None:
         raise InputError(
             f"--variant {variant!r}: a variant name is letters, digits and _ (e.g. fp16)"
         )
+
+
+def check_not_converted(opened: Source, given: str | Path) -> None:
+    """Refuse a source that is itself a precision-convert output (its weights or config carry
+    the ``precision_convert`` record): converting it again would round already-rounded
+    weights, and its certificate would compare them with themselves. The source it was made
+    from is named when its certificate records one.
+
+    Raises:
+        InputError: naming ``given`` as the user wrote it (never a download or staging path).
+    """
+    from precision_convert.conversion.runtime.record import read_record
+
+    converted = next(
+        (record for model in _models(opened).values() if (record := read_record(model))), None
+    )
+    if converted is None:
+        return
+    from precision_convert.validation.certify.certificate import Certificate
+
+    made_from = None
+    with suppress(OSError, ValueError, TypeError, KeyError):  # no certificate, or unreadable
+        made_from = Certificate.read(opened.root).source.get("id")
+    origin = f"converted from {made_from}" if made_from else "its source is not recorded"
+    raise InputError(
+        f"is a precision-convert output ({converted.target or 'converted'}, {origin}): "
+        "convert the source instead",
+        given,
+    )
 
 
 def read_user_data(path: str | Path | None, coverage: str | None) -> CalibrationData | None:

@@ -14,12 +14,11 @@ are read relative to the manifest's folder, so a manifest means the same from an
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
 from precision_convert.core._version import __version__
-from precision_convert.core.errors import InputError, printable
+from precision_convert.core.errors import InputError, did_you_mean, printable
 from precision_convert.core.patterns import HUB_ID, REPO_ID
 from precision_convert.recipes import TARGETS
 
@@ -59,12 +58,6 @@ class ManifestError(InputError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known word closest to a misspelled one, or ``""``."""
-    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)

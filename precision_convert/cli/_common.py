@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -265,11 +266,19 @@ class _StepDisplay:
 
 
 def _no_flag_placeholders(params: list[Any]) -> list[Any]:
-    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included)."""
+    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included); an
+    argument is named by its word (``SOURCE``), not followed by its Python type (``<str>``)."""
     for param in params:
         if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
             param.metavar = ""
+        if isinstance(param, TyperArgument):
+            param.display_type_rich = _no_type  # type: ignore[method-assign]
     return params
+
+
+def _no_type(ctx: Any) -> None:
+    """An argument's type column in the help: empty (its name column already says it)."""
+    return None
 
 
 class Group(TyperGroup):
@@ -376,5 +385,24 @@ CalibrationDataOption = Annotated[
         metavar="FILE",
         help="Text lines (each cut to the model's position limit, with a warning) or JSONL "
         "of model inputs (a row longer than the limit is refused), added to the probes.",
+    ),
+]
+
+
+class ReportLevel(StrEnum):
+    """How much of a result ``model`` and ``validate`` print: a screenful, or every table."""
+
+    summary = "summary"
+    full = "full"
+
+
+ReportOption = Annotated[
+    ReportLevel,
+    typer.Option(
+        "--report",
+        metavar="LEVEL",
+        help="summary (default: the verdict, what was judged, the metrics nearest their "
+        "bounds, where the files are) or full (every island, metric and probe; the "
+        "certificate always holds them all).",
     ),
 ]

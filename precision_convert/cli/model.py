@@ -11,6 +11,8 @@ from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
+    ReportLevel,
+    ReportOption,
     byte_progress,
     emit_json,
     reported_errors,
@@ -114,6 +116,7 @@ def model(
     private: Annotated[
         bool, typer.Option("--private", help="With --push: create the repo private.")
     ] = False,
+    report: ReportOption = ReportLevel.summary,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
@@ -126,6 +129,7 @@ def model(
         from precision_convert.api.conversion import convert, default_output
         from precision_convert.api.options import ConversionOptions
         from precision_convert.cli._reports import (
+            note_uncertified,
             note_unvalidated,
             print_certificate,
             print_conversion,
@@ -170,10 +174,12 @@ def model(
         if json_output:
             emit_json(result.to_json())
         else:
-            print_conversion(result)
+            print_conversion(result, full=report == "full")
+        if not validate:
+            note_uncertified(result.output, source)
         if result.certificate is not None:
             if not json_output:
-                print_certificate(result.certificate)
+                print_certificate(result.certificate, result.output, full=report == "full")
             calibrated = all(c.calibration is not None for c in result.components)
             require_pass(result.certificate, result.output, calibrated=calibrated)
             if push is not None:

@@ -20,13 +20,17 @@ if TYPE_CHECKING:
 def push_command(
     converted: Annotated[
         Path,
-        typer.Argument(help="A directory written and certified by `precision-convert model`."),
+        typer.Argument(
+            metavar="CONVERTED",
+            help="A directory written and certified by `precision-convert model`.",
+        ),
     ],
     repo_id: Annotated[
         str,
         typer.Argument(
+            metavar="REPO_ID",
             help="Hub repo to publish to (namespace/name). The source repo of an output written "
-            "with --variant: a pull request adding the variant."
+            "with --variant: a pull request adding the variant.",
         ),
     ],
     create_pr: Annotated[
@@ -43,14 +47,16 @@ def push_command(
     revision: Annotated[
         str | None,
         typer.Option(
+            metavar="REV",
             help="Branch to commit to, or to open the pull request against (default: main); "
-            "or refs/pr/N to push into that open pull request."
+            "or refs/pr/N to push into that open pull request.",
         ),
     ] = None,
     commit_message: Annotated[
         str | None,
         typer.Option(
             "--commit-message",
+            metavar="TEXT",
             help="The commit's summary (and a new pull request's title); default: one naming "
             "the conversion and its verdict.",
         ),
@@ -59,6 +65,7 @@ def push_command(
         str | None,
         typer.Option(
             "--token",
+            metavar="TOKEN",
             help="Hub token with write access (default: HF_TOKEN or your login); never printed.",
             show_default=False,
         ),

@@ -12,6 +12,8 @@ from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
+    ReportLevel,
+    ReportOption,
     emit_json,
     reported_errors,
     step_progress,
@@ -68,6 +70,7 @@ def validate_command(
             "certified (the card regenerated and compared too); runs no model.",
         ),
     ] = False,
+    report: ReportOption = ReportLevel.summary,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the certificate as one JSON object.")
     ] = False,
@@ -112,7 +115,7 @@ def validate_command(
         if json_output:
             emit_json(certificate.to_dict())
         else:
-            print_certificate(certificate)
+            print_certificate(certificate, converted, full=report == "full")
         require_pass(certificate, converted)
 
 

@@ -6,8 +6,16 @@ line that names the file or thing at fault and, where there is one, the fix.
 
 from __future__ import annotations
 
+import difflib
 import errno
+from collections.abc import Iterable
 from pathlib import Path
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known word closest to a misspelled one, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class PrecisionConvertError(Exception):

@@ -247,10 +247,7 @@ def _candidate_carriage(
     candidate does not run)."""
     import torch
 
-    directory = scratch / "candidate"
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir()
-    write_model(model, plan, directory)
+    directory = _write_candidate(model, plan, scratch)
     with freed(load(directory, trust_remote_code=trust_remote_code)) as candidate:
         try:
             with carriage(candidate.model) as seen, torch.no_grad():
@@ -259,6 +256,20 @@ def _candidate_carriage(
         except RUN_ERRORS as exc:
             logger.info("candidate failed to run: %s", exc)
             return None
+
+
+def _write_candidate(model: ModelSource, plan: ModelPlan, scratch: Path) -> Path:
+    """Write ``plan`` under ``scratch`` where it loads as the source does: a pipeline
+    component in a folder of its name beside the pipeline's ``model_index.json``, whose class
+    for it is the one users get (a safety checker's config alone reads as a ``CLIPModel``)."""
+    index = model.root.parent / "model_index.json"
+    directory = scratch / model.root.name if index.is_file() else scratch / "candidate"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    if index.is_file():
+        shutil.copyfile(index, scratch / index.name)
+    write_model(model, plan, directory)
+    return directory
 
 
 def _searched(units: Iterable[str]) -> list[Island]:
@@ -287,10 +298,7 @@ def _candidate_passes(
     bisection's failing candidates mostly fail where the last one did), so a failing candidate
     costs a few forwards and only a passing one runs every probe.
     """
-    directory = scratch / "candidate"
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir()
-    write_model(model, plan, directory)
+    directory = _write_candidate(model, plan, scratch)
     with freed() as candidate:
         try:
             candidate.model = load(directory, trust_remote_code=trust_remote_code)

@@ -166,12 +166,15 @@ def render(
             "(`precision-convert validate DIR --baseline SOURCE`).",
             "",
         ]
+    # What a Hub visitor needs first (how to load it, what was and was not judged), then
+    # the detail tables.
     lines += _why_failed(certificate)
+    lines += _loading(certificate, repo_id)
+    lines += _limitations(certificate)
     lines += _parity(certificate)
-    lines += _reach(certificate)
     lines += _components(certificate)
     lines += _charts(charts)
-    lines += _loading(certificate, repo_id)
+    lines += _ways_of_loading(certificate)
     lines += [
         f"Every file's sha256 is listed in `{certificate.file_name}`; "
         "`precision-convert push` refuses files that differ from it.",
@@ -184,6 +187,7 @@ def _metadata(certificate: Certificate) -> str:
     """The card's YAML header: the Hub's metadata (base model, tags, library, the source's
     own pipeline tag and license) and the certificate's summary."""
     from huggingface_hub import ModelCardData
+    from huggingface_hub.utils import yaml_dump
 
     inherited = certificate.source.get("card") or {}
     library = next((c.library for c in certificate.components if c.library != "pipeline"), None)
@@ -201,7 +205,9 @@ def _metadata(certificate: Certificate) -> str:
         license=inherited.get("license"),
         precision_convert=summary(certificate),
     )
-    return data.to_yaml()
+    # Collections of plain values on one line each (tags, each component's ways of
+    # loading): a pipeline's header would otherwise push the card's text off the first screen.
+    return yaml_dump(data.to_dict(), sort_keys=False, default_flow_style=None).strip()
 
 
 def _verdict(certificate: Certificate) -> str:
@@ -273,9 +279,37 @@ def _charts(charts: Sequence[str]) -> list[str]:
     ]
 
 
+#: What each probe origin (``ModelInputs.origin``) means to a reader of the card.
+ORIGINS = {
+    "builder": "synthetic inputs built from the config",
+    "tokenizer": "text and token ids through the model's own tokenizer",
+    "file": "user-given inputs (--inputs)",
+}
+
+
+def _limitations(certificate: Certificate) -> list[str]:
+    """What the verdict covers and what it does not: the device, where the probes came from,
+    and the sizes, positions and contexts they reached."""
+    device = certificate.device.get("type") or "an unrecorded device"
+    lines = [
+        "## Limitations",
+        "",
+        f"- Judged on {device} only: other devices and kernels round differently and were not run.",
+    ]
+    for c in certificate.components:
+        origin = c.inputs.get("origin")
+        if origin is None:
+            continue
+        who = f"`{c.name}`: " if c.name else ""
+        what = ORIGINS.get(origin, f"inputs of origin {origin!r}")
+        made = "" if origin == "file" else f" (seed {c.inputs.get('seed')}), not real data"
+        lines.append(f"- {who}probes are {what}{made}.")
+    return [*lines, *_reach(certificate), ""]
+
+
 def _reach(certificate: Certificate) -> list[str]:
-    """The card's coverage section: per component, the positions, context length and token
-    ids its probes reached (every range left untested named), or the timesteps they ran at."""
+    """Per component, the positions, context length and token ids its probes reached (every
+    range left untested named), or the timesteps they ran at: one list item each."""
     lines = []
     for c in certificate.components:
         reach = c.inputs.get("reach") or {}
@@ -302,9 +336,7 @@ def _reach(certificate: Certificate) -> list[str]:
             who = f"`{c.name}`: " if c.name else ""
             level = c.inputs.get("coverage") or "no sweep"
             lines.append(f"- {who}{'; '.join(parts)}. Coverage `{level}`, {c.mode} validation.")
-    if not lines:
-        return []
-    return ["## Inputs reached", "", *lines, ""]
+    return lines
 
 
 def _untested(ranges: list[Any], why: str | None) -> str:
@@ -332,7 +364,8 @@ def _cast_warning(certificate: Certificate) -> list[str]:
 
 def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
     """The loading section: the recommended call (from ``repo_id`` when the card is pushed
-    there), then what every way of loading gives."""
+    there), and which of the calls judged match fp32 and which do not (the table of every
+    way comes after the metrics)."""
     variant = certificate.source.get("variant")
     where = f'"{repo_id or "<this repo or dir>"}"'
     if variant:
@@ -346,6 +379,29 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
         "```",
         "",
     ]
+    calls = {v: list(dict.fromkeys(p.call for p in certificate.load_paths if p.verdict == v))
+             for v in ("pass", "fail")}  # fmt: skip
+    if calls["pass"]:
+        lines.append(f"Match fp32, islands kept: {_calls(calls['pass'])}.")
+    if calls["fail"]:
+        lines.append(f"Do not match fp32: {_calls(calls['fail'])}.")
+    if calls["pass"] or calls["fail"]:
+        lines += ["(Every way of loading, in detail: the last section.)", ""]
+    return lines
+
+
+#: Calls named in the loading summary before the rest are counted.
+MAX_CALLS = 6
+
+
+def _calls(calls: Sequence[str]) -> str:
+    shown = ", ".join(f"`{c}`" for c in calls[:MAX_CALLS])
+    return shown + (f" and {len(calls) - MAX_CALLS} more" if len(calls) > MAX_CALLS else "")
+
+
+def _ways_of_loading(certificate: Certificate) -> list[str]:
+    """What every way of loading these files gives, judged like the model itself."""
+    lines = ["## Ways of loading", ""]
     if not certificate.load_paths:
         checked = (
             "Only `precision_convert.load` was checked"
