@@ -38,8 +38,10 @@ from precision_convert.validation.certify.components import (
     ComponentResult,
 )
 from precision_convert.validation.certify.load_paths import failure_lines
+from precision_convert.validation.certify.load_ways import stored_dtypes
 from precision_convert.validation.certify.reference import (
     SourceInfo,
+    models_of,
     without_local_paths,
 )
 from precision_convert.validation.certify.verify import hash_files
@@ -54,6 +56,7 @@ class _Run:
     opened: Source
     source: SourceInfo
     weights: dict[str, str]  # the source's weight files and their digests
+    reference: Source  # the baseline's files, opened (the converted ones for a smoke check)
     device: torch.device
     memory: int  # bytes: past them, a model is validated block by block
     max_memory: str | int | None  # as the user gave it, for the certificate
@@ -137,6 +140,9 @@ def _certificate(
             "path": source.id,
             "files": run.weights,
             "card": source_card_data(source.path),
+            # What the baseline's weights were before the upcast: a bf16-stored source's
+            # baseline holds bf16 values, not an fp32 checkpoint's.
+            "stored_dtypes": stored_dtypes_of(run.reference),
             # A --variant output: its files are added to the source repo under this variant.
             "variant": next((c.converted.variant for c in components if c.converted.variant), None),
         },
@@ -198,6 +204,12 @@ def _cannot_validate_lines(exc: CannotValidateError) -> list[str]:
     if "trust-remote-code" in str(exc):
         how += ", or trust the model's own code (--trust-remote-code) so it can be built"
     return [str(exc), how]
+
+
+def stored_dtypes_of(reference: Source) -> dict[str, dict[str, int]]:
+    """Floating elements per stored dtype of the baseline's weight files, per component (""
+    for a single model), from the headers already read: no pass over the data."""
+    return {name: stored_dtypes([model]) for name, model in models_of(reference).items()}
 
 
 #: Fields of the source's own model card that a converted copy inherits (Hub metadata).

@@ -201,8 +201,9 @@ def _set_up(
     )  # fmt: skip
     components = _components(opened, source, trust_remote_code)
     return _Run(
-        root, opened, source, weights, target_device, budget, max_memory, supplied, components
-    )
+        root, opened, source, weights, reference, target_device, budget, max_memory, supplied,
+        components,
+    )  # fmt: skip
 
 
 def _validate_all(
