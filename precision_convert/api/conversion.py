@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.api.options import ConversionOptions
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
 from precision_convert.conversion.io.context import IOContext
+from precision_convert.conversion.io.finite import SourceRead, read_source
 from precision_convert.conversion.io.source import (
     VARIANT_NAME,
     ModelSource,
@@ -229,6 +230,7 @@ def convert(
     calibration_data: str | Path | None = None,
     inputs: str | Path | None = None,
     variant: str | None = None,
+    allow_nonfinite_source: bool = False,
 ) -> ConversionResult:
     """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
 
@@ -241,7 +243,8 @@ def convert(
             :class:`~precision_convert.api.options.ConversionOptions`; or pass them as
             keywords of the same names (``device``, ``revision``, ``recipe``, ``keep_fp32``,
             ``calibrate``, ``trust_remote_code``, ``coverage``, ``calibration_data``,
-            ``inputs``, ``variant``, each described there), not both.
+            ``inputs``, ``variant``, ``allow_nonfinite_source``, each described there), not
+            both.
         overwrite: replace an output directory this tool wrote before (or an empty one).
         on_progress: called with (what is being written, source bytes just consumed).
         hub_timeout: seconds a Hub download may wait for metadata (see
@@ -259,6 +262,7 @@ def convert(
         options, device=device, revision=revision, recipe=recipe, keep_fp32=keep_fp32,
         calibrate=calibrate, trust_remote_code=trust_remote_code, coverage=coverage,
         calibration_data=calibration_data, inputs=inputs, variant=variant,
+        allow_nonfinite_source=allow_nonfinite_source,
     )  # fmt: skip
     run = _Run(validate, overwrite, on_progress, hub_timeout)
     return _convert(source, check_target(to), output, chosen, run)
@@ -303,6 +307,10 @@ def _convert(
             trust_remote_code=options.trust_remote_code, warn_of_cuts=not run.validate,
         )  # fmt: skip
     models = _models(opened)
+    # The source's weights, read once before anything is planned or written: hashed for the
+    # certificate, and refused when they hold NaN or ±inf.
+    read = read_source(root, models)
+    read.refuse_broken(root, options.allow_nonfinite_source)
     if options.variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
     if options.calibrate is None:  # on where fp16's range is at stake
@@ -321,7 +329,7 @@ def _convert(
                 for c in components
                 if c.calibration is not None and c.calibration.runs is not None
             }
-            certificate = _certify(staged, root, options, supplied, data, prior)
+            certificate = _certify(staged, root, options, supplied, data, prior, read)
         staged.commit()
     return ConversionResult(
         source=str(source),
@@ -340,10 +348,12 @@ def _certify(
     supplied: Any,
     data: CalibrationData | None,
     prior: dict[str, PriorRuns],
+    read: SourceRead,
 ) -> Certificate:
     """Validate the staged output against ``root`` (reusing ``prior``: calibration's probe
-    runs, by component); a run that cannot validate keeps its output, with the failing
-    certificate that says what is missing."""
+    runs, by component, and ``read``: the source's weights as read up front); a run that
+    cannot validate keeps its output, with the failing certificate that says what is
+    missing."""
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -356,7 +366,9 @@ def _certify(
             coverage=options.coverage or DEFAULT_LEVEL,
             calibration_data=data,
             trust_remote_code=options.trust_remote_code,
+            allow_nonfinite_source=options.allow_nonfinite_source,
             prior=prior,
+            source_read=read,
         )
     except CannotValidateError:
         staged.commit()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from precision_convert._version import __version__
+from precision_convert.conversion.io.finite import SourceRead
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -55,7 +56,7 @@ class _Run:
     root: Path
     opened: Source
     source: SourceInfo
-    weights: dict[str, str]  # the source's weight files and their digests
+    read: SourceRead  # the baseline's weight files: their digests, their non-finite tensors
     reference: Source  # the baseline's files, opened (the converted ones for a smoke check)
     device: torch.device
     memory: int  # bytes: past them, a model is validated block by block
@@ -111,6 +112,9 @@ def _certificate(
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]
+    broken = run.read.broken_line()
+    if broken is not None:  # allowed to go on (--allow-nonfinite-source), never to pass
+        failures = [f"{broken}: the baseline is not a reference there", *failures]
     records = {c.record.target for c in components} - {None}
     compute = {c.record.compute_dtype for c in components} - {None}
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
@@ -121,6 +125,14 @@ def _certificate(
             notes.append(
                 f"{r.record.name}: {tokenizer['note']}" if r.record.name else tokenizer["note"]
             )
+    masks = [
+        f"{c}/{t.describe()}" if c else t.describe()
+        for c, found in run.read.nonfinite.items()
+        for t in found
+        if t.by_design
+    ]
+    if masks:
+        notes.append(f"attention masks stored as ±inf by design: {', '.join(masks)}")
     if source.kind == SELF_BASELINE:
         notes.append(
             "a smoke check, not a certification: the baseline is the converted weights "
@@ -138,11 +150,12 @@ def _certificate(
             "id": source.id,
             "revision": source.revision,
             "path": source.id,
-            "files": run.weights,
+            "files": run.read.files,
             "card": source_card_data(source.path),
             # What the baseline's weights were before the upcast: a bf16-stored source's
             # baseline holds bf16 values, not an fp32 checkpoint's.
             "stored_dtypes": stored_dtypes_of(run.reference),
+            "nonfinite": _nonfinite(run.read),
             # A --variant output: its files are added to the source repo under this variant.
             "variant": next((c.converted.variant for c in components if c.converted.variant), None),
         },
@@ -204,6 +217,12 @@ def _cannot_validate_lines(exc: CannotValidateError) -> list[str]:
     if "trust-remote-code" in str(exc):
         how += ", or trust the model's own code (--trust-remote-code) so it can be built"
     return [str(exc), how]
+
+
+def _nonfinite(read: SourceRead) -> dict[str, list[dict[str, object]]]:
+    """The baseline's tensors holding NaN or ±inf, per component, each with its counts and
+    whether it is a mask stored so by design (reported, never refused)."""
+    return {c: [t.to_json() for t in found] for c, found in read.nonfinite.items()}
 
 
 def stored_dtypes_of(reference: Source) -> dict[str, dict[str, int]]:
