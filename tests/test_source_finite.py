@@ -74,6 +74,7 @@ def _assert_failed_certificate(out: Path) -> dict[str, object]:
     judged = len(component["inputs"]["probes"])
     assert coverage["value"] <= judged / (judged + len(unjudged)) + 1e-9
     assert not coverage["passed"]
+    assert any(all(p in n for p in unjudged) for n in on_disk["notes"])
     assert "not finite" in (out / "README.md").read_text()
     return on_disk
 
@@ -138,12 +139,14 @@ def test_the_read_hashes_and_checks_in_one_pass(
     """Blocks far smaller than the tensors (a tensor spans many, a block several tensors'
     edges): the digest is the file's sha256 and every non-finite value is counted once. A
     causal-mask buffer of -inf is by design; a mask holding NaN, or a weight holding inf, is
-    not."""
+    not; large finite values are not mistaken for inf."""
     src = _llama(tmp_path / "src")
     weights = src / "model.safetensors"
     tensors = load_file(weights)
     tensors["model.layers.0.self_attn.causal_mask"] = torch.full((4, 4), float("-inf")).triu(1)
     tensors["model.layers.1.self_attn.causal_mask"] = torch.tensor([0.0, float("nan")])
+    # Finite, though its sum overflows float32: counted, and found clean.
+    tensors["model.layers.0.big"] = torch.full((8,), 3e38)
     norm = tensors["model.norm.weight"]
     norm[-3:] = torch.tensor([float("inf"), float("-inf"), float("nan")])
     save_file(tensors, weights, metadata={"format": "pt"})

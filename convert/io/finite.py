@@ -180,13 +180,15 @@ def _stream(path: Path, tensors: Sequence[FileTensor], digest: _Hash | None) -> 
 
 
 def _check(name: str, blocks: Iterable[torch.Tensor]) -> list[NonFinite]:
-    """NaN and ±inf counted over one tensor's ``blocks``: the common all-finite block costs
-    one ``isfinite``; counting is only for blocks that fail it."""
+    """NaN and ±inf counted over one tensor's ``blocks``. The common all-finite block costs
+    one sum (a NaN or ±inf anywhere makes it non-finite; a finite block whose sum overflows
+    is only counted, and found clean): several times faster than ``isfinite`` on each value."""
     import torch
 
     nan = inf = 0
     for block in blocks:
-        if not bool(torch.isfinite(block).all()):
+        wide = torch.float64 if block.dtype == torch.float64 else torch.float32
+        if not bool(torch.isfinite(block.sum(dtype=wide))):
             nan += int(torch.isnan(block).sum())
             inf += int(torch.isinf(block).sum())
     return [NonFinite(name, nan, inf)] if nan or inf else []

@@ -119,6 +119,13 @@ def _certificate(
     compute = {c.record.compute_dtype for c in components} - {None}
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
     notes += [note for r in results for note in r.notes]
+    for r in results:  # probes the fp32 baseline could not answer: named, not dropped
+        if unjudged := r.record.inputs.get("unjudged"):
+            notes.append(
+                f"{r.record.name or 'model'}: {len(unjudged)} probe(s) not judged, the fp32 "
+                f"baseline's own output is not finite there (counted against coverage): "
+                f"{', '.join(unjudged)}"
+            )
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
         tokenizer = r.record.inputs.get("tokenizer") or {}
         if tokenizer.get("usable") is False:
