@@ -112,7 +112,10 @@ def read_source(root: Path, models: Mapping[str, ModelSource]) -> SourceRead:
     jobs = [(c, f.path, f.tensors) for c, model in models.items() for f in model.files]
 
     def one(job: tuple[str, Path, Sequence[LazyTensor]]) -> tuple[str, list[NonFinite]]:
-        return _read_file(job[1], job[2])
+        try:
+            return _read_file(job[1], job[2])
+        except OSError as exc:  # gone, unreadable or cut short since its header was read
+            raise InputError(f"cannot read the weights: {exc.strerror or exc}", job[1]) from None
 
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         results = list(pool.map(one, jobs))
@@ -157,7 +160,7 @@ def _stream(path: Path, tensors: Sequence[FileTensor], digest: _Hash | None) -> 
             while position < end:
                 view = memoryview(buffer)[: min(step, end - position)]
                 if f.readinto(view) != len(view):
-                    raise OSError(f"{path}: unexpected end of file")
+                    raise OSError("unexpected end of file (the file changed since it was opened)")
                 if digest is not None:
                     digest.update(view)
                 position += len(view)
