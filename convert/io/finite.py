@@ -166,16 +166,17 @@ def _stream(path: Path, tensors: Sequence[FileTensor], digest: _Hash | None) -> 
                 position += len(view)
                 yield view
 
-        for t in tensors:
-            for _ in feed(t.begin):  # the header, and any padding between tensors
+        def skip(end: int) -> None:
+            for _ in feed(end):
                 pass
-            if not t.dtype.is_float:
-                for _ in feed(t.end):
-                    pass
-                continue
-            size = t.dtype.itemsize
-            blocks = (torch.frombuffer(v, dtype=t.dtype.torch) for v in feed(t.end, size) if v)
-            found += _check(t.name, blocks)
+
+        for t in tensors:
+            skip(t.begin)  # the header, and any padding between tensors
+            if t.dtype.is_float:
+                views = feed(t.end, t.dtype.itemsize)
+                found += _check(t.name, (torch.frombuffer(v, dtype=t.dtype.torch) for v in views))
+            else:
+                skip(t.end)
         if digest is not None:
             while block := f.readinto(buffer):
                 digest.update(memoryview(buffer)[:block])
