@@ -178,6 +178,20 @@ def test_a_mask_by_design_is_reported_not_refused(tmp_path: Path) -> None:
     assert [t.by_design for t in read.nonfinite[""]] == [True]
 
 
+def test_a_smoke_check_of_an_output_with_inf_is_no_broken_source(tmp_path: Path) -> None:
+    """A plain fp16 output whose weight overflowed to inf is what a smoke check finds, not a
+    broken source: ``validate`` without ``--baseline`` runs and fails, it refuses nothing."""
+    src = _llama(tmp_path / "src", 1e6)  # finite in fp32, inf in fp16
+    out = tmp_path / "out"
+    convert(src, to="fp16", output=out, validate=False)
+    assert finite.read_source(out, {"": open_source(out)}).broken()  # the inf is there
+    result = _cli("validate", str(out), "--coverage", "quick")
+    assert result.exit_code == 1, result.output
+    on_disk = json.loads((out / CERTIFICATE_NAME).read_text())
+    assert on_disk["verdict"] == "fail" and on_disk["source"]["nonfinite"] == {}
+    assert not any("source's own weights" in f for f in on_disk["failures"])
+
+
 def test_batch_entry(broken: Path, tmp_path: Path) -> None:
     """A batch entry of the broken source fails before writing; one with
     ``allow_nonfinite_source = true`` runs and fails its certificate."""

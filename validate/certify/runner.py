@@ -205,10 +205,12 @@ def _set_up(
     if source.kind == SOURCE_BASELINE and same_conversion(opened, reference):
         source = replace(source, kind=SELF_BASELINE)  # a copy of the output is not its source
     # Read once: hashed for the certificate, and refused here when its weights are broken.
-    read = given.read
-    if read is None or source.kind != SOURCE_BASELINE:
-        read = read_baseline(source.path, reference)
-    read.refuse_broken(source.path, given.allow_nonfinite)
+    if source.kind == SELF_BASELINE:
+        # The converted weights are no source: what they got wrong is what the check finds.
+        read = replace(read_baseline(source.path, reference), nonfinite={})
+    else:
+        read = given.read or read_baseline(source.path, reference)
+        read.refuse_broken(source.path, given.allow_nonfinite)
     check_replaceable(root, source, read.files)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
