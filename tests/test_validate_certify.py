@@ -452,7 +452,7 @@ def test_a_check_without_baseline_never_certifies_nor_replaces_a_certificate(
     assert certified.exit_code == 0, certified.output
     assert Certificate.read(out).verdict == "pass"
     assert "parity-certified" in ModelCard.load(out / "README.md").data.tags
-    assert "against the source (t5-encoder) upcast to fp32" in _card_text(out)
+    assert "against the source (t5-encoder), stored in float32, upcast to fp32" in _card_text(out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     weaker = _validate_cli(str(out))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.api.options import ConversionOptions, OptionKeywords
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
 from precision_convert.conversion.io.context import IOContext
+from precision_convert.conversion.io.finite import SourceRead, read_source
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -235,8 +236,9 @@ def convert(
             :class:`~precision_convert.api.options.ConversionOptions`; or pass them as
             keywords of the same names (``device``, ``revision``, ``recipe``, ``keep_fp32``,
             ``calibrate``, ``trust_remote_code``, ``coverage``, ``calibration_data``,
-            ``inputs``, ``variant``, each described there). A field given both ways must
-            have the same value in both (an :class:`InputError` otherwise).
+            ``inputs``, ``variant``, ``allow_nonfinite_source``, each described there). A
+            field given both ways must have the same value in both (an :class:`InputError`
+            otherwise).
         overwrite: replace an output directory this tool wrote before (or an empty one).
         on_progress: called with (what is being written, source bytes just consumed).
         hub_timeout: seconds a Hub download may wait for metadata (see
@@ -296,6 +298,10 @@ def _convert(
             trust_remote_code=options.trust_remote_code, warn_of_cuts=not run.validate,
         )  # fmt: skip
     models = _models(opened)
+    # The source's weights, read once before anything is planned or written: hashed for the
+    # certificate, and refused when they hold NaN or ±inf.
+    read = read_source(root, models)
+    read.refuse_broken(root, options.allow_nonfinite_source)
     if options.variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
     if options.calibrate is None:  # on where fp16's range is at stake
@@ -314,7 +320,7 @@ def _convert(
                 for c in components
                 if c.calibration is not None and c.calibration.runs is not None
             }
-            certificate = _certify(staged, root, options, supplied, data, prior)
+            certificate = _certify(staged, root, options, supplied, data, prior, read)
         staged.commit()
     return ConversionResult(
         source=str(source),
@@ -333,10 +339,12 @@ def _certify(
     supplied: Any,
     data: CalibrationData | None,
     prior: dict[str, PriorRuns],
+    read: SourceRead,
 ) -> Certificate:
     """Validate the staged output against ``root`` (reusing ``prior``: calibration's probe
-    runs, by component); a run that cannot validate keeps its output, with the failing
-    certificate that says what is missing."""
+    runs, by component, and ``read``: the source's weights as read up front); a run that
+    cannot validate keeps its output, with the failing certificate that says what is
+    missing."""
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -349,7 +357,9 @@ def _certify(
             coverage=options.coverage or DEFAULT_LEVEL,
             calibration_data=data,
             trust_remote_code=options.trust_remote_code,
+            allow_nonfinite_source=options.allow_nonfinite_source,
             prior=prior,
+            source_read=read,
         )
     except CannotValidateError:
         staged.commit()

@@ -34,6 +34,9 @@ class ConversionOptions:
             (default) or ``thorough``.
         device: where validation runs (``cpu``, ``cuda``…); default CUDA when present.
         trust_remote_code: let a model's own code (``auto_map``) run.
+        allow_nonfinite_source: convert a source whose own weights hold NaN or ±inf (beyond
+            attention masks stored as ±inf by design), which is refused otherwise; its
+            certificate then fails, naming the tensors.
         variant: write the weights under the Hub's variant names (``model.<variant>.
             safetensors``…) and keep the source's config files unchanged, so the output can
             be added to the source repo and loaded with ``from_pretrained(..., variant=)``;
@@ -49,6 +52,7 @@ class ConversionOptions:
     coverage: str | None = None
     device: str | None = None
     trust_remote_code: bool = False
+    allow_nonfinite_source: bool = False
     variant: str | None = None
 
     @classmethod
@@ -92,6 +96,7 @@ class OptionKeywords(TypedDict, total=False):
     coverage: str | None
     trust_remote_code: bool
     variant: str | None
+    allow_nonfinite_source: bool
 
 
 #: Option names, in declaration order (a batch manifest's keys among them).

@@ -190,6 +190,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
                 coverage=options.coverage or DEFAULT_LEVEL,
                 calibration_data=options.calibration_data,
                 trust_remote_code=options.trust_remote_code,
+                allow_nonfinite_source=options.allow_nonfinite_source,
             )
         except CannotValidateError:
             # With the failing certificate saying what is missing.

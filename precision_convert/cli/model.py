@@ -90,6 +90,14 @@ def model(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
+    allow_nonfinite_source: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite-source",
+            help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
+            "the certificate then fails, naming the tensors.",
+        ),
+    ] = False,
     variant: Annotated[
         str | None,
         typer.Option(
@@ -157,6 +165,7 @@ def model(
                     coverage=coverage,
                     device=None if device == "auto" else device,
                     trust_remote_code=trust_remote_code,
+                    allow_nonfinite_source=allow_nonfinite_source,
                     variant=variant,
                 )
                 result = convert(

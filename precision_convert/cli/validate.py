@@ -62,6 +62,14 @@ def validate_command(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
+    allow_nonfinite_source: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite-source",
+            help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
+            "the certificate then fails, naming the tensors.",
+        ),
+    ] = False,
     verify: Annotated[
         bool,
         typer.Option(
@@ -108,6 +116,7 @@ def validate_command(
                     coverage=coverage or DEFAULT_LEVEL,
                     calibration_data=calibration_data,
                     trust_remote_code=trust_remote_code,
+                    allow_nonfinite_source=allow_nonfinite_source,
                 )
         except CannotValidateError:
             note_unvalidated(converted)

@@ -21,7 +21,7 @@ from precision_convert.core.errors import (
 from precision_convert.core.patterns import CERTIFICATE_FILE, REPO_ID, is_variant_file
 from precision_convert.hub.errors import hub_errors
 from precision_convert.hub.upload import addition, changed_file, same_content
-from precision_convert.validation.certify.card import base_model_id, render_card
+from precision_convert.validation.certify.card import base_model_id, render_card, stored_in
 from precision_convert.validation.certify.certificate import CARD_NAME
 from precision_convert.validation.certify.verify import Verified, verify
 
@@ -401,9 +401,11 @@ def _summary(checked: Verified, paths: list[str]) -> str:
     failed = sum(not m.passed for m in cert.metrics)
     source = cert.source.get("id") or "the source checkpoint"
     at = f" at `{cert.source['revision']}`" if cert.source.get("revision") else ""
+    stored = stored_in(cert)
     lines = [
         f"Converted with precision-convert {cert.tool.get('version', '')} and certified "
-        f"against the source upcast to fp32: verdict **{cert.verdict}**.",
+        f"against the source{f' ({stored})' if stored else ''} upcast to fp32: verdict "
+        f"**{cert.verdict}**.",
         "",
         f"- target: `{cert.target}` (compute dtype `{cert.compute_dtype}`)",
         f"- source: `{source}`{at}",

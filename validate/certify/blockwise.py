@@ -321,9 +321,8 @@ def validate_blockwise(
             component, task, swept, "blockwise", blocks=len(blocks)
         )
         block_thresholds = thresholds_for("block", recipe_validation(record.recipe))
-        metrics = measure(
-            component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds
-        )
+        covered = coverage.fraction * swept.judged_share  # unanswered probes: not covered
+        metrics = measure(component.name, "forward", "*", {"coverage": covered}, thresholds)
         try:
             cand_out, block_metrics = _candidate_pass(
                 component, blocks, store, frozen, device, block_thresholds

@@ -69,10 +69,39 @@ def source_name(certificate: Certificate) -> str | None:
 
 
 def compared_with(certificate: Certificate) -> str:
-    """What the baseline was, in words."""
+    """What the baseline was, in words: which weights, the dtypes they were stored in, and
+    that they were upcast to fp32."""
+    stored = stored_in(certificate)
+    as_stored = f", {stored}," if stored else ""
     if certificate.against_source:
-        return f"the source ({source_name(certificate) or 'not named'}) upcast to fp32"
-    return "the converted weights themselves upcast to fp32"
+        name = source_name(certificate) or "not named"
+        return f"the source ({name}){as_stored} upcast to fp32"
+    return f"the converted weights themselves{as_stored} upcast to fp32"
+
+
+def stored_in(certificate: Certificate) -> str | None:
+    """The dtypes the baseline's floating weights were stored in, in words ("stored in
+    bfloat16"; a mix with each dtype's share; a pipeline per component where they differ);
+    None for a certificate that does not record them."""
+    stored = certificate.source.get("stored_dtypes")
+    if not isinstance(stored, dict) or not stored:
+        return None
+    mixes = {name: _mix(counts) for name, counts in stored.items() if counts}
+    if not mixes:
+        return None
+    if len(set(mixes.values())) == 1:
+        return f"stored in {next(iter(mixes.values()))}"
+    return "stored in " + "; ".join(f"{mix} ({name})" for name, mix in mixes.items())
+
+
+def _mix(counts: dict[str, int]) -> str:
+    """``bfloat16``, or ``float32 (97.5%) and bfloat16 (2.5%)``: shares of floating values."""
+    if len(counts) == 1:
+        return next(iter(counts))
+    total = sum(counts.values())
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+    shares = [f"{dtype} ({100 * n / total:.3g}%)" for dtype, n in ordered]
+    return ", ".join(shares[:-1]) + " and " + shares[-1]
 
 
 def tags(certificate: Certificate) -> list[str]:

@@ -265,8 +265,10 @@ def failure_line(m: Measurement) -> str:
         return f"{m.where}: {what}"
     if m.metric == "coverage":
         return (
-            f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
-            f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
+            f"{m.component or 'model'}: coverage {m.value or 0:.0%} (parameters exercised, "
+            f"times the share of probes the fp32 baseline answered; must be >= "
+            f"{m.threshold:.0%}); pass --inputs that reach the rest (probes not judged are "
+            "named in the notes)"
         )
     if m.metric == "constant_frames":
         return f"{m.where}: {int(m.value or 0)} constant (black) frame planes"

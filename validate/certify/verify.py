@@ -9,21 +9,18 @@ one of them would count as changed, missing or extra, every one of them does.
 
 What is hashed is always the bytes, read here, never a name (a Hub-cache blob is named by its
 sha256, but a link there can be repointed): only the source's weight files, which live in that
-cache, are hashed by name (:func:`sha256_files`).
+cache, are hashed by name (:mod:`precision_convert.conversion.io.finite`, which reads them).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
-from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from precision_convert.conversion.io.hashing import HASH_THREADS, HashedFile, hash_paths
+from precision_convert.conversion.io.hashing import HashedFile, hash_paths
 from precision_convert.core.errors import InputError, NotAsCertified, one_line
 from precision_convert.core.patterns import is_variant_file
 from precision_convert.validation.certify.card import render_card
@@ -33,9 +30,6 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
-
-#: Hub cache blobs of LFS files are named by their sha256.
-_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -142,24 +136,6 @@ def listing(directory: Path) -> list[str]:
             if not name.startswith(".") and os.path.isfile(os.path.join(root, name)):
                 found.append(Path(root, name).relative_to(directory).as_posix())
     return found
-
-
-def sha256_files(root: Path, paths: Iterable[Path]) -> dict[str, str]:
-    """sha256 of a source's weight files under ``root``, keyed by relative POSIX path, hashed in
-    parallel; a file in the Hub cache is a link to a blob named by its sha256, which is taken
-    as it is (the source is recorded, not verified)."""
-    ordered = sorted(paths)
-    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        digests = list(pool.map(_sha256_source_file, ordered))
-    return {p.relative_to(root).as_posix(): d for p, d in zip(ordered, digests, strict=True)}
-
-
-def _sha256_source_file(path: Path) -> str:
-    resolved = path.resolve()
-    if resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name):
-        return resolved.name
-    with resolved.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:

@@ -82,6 +82,15 @@ class ModelInputs:
     #: What bounds a token model's inputs (vocabulary, position limit), set by the sweep:
     #: what :func:`~.positions.reach` measures the probes against.
     limits: Mapping[str, Any] | None = None
+    #: Sweep probes the fp32 model answered with NaN or ±inf: with nothing to compare with,
+    #: they are not run on the candidate, and count against coverage instead of vanishing.
+    unjudged: tuple[str, ...] = ()
+
+    @property
+    def judged_share(self) -> float:
+        """The share of the probes made that the fp32 baseline could answer."""
+        made = len(self.probes) + len(self.unjudged)
+        return len(self.probes) / made if made else 1.0
 
     def describe(self) -> dict[str, Any]:
         """Every probe precisely enough to replay it, as the certificate records it.
@@ -100,6 +109,7 @@ class ModelInputs:
             **({"tokenizer": dict(self.tokenizer)} if self.tokenizer else {}),
             "probes": {p.name: _describe_probe(p) for p in self.probes},
             **({"notes": list(self.notes)} if self.notes else {}),
+            **({"unjudged": list(self.unjudged)} if self.unjudged else {}),
         }
 
 

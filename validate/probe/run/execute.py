@@ -372,7 +372,8 @@ def run_sweep(
 
     One call, so whatever ``run`` records (parameter coverage, block activations, calibration
     statistics) spans every probe. A sweep probe the model rejects, or on which the fp32 model
-    itself is not finite (nothing to compare against), is dropped with a note, and the kept
+    itself is not finite (nothing to compare against), is dropped with a note (and, for the
+    latter, recorded in ``unjudged``: it counts against coverage), and the kept
     probes run again; the chosen probes are never dropped (a non-finite baseline there is the
     caller's to report). ``outputs``: the chosen probes' outputs from the last ``run``, reused
     when the sweep adds nothing.
@@ -388,6 +389,7 @@ def run_sweep(
         return full, found
     kept: list[Probe] = []
     notes: list[str] = []
+    unjudged: list[str] = []
     for group in _groups(full, chosen_names):
         trial = replace(full, probes=(*chosen.probes, *group))
         try:
@@ -399,11 +401,18 @@ def run_sweep(
             continue
         if _nonfinite(tried, chosen_names):
             notes.append(
-                f"probe {group[0].name} skipped: the fp32 model's own output is not finite there"
+                f"probe {group[0].name} not judged: the fp32 model's own output is not finite "
+                "there (it counts against coverage)"
             )
+            unjudged += [p.name for p in group]
             continue
         kept.extend(group)
-    inputs = replace(full, probes=(*chosen.probes, *kept), notes=(*full.notes, *notes))
+    inputs = replace(
+        full,
+        probes=(*chosen.probes, *kept),
+        notes=(*full.notes, *notes),
+        unjudged=(*full.unjudged, *unjudged),
+    )
     return inputs, run(model, inputs)
 
 

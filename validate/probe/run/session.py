@@ -60,7 +60,9 @@ class Swept:
     source: Path  # the weights the fp32 model was built from
     device: str  # where it ran ("cpu", "cuda:0")
     settings: SweepSettings
-    coverage: float = 1.0  # share of the parameters the run computed with
+    #: Share of the parameters the run computed with, times the share of probes the fp32
+    #: model could answer.
+    coverage: float = 1.0
     #: The implementations judged, when the session ran the other ones a user can pick.
     attention: AttentionChoices | None = None
     #: The fp32 outputs under each other implementation, on the resolved probes.
@@ -192,7 +194,8 @@ def fp32_session(
         Path(source),
         str(device),
         settings,
-        coverage() if coverage is not None else 1.0,
+        # Probes the fp32 model could not answer judged nothing: they count as not covered.
+        (coverage() if coverage is not None else 1.0) * inputs.judged_share,
         choices,
         by_attention,
     )
