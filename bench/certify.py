@@ -44,7 +44,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "coverage": "quick"},
 }
 TARGETS = ("bf16-safe", "fp16-safe")
-#: Ledger variable the command reads (see precision_convert.progress).
+#: Ledger variable the command reads (see precision_convert.core.progress).
 LEDGER = "PRECISION_CONVERT_LEDGER"
 #: What the command imports before it runs a probe: the import baseline imports the same.
 IMPORTS = (

@@ -1,9 +1,10 @@
 """The reliability suite's full mode as a script: interrupt each kind of work N times with
-each signal (seeded random points, see ``tests/reliability/_harness.py``) and print the counts
-as JSON on stdout (one line of progress per trial on stderr).
+each signal (seeded random points, see ``tests/reliability/_harness.py``), then run the
+deterministic cases (file-system faults, long names, concurrent writers of one output), and
+print the counts as JSON on stdout (one line of progress per trial on stderr).
 
-    python bench/reliability.py                  # 5 per signal: 10 per kind, 50 in all
-    python bench/reliability.py --per-signal 1 --kinds conversion push
+    python bench/reliability.py                  # 5 per signal: 15 per kind, 75 in all
+    python bench/reliability.py --per-signal 1 --kinds conversion push --signals SIGTERM
 
 Seeds are tried in order until N trials of each kind and signal were really interrupted (a
 draw past the command's end checks a finished run, which does not count).
@@ -11,7 +12,8 @@ draw past the command's end checks a finished run, which does not count).
 A trial that breaks a promise (something partial at the target, a changed source, a failed
 rerun, a leftover staging directory) is counted under ``failed`` with its error, and the
 script exits 1. A trial whose disk state held but whose SIGINT message was wrong or missing
-(a known defect of the CLI) counts as survived and under ``message_defects``.
+(a known defect of the CLI) counts as survived and under ``message_defects``. A SIGTERM must
+exit 143 like a Ctrl-C exits 130, with its staging directory and lock removed.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def main() -> int:
     )
     parser.add_argument("--kinds", nargs="*", help="only these kinds")
     parser.add_argument("--first-seed", type=int, default=1)
+    parser.add_argument(
+        "--signals", nargs="*", help="only these signals (default: SIGKILL, SIGINT, SIGTERM)"
+    )
+    parser.add_argument(
+        "--no-cases", action="store_true", help="skip the deterministic cases (CASES)"
+    )
     options = parser.parse_args()
 
     import os
@@ -82,7 +90,7 @@ def main() -> int:
         # Seeds in order until N trials of each (kind, signal) really were interrupted (a draw
         # past the command's end checks a finished run and does not count); at most 3N.
         for kind in kinds:
-            for sig in _harness.SIGNALS:
+            for sig in options.signals or _harness.FULL_SIGNALS:
                 interrupted = 0
                 seed = options.first_seed
                 while interrupted < options.per_signal and seed < options.first_seed + 3 * (
@@ -93,8 +101,46 @@ def main() -> int:
                     interrupted += bool(record["interrupted"])
                     seed += 1
     summary = _summary(trials, time.monotonic() - started)
+    if not options.no_cases:
+        summary["cases"] = _cases()
+        summary["seconds"] = round(time.monotonic() - started, 1)
+    failed_cases = sum(c.get("failed", 0) for c in summary.get("cases", {}).values())
     print(json.dumps(summary, indent=2))
-    return 0 if not summary["failed"] else 1
+    return 0 if not summary["failed"] and not failed_cases else 1
+
+
+#: The deterministic cases: each a fault injected at a known point, or two writers of one
+#: output raced, with what the tool must leave behind checked.
+CASES = {
+    "file system": "tests/reliability/test_file_system.py",
+    "concurrent writers": "tests/reliability/test_concurrency.py",
+}
+
+
+def _cases() -> dict[str, dict[str, int]]:
+    """Each of :data:`CASES` run by pytest in a process of its own: its counts by outcome."""
+    import subprocess
+    import xml.etree.ElementTree as ElementTree
+
+    counts: dict[str, dict[str, int]] = {}
+    for name, path in CASES.items():
+        with tempfile.TemporaryDirectory(prefix="pc-cases-") as scratch:
+            report = Path(scratch) / "junit.xml"
+            subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path,
+                 f"--junitxml={report}"],
+                cwd=ROOT, stdout=sys.stderr, check=False,
+            )  # fmt: skip
+            cases = ElementTree.parse(report).getroot().iter("testcase")
+            outcome: Counter[str] = Counter()
+            for case in cases:
+                kinds = {child.tag for child in case}
+                outcome[
+                    "failed" if kinds & {"failure", "error"} else
+                    "skipped" if "skipped" in kinds else "passed"
+                ] += 1  # fmt: skip
+            counts[name] = dict(outcome)
+    return counts
 
 
 def _summary(trials: list[dict[str, Any]], seconds: float) -> dict[str, Any]:

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from precision_convert._version import __version__
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.source import ModelSource, variant_name
 from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, ModelPlan
-from precision_convert.dtypes import FP16, FP32, DType
+from precision_convert.core._version import __version__
+from precision_convert.core.dtypes import FP16, FP32, DType
 
 #: Progress callback: (what is being written, source bytes just consumed).
 ProgressHook = Callable[[str, int], None]

@@ -17,9 +17,9 @@ from typing import Any
 # The record's key, where the io layer (which recognises this tool's outputs) keeps it.
 from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
-from precision_convert.dtypes import FP16_MAX, FP32, TARGETS, DType, Target, from_config_string
-from precision_convert.errors import InputError
-from precision_convert.names import matches_self_or_ancestor, units, validate_pattern
+from precision_convert.core.dtypes import FP16_MAX, FP32, TARGETS, DType, Target, from_config_string
+from precision_convert.core.errors import InputError, did_you_mean
+from precision_convert.core.names import matches_self_or_ancestor, units, validate_pattern
 from precision_convert.recipes import ISLAND_REASONS, Recipe
 
 #: Its key in a diffusers model's config: diffusers warns about every config key its class does
@@ -192,10 +192,13 @@ def _text(value: Any) -> str | None:
 
 
 def check_target(target: str) -> Target:
-    """The :class:`~precision_convert.dtypes.Target` named ``target``; bad input is refused."""
+    """The :class:`~precision_convert.core.dtypes.Target` named ``target``; bad input is refused."""
     found = Target.lookup(target)
     if found is None:
-        raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+        raise InputError(
+            f"unknown target {target!r}{did_you_mean(str(target), TARGETS)}; choose one of "
+            f"{', '.join(TARGETS)}"
+        )
     return found
 
 

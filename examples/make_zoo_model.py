@@ -10,6 +10,8 @@ Usage: python examples/make_zoo_model.py FAMILY DIR   (no arguments: list the fa
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,7 +26,28 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in zoo.FAMILIES:
         print(f"usage: make_zoo_model.py FAMILY DIR; families: {families}", file=sys.stderr)
         return 2
-    print(zoo.build(argv[0], Path(argv[1])))
+    name, target = argv[0], Path(argv[1])
+    if missing := zoo.missing_packages(name):
+        print(
+            f"make_zoo_model.py: {name} needs {', '.join(missing)}: "
+            f"pip install {' '.join(missing)}",
+            file=sys.stderr,
+        )
+        return 2
+    if target.exists():
+        print(f"make_zoo_model.py: {target} already exists", file=sys.stderr)
+        return 2
+    # Built beside the target and renamed into place: a failed build leaves no half folder.
+    staging = target.parent / f".{target.name}.partial-{os.getpid()}"
+    try:
+        zoo.build(name, staging)
+        staging.rename(target)
+    except Exception as exc:  # any failure of the libraries: one line, nothing left behind
+        print(f"make_zoo_model.py: building {name} failed: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(target)
     return 0
 
 

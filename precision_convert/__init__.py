@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from precision_convert._version import __version__
+from precision_convert.core._version import __version__
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import convert

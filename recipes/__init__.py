@@ -16,10 +16,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from precision_convert.dtypes import SAFE_TARGETS as SAFE_TARGETS
-from precision_convert.dtypes import TARGETS as TARGETS
-from precision_convert.errors import InputError
-from precision_convert.names import validate_pattern
+from precision_convert.core.dtypes import SAFE_TARGETS as SAFE_TARGETS
+from precision_convert.core.dtypes import TARGETS as TARGETS
+from precision_convert.core.errors import InputError
+from precision_convert.core.names import validate_pattern
 
 #: Why a module stays fp32; the loader lets a "precision" island hand its output back in the
 #: compute dtype, and lets every other kind's fp32 output flow on (see docs/format.md).

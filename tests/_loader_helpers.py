@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from precision_convert.api.conversion import convert
-from precision_convert.dtypes import BY_CODE
+from precision_convert.core.dtypes import BY_CODE
 
 
 def convert_to(source: Path, target: str, output: Path, **kwargs: object) -> Path:

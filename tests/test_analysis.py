@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import precision_convert as pc
 from precision_convert.api.conversion import convert
-from precision_convert.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FP16_MAX
 
 
 def _scaled(source: Path, dest: Path, scales: dict[str, float]) -> Path:

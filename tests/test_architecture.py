@@ -86,3 +86,16 @@ def test_no_product_module_is_over_the_size_limit() -> None:
     assert len(sizes) > 50  # the walk found the product, not an empty folder
     over = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_the_exceptions_stay_importable_where_callers_catch_them() -> None:
+    import precision_convert.core.errors as core
+    import precision_convert.errors as documented
+
+    public = {
+        name
+        for name, value in vars(core).items()
+        if isinstance(value, type) and issubclass(value, Exception)
+    }
+    assert public and public <= set(documented.__all__)
+    assert all(getattr(documented, name) is getattr(core, name) for name in public)

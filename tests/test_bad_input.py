@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -421,12 +422,20 @@ def test_source_is_a_file(tmp_path: Path, workdir: Path) -> None:
     ("flags", "fragments"),
     [
         (["--to", "fp8-safe"], ["unknown target 'fp8-safe'", "bf16-safe"]),
+        (["--to", "fp16_safe"], ["unknown target 'fp16_safe' (did you mean 'fp16-safe'?)"]),
         (["--to", "bf16", "--keep-fp32", "no.such.module"], ["'no.such.module' matches no"]),
         (["--to", "bf16", "--keep-fp32", "layer..weight"], ["--keep-fp32"]),
         (["--to", "bf16", "--revision", "main"], ["--revision applies to Hub repo ids"]),
         (["--to", "bf16", "--recipe", "no-such-recipe"], ["no-such-recipe"]),
     ],
-    ids=["unknown-target", "keep-fp32-no-match", "keep-fp32-invalid", "revision-local", "recipe"],
+    ids=[
+        "unknown-target",
+        "target-misspelled",
+        "keep-fp32-no-match",
+        "keep-fp32-invalid",
+        "revision-local",
+        "recipe",
+    ],
 )
 def test_bad_flags(flags: list[str], fragments: list[str], tmp_path: Path, workdir: Path) -> None:
     src = tiny_source(tmp_path / "src")
@@ -811,3 +820,49 @@ def test_inputs_the_model_cannot_take(
     if command == "model":
         args += ["--to", "bf16", "-o", str(tmp_path / "out")]
     _refused_cleanly(args, tmp_path, f"{inputs}: --inputs: ", fragment)
+
+
+def test_a_converted_output_given_as_source_names_its_source(
+    zoo_converted: Callable[[str, str], Any], tmp_path: Path, workdir: Path
+) -> None:
+    """An output of this tool is refused as a source before any work, naming the source its
+    certificate records: converting it again would round rounded weights and certify them
+    against themselves."""
+    converted = zoo_converted("gpt2", "bf16-safe").output
+    source_id = json.loads((converted / "precision_certificate.json").read_text())["source"]["id"]
+    before = tree_digest(converted)
+
+    code, stdout, stderr = _invoke(["model", str(converted), "--to", "fp16-safe"])
+
+    assert code == 2, stderr
+    line = assert_one_error_line(
+        stderr,
+        f"{converted}: is a precision-convert output (bf16-safe, converted from {source_id})",
+        "convert the source instead",
+    )
+    assert "pc-staging" not in line and "--baseline" not in line
+    assert stdout == ""
+    assert tree_digest(converted) == before
+    assert list(workdir.iterdir()) == []
+
+
+def test_an_uncertified_output_given_as_source_is_refused(tmp_path: Path, workdir: Path) -> None:
+    """A ``--no-validate`` output carries the record in its weights but no certificate: refused
+    all the same, saying its source is not recorded."""
+    src = tiny_source(tmp_path / "src")
+    out = tmp_path / "out"
+    code, _, stderr = _invoke(["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out)])
+    assert code == 0
+    # The uncertified output is said so, with the command that certifies it.
+    assert f"{out} is not certified (--no-validate): precision-convert validate {out}" in stderr
+    before = tree_digest(tmp_path)
+
+    code, _, stderr = _invoke(["model", str(out), "--to", "fp16", "--no-validate"])
+
+    assert code == 2, stderr
+    assert_one_error_line(
+        stderr, f"{out}: is a precision-convert output (bf16", "its source is not recorded",
+        "convert the source instead",
+    )  # fmt: skip
+    assert tree_digest(tmp_path) == before
+    assert list(workdir.iterdir()) == []

@@ -454,7 +454,7 @@ def _alive(pid: int) -> bool:
 
 def _failed(status: int, retry_after: float | None = None) -> Exception:
     """A PushFailed as hub raises it for an HTTP answer."""
-    from precision_convert.errors import PushFailed
+    from precision_convert.core.errors import PushFailed
 
     return PushFailed("ns/x: the Hub answered", status=status, retry_after=retry_after)
 
@@ -464,7 +464,7 @@ def test_pushes_to_one_repo_are_spaced_and_429_is_retried(
 ) -> None:
     import precision_convert.hub as hub_module
     from precision_convert.batch.etiquette import Etiquette, push_politely
-    from precision_convert.errors import PushFailed
+    from precision_convert.core.errors import PushFailed
 
     answers: list[Exception | str] = [_failed(429, 3.0), _failed(503), "pushed"]
     calls: list[str] = []
@@ -517,7 +517,7 @@ def test_a_wait_beyond_the_maximum_is_not_waited_and_a_long_backoff_is_announced
     seconds is said on stderr."""
     import precision_convert.hub as hub_module
     from precision_convert.batch.etiquette import Etiquette, push_politely
-    from precision_convert.errors import PushFailed
+    from precision_convert.core.errors import PushFailed
 
     monkeypatch.setenv("PRECISION_CONVERT_MAX_RETRY_WAIT", "60")
     answers: list[Exception | str] = [_failed(429, 86400.0), _failed(429, 60.0), _failed(503)]

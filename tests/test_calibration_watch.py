@@ -33,7 +33,7 @@ from precision_convert.conversion.analysis.activations import (
 from precision_convert.conversion.io.source import open_source
 from precision_convert.conversion.plan import Island
 from precision_convert.conversion.runtime.boundaries import find_boundaries, install
-from precision_convert.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FP16_MAX
 from precision_convert.validation.calibration.watch import CARRIED
 
 NEAR = FP16_MAX / 2  # the activation margin: within 2x of fp16's limit

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from precision_convert.api.conversion import convert
 from precision_convert.cli._common import PROGRESS_PREFIX
 from precision_convert.cli.main import app
-from precision_convert.progress import LEDGER_VARIABLE
+from precision_convert.core.progress import LEDGER_VARIABLE
 from precision_convert.validation.calibration.search import _failed_first, _probes_first
 from precision_convert.validation.certify.load_paths import spot_inputs
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from precision_convert.api.conversion import convert
 from precision_convert.api.options import ConversionOptions
-from precision_convert.names import units
+from precision_convert.core.errors import InputError
+from precision_convert.core.names import units
 
 TARGETS = ["bf16-safe", "fp16-safe", "bf16", "fp16"]
 COMPUTE = {
@@ -306,16 +307,24 @@ def test_keep_fp32_adds_user_islands(tiny_model: Callable[[str], Path], tmp_path
 def test_options_object_or_keywords_not_both(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """``options=`` gives the same output as the keywords it holds; both at once is refused
-    (one of them would be dropped silently)."""
+    """``options=`` gives the same output as the keywords it holds; a field given both ways
+    with different values is refused (one of them would be dropped silently)."""
     pattern = "encoder.block.1.layer.0.SelfAttention.o"
     options = ConversionOptions(keep_fp32=(pattern,))
     result = convert(tiny_model("t5-encoder"), "fp16", tmp_path / "a", False, options=options)
     assert {i.name: i.reason for i in result.components[0].plan.islands} == {pattern: "user"}
     check_converted(tiny_model("t5-encoder"), tmp_path / "a", "fp16")
-    with pytest.raises(TypeError, match="recipe"):
+    with pytest.raises(InputError, match=r"^recipe given as a keyword and in options="):
         convert(tiny_model("t5-encoder"), "fp16", tmp_path / "b", options=options, recipe="t5")
+    trusting = ConversionOptions(trust_remote_code=True)
+    with pytest.raises(InputError, match=r"^trust_remote_code given as a keyword"):
+        convert(tiny_model("t5-encoder"), "fp16", tmp_path / "b", options=trusting,
+                trust_remote_code=False)  # fmt: skip
     assert not (tmp_path / "b").exists()
+    # The same value both ways is one value; a keyword that is no option is a TypeError.
+    assert ConversionOptions.given(options, keep_fp32=[pattern], recipe=None) is options
+    with pytest.raises(TypeError, match="'keep_fp16'"):
+        convert(tiny_model("t5-encoder"), "fp16", tmp_path / "b", keep_fp16=[pattern])  # type: ignore[call-arg]
 
 
 def _tree_digest(root: Path) -> str:

@@ -21,7 +21,7 @@ import torch
 from _models import make, t5_tokenizer, unet
 
 from precision_convert.api.conversion import convert
-from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.certificate import Certificate
 from precision_convert.validation.certify.runner import validate
 from precision_convert.validation.probe.inputs.budgets import BUDGETS, LEVELS, budget_for

@@ -27,8 +27,8 @@ from precision_convert.conversion.io.header import (
     SafetensorsHeader,
     read_header,
 )
-from precision_convert.dtypes import BY_CODE, from_torch
-from precision_convert.errors import InputError
+from precision_convert.core.dtypes import BY_CODE, from_torch
+from precision_convert.core.errors import InputError
 
 DTYPES = [
     torch.float64,

@@ -27,7 +27,7 @@ import torch
 from _fake_hub import FakeHub, is_lfs
 from safetensors.torch import load_file, save_file
 
-from precision_convert.names import units
+from precision_convert.core.names import units
 
 REPO = "acme/tiny-t5"
 NAME = "tiny-t5"

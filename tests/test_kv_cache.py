@@ -18,7 +18,7 @@ import torch
 
 import precision_convert as pc
 from precision_convert.api.conversion import convert
-from precision_convert.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FP16_MAX
 from precision_convert.validation.certify.certificate import Certificate
 from precision_convert.validation.probe.run.attention import attention
 

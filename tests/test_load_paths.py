@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 import precision_convert as pc
 from precision_convert.api.conversion import convert
-from precision_convert.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.card import PC_LOAD_ONLY_TAG, PLAIN_TAG, render
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,

@@ -28,7 +28,7 @@ from precision_convert.conversion.runtime.boundaries import (
     find_boundaries,
     hooked_modules,
 )
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 # --- the hook machinery on hand-made models --------------------------------------------------
 

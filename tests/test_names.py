@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precision_convert.names import (
+from precision_convert.core.names import (
     matches,
     matches_self_or_ancestor,
     module_of,

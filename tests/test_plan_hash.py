@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_convert.conversion.plan import Island, ModelPlan, PlanRecord, build_plan
-from precision_convert.dtypes import BY_CODE, DType
+from precision_convert.core.dtypes import BY_CODE, DType
 from precision_convert.recipes import ISLAND_REASONS, Fp32Rule, Recipe
 
 F32, F16, BF16, I64 = BY_CODE["F32"], BY_CODE["F16"], BY_CODE["BF16"], BY_CODE["I64"]

@@ -657,7 +657,7 @@ def test_retry_after_is_read_as_seconds_or_an_http_date(
     HTTP standard allows."""
     from email.utils import formatdate
 
-    from precision_convert.errors import PushFailed
+    from precision_convert.core.errors import PushFailed
     from precision_convert.hub import push_with_result
 
     value = "30" if form == "seconds" else formatdate(time.time() + 30, usegmt=True)
@@ -675,7 +675,7 @@ def command_client() -> Iterator[None]:
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils import _http
 
-    from precision_convert.hub_client import bound_hub_requests
+    from precision_convert.core.hub_client import bound_hub_requests
 
     before = _http._GLOBAL_CLIENT_FACTORY
     bound_hub_requests()
@@ -724,7 +724,7 @@ def test_a_wait_within_the_maximum_is_honoured_and_announced(
     """A short ``Retry-After`` is waited, by the client (the preupload) or by the command (the
     commit, which the client does not retry), and the push completes. A wait longer than
     ``ANNOUNCED_WAIT`` (lowered here, so that a 1 s wait counts) is said on stderr."""
-    import precision_convert.hub_client as hub_client
+    import precision_convert.core.hub_client as hub_client
 
     monkeypatch.setattr(hub_client, "ANNOUNCED_WAIT", 0.5)
     repo_id = f"ns/tiny-retry-soon-{where}"

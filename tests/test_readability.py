@@ -33,8 +33,8 @@ from precision_convert.conversion.analysis.chart import (
     activation_chart,
     heatmap_data,
 )
-from precision_convert.folding import Role, blocks, fold, ranges
-from precision_convert.progress import report, reporting, shorten, stage
+from precision_convert.core.folding import Role, blocks, fold, ranges
+from precision_convert.core.progress import report, reporting, shorten, stage
 from precision_convert.validation.certify.card_metrics import (
     BAR_LABEL,
     BAR_WIDTH,
@@ -419,6 +419,31 @@ def test_a_converted_pipeline_loads_and_validates_quietly(
     assert any("config attributes" in s for s in logged)
 
 
+def test_pc_load_of_a_pipeline_says_no_more_than_diffusers_plain_load(
+    zoo_converted: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``pc.load`` passes diffusers each component built as its declared class; diffusers'
+    "non-standard module" warning (and its module printout) about the safety checker is not
+    shown, as a plain ``from_pretrained`` shows none, and the logger is left as it was."""
+    from diffusers import DiffusionPipeline
+
+    import precision_convert as pc
+
+    out = zoo_converted("stable-diffusion-1.5", "fp16-safe").output
+    logger = logging.getLogger("diffusers.pipelines.pipeline_loading_utils")
+    before = list(logger.filters)
+    capfd.readouterr()
+    with _diffusers_log() as logged:
+        pipe = pc.load(out)
+    said = [*logged, capfd.readouterr().err]
+    assert not [s for s in said if "non-standard module" in s], said
+    assert logger.filters == before
+    # The capture hears it when it is said: diffusers' own load given the component.
+    with _diffusers_log() as logged:
+        DiffusionPipeline.from_pretrained(out, safety_checker=pipe.safety_checker)
+    assert any("non-standard module" in s for s in logged)
+
+
 @pytest.fixture(scope="module")
 def hot_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """README's tiny T5 (examples/make_tiny_t5.py): feed-forward outputs past 65504."""
@@ -566,6 +591,85 @@ def test_reports_off_a_terminal_are_as_wide_as_their_lines(
     assert _common.out.width == 80
 
 
+# --------------------------------------------------------------------------- summaries
+
+#: The zoo families a newcomer tries first: a report of each must fit a screen.
+SUMMARISED = ("gpt2", "llama-3.2-1b", "flan-t5-base", "stable-diffusion-1.5")
+#: Lines a summary report may take on stdout.
+SCREEN = 40
+
+
+def _report_lines(result: Any, full: bool, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """What ``model`` prints on stdout for ``result`` (the same two calls), 80 columns wide."""
+    from precision_convert.cli._reports import print_certificate, print_conversion
+
+    capsys.readouterr()
+    print_conversion(result, full=full)
+    print_certificate(result.certificate, result.output, full=full)
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("name", SUMMARISED)
+def test_a_conversion_report_fits_a_screen(
+    zoo_converted: Any, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary holds the verdict, what was judged, the rows nearest their bounds and
+    where the files are, in at most 40 lines; ``--report full`` lists every folded row."""
+    from precision_convert.validation.certify.card_metrics import folded_metrics
+
+    result = zoo_converted(name, "fp16-safe")
+    saved = _common.out._width
+    _common.out._width = 80
+    try:
+        summary = _report_lines(result, False, capsys)
+        full = _report_lines(result, True, capsys)
+    finally:
+        _common.out._width = saved
+    assert len(summary) <= SCREEN, "\n".join(summary)
+    assert summary[-1] == "verdict: pass"
+    assert any(line.startswith("judged: ") and " probes" in line for line in summary)
+    assert any(str(result.output / "precision_certificate.json") in line for line in summary)
+    rows = folded_metrics(result.certificate.metrics)
+    shown = sum(1 for line in full if line.startswith("│") and (" ok " in line))
+    assert shown >= len(rows)  # every folded row (island rows may add more)
+    assert len(full) > len(summary)
+
+
+@pytest.mark.parametrize("name", SUMMARISED)
+def test_the_card_opens_with_loading_and_limitations(zoo_converted: Any, name: str) -> None:
+    """A Hub visitor reads how to load the model and what was not judged before line 60,
+    the detail tables after; the certificate stays far below a megabyte."""
+    from huggingface_hub import ModelCard
+
+    output = zoo_converted(name, "fp16-safe").output
+    lines = (output / "README.md").read_text().splitlines()
+    at = {line: i + 1 for i, line in reversed(list(enumerate(lines))) if line.startswith("## ")}
+    assert at["## Loading"] < at["## Limitations"] < 60 < len(lines), at
+    assert at["## Limitations"] < at["## Parity"] < at["## Ways of loading"]
+    limits = "\n".join(lines[at["## Limitations"] : at["## Parity"]])
+    assert "Judged on cpu only" in limits and "not real data" in limits
+    assert "pc.load(" in "\n".join(lines[at["## Loading"] : at["## Limitations"]])
+    assert ModelCard.load(output / "README.md").data.to_dict()["precision_convert"]["loading"]
+    assert (output / "precision_certificate.json").stat().st_size < 1_000_000
+
+
+def test_validate_prints_a_summary_and_the_full_tables_when_asked(
+    zoo_converted: Any, tiny_model: Any, tmp_path: Path
+) -> None:
+    """``validate`` run as users run it: the summary by default, the per-probe charts only
+    with ``--report full``."""
+    import shutil
+
+    copy = tmp_path / "gpt2-fp16-safe"
+    shutil.copytree(zoo_converted("gpt2", "fp16-safe").output, copy)
+    args = ["validate", str(copy), "--baseline", str(tiny_model("gpt2")), "--coverage", "quick"]
+    summary = _invoke(*args).stdout.splitlines()
+    full = _invoke(*args, "--report", "full").stdout.splitlines()
+    assert len(summary) <= SCREEN and summary[-1] == "verdict: pass"
+    assert not any("per probe" in line for line in summary)
+    assert any("rel_l2 per probe" in line for line in full)
+
+
 # --------------------------------------------------------------------------- help
 
 
@@ -575,13 +679,23 @@ COMMANDS = ("model", "inspect", "validate", "push", "batch", "recipes")
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_reads_like_a_command_line(command: str) -> None:
     """Usage names arguments as the README does (no ``{source}``), flags take no ``<bool>``,
-    and ``-h`` is ``--help``."""
+    arguments and options are shown by words (no ``<str>`` or ``<path>``), and ``-h`` is
+    ``--help``."""
     shown = _invoke(command, "--help").stdout
     assert _invoke(command, "-h").stdout == shown
     usage = next(line for line in shown.splitlines() if "Usage:" in line)
     assert "{" not in usage and f"precision-convert {command} [OPTIONS]" in usage
     assert "<bool>" not in shown
     assert "<bool>" not in _invoke("--help").stdout
+    assert not re.search(r"<(str|path|int|float)>", shown), shown
+
+
+def test_fp32_share_never_reads_zero_for_a_plan_with_islands() -> None:
+    from precision_convert.cli._reports import share_text
+
+    assert share_text(0.0004, True) == "<0.1%"
+    assert share_text(0.0, False) == "0.0%"
+    assert share_text(0.125, True) == "12.5%"
 
 
 def test_device_reads_the_same_wherever_it_is_offered() -> None:

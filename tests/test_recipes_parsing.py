@@ -14,8 +14,8 @@ from types import MappingProxyType
 
 import pytest
 
-from precision_convert.errors import InputError
-from precision_convert.names import validate_pattern
+from precision_convert.core.errors import InputError
+from precision_convert.core.names import validate_pattern
 from precision_convert.recipes import (
     GENERIC,
     ISLAND_REASONS,

@@ -37,7 +37,7 @@ from precision_convert.conversion.runtime.boundaries import (
     find_boundaries,
     hook_names,
 )
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 #: CPU and CUDA spell the fused-norm dtype refusal differently.
 NORM_REFUSES = r"expect parameter to have scalar type of Float|expected scalar type Float"

@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator, ValidationError
 
 from precision_convert.api.conversion import convert
 from precision_convert.api.inspection import inspect_source
-from precision_convert.errors import CheckFailed
+from precision_convert.core.errors import CheckFailed
 from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "docs" / "schema"

@@ -24,7 +24,7 @@ from precision_convert.api.conversion import convert
 from precision_convert.conversion.io import context as context_module
 from precision_convert.conversion.io import writer
 from precision_convert.conversion.io.context import PREFETCH_THREAD, IOContext
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 #: (tiny model, target, calibrate): a calibrated fp16-safe T5 (it writes a chart too) and an
 #: uncalibrated fp16-safe Llama (a range scan, no model run).

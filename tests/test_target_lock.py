@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from precision_convert.conversion.io.staging import TargetLock
-from precision_convert.errors import InputError
+from precision_convert.conversion.io.staging import StagedOutput, TargetLock, clean_leftovers
+from precision_convert.core.errors import InputError
 
 _HOLD = """
 import sys, time
@@ -64,3 +64,30 @@ def test_two_threads_of_one_process_exclude_each_other(tmp_path: Path) -> None:
     first.release()
 
     assert len(refused) == 1 and f"pid {os.getpid()}" in str(refused[0])
+
+
+def test_a_lock_file_nobody_holds_is_swept_and_a_held_one_kept(tmp_path: Path) -> None:
+    """A run killed between taking the lock and removing its file (a Ray worker cancelled
+    mid-move) leaves the file, locking nothing: the sweep after an interrupted batch, and the
+    next run, remove it; a lock another run holds stays."""
+    target = tmp_path / "out"
+    lock = tmp_path / ".out.pc-lock"
+    lock.write_text("12345")
+
+    assert clean_leftovers(target) == [lock]
+    assert not lock.exists()
+    with TargetLock(target):
+        assert clean_leftovers(target) == []
+        assert lock.is_file()
+    assert not lock.exists()
+
+
+def test_a_250_byte_output_name_gets_lock_and_staging_names_that_fit(tmp_path: Path) -> None:
+    target = tmp_path / ("n" * 250)
+    staged = StagedOutput(target)
+    with staged:
+        beside = sorted(p.name for p in tmp_path.iterdir())
+        assert all(len(name.encode()) <= 255 for name in beside), beside
+        assert any(".pc-staging-" in name for name in beside)
+        assert any(name.endswith(".pc-lock") for name in beside)
+    assert list(tmp_path.iterdir()) == []

@@ -121,7 +121,7 @@ def test_a_pattern_naming_either_tied_module_keeps_both(pattern: str, head_bias:
     the weight into fp32, or the loaded head would hold two dtypes."""
     from precision_convert.conversion.io.tensors import MemoryTensor
     from precision_convert.conversion.plan import build_plan
-    from precision_convert.dtypes import FP32
+    from precision_convert.core.dtypes import FP32
     from precision_convert.recipes import Recipe
 
     shapes = {"model.embed_tokens.weight": (16, 4), "model.layers.0.mlp.weight": (4, 4)}

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from precision_convert.api.conversion import convert
 from precision_convert.cli.validate import validate_command
-from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
@@ -452,7 +452,7 @@ def test_a_check_without_baseline_never_certifies_nor_replaces_a_certificate(
     assert certified.exit_code == 0, certified.output
     assert Certificate.read(out).verdict == "pass"
     assert "parity-certified" in ModelCard.load(out / "README.md").data.tags
-    assert "against the source (t5-encoder) upcast to fp32" in _card_text(out)
+    assert "against the source (t5-encoder), stored in float32, upcast to fp32" in _card_text(out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     weaker = _validate_cli(str(out))

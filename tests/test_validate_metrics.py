@@ -9,7 +9,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.card import render
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,

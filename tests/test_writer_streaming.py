@@ -20,7 +20,7 @@ from precision_convert.conversion.io import writer
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.tensors import FileTensor, MemoryTensor
-from precision_convert.dtypes import BY_TORCH_NAME, DType
+from precision_convert.core.dtypes import BY_TORCH_NAME, DType
 
 _GEN = torch.Generator().manual_seed(0)
 

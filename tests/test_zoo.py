@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from _models import zoo
 
-from precision_convert.api.conversion import convert
+from precision_convert.api.conversion import convert, plan_model
 
 FAMILIES = sorted(zoo.FAMILIES)
 SAFE_TARGETS = ("bf16-safe", "fp16-safe")
@@ -91,6 +91,36 @@ def test_family_certifies(
 ) -> None:
     result = zoo_converted(name, target)
     _check_certified(tiny_model(name), result)
+
+
+def test_sd15_candidates_load_each_component_as_its_class(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A candidate of the fp16 search loads as the source does: the SD 1.5 safety checker as
+    the pipeline's ``StableDiffusionSafetyChecker``, not the ``CLIPModel`` its config alone
+    reads as (whose outputs never match the fp32 checker's)."""
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+
+    from precision_convert.conversion.io.source import open_source
+    from precision_convert.conversion.runtime.loader import load
+    from precision_convert.validation.calibration.search import _write_candidate
+
+    checker = open_source(tiny_model("stable-diffusion-1.5")).components["safety_checker"]
+    plan, _ = plan_model(checker, "fp16-safe")
+    candidate = load(_write_candidate(checker, plan, tmp_path))
+    assert type(candidate) is StableDiffusionSafetyChecker
+
+
+def test_sd15_fp16_search_gives_no_advice_validation_contradicts(
+    zoo_converted: Callable[[str, str], Any],
+) -> None:
+    """Validation finds every SD 1.5 component matching fp32 at fp16-safe, so the search must
+    not have told the user to fall back to bf16-safe for any of them."""
+    result = zoo_converted("stable-diffusion-1.5", "fp16-safe")
+    assert result.certificate.verdict == "pass", result.certificate.failures
+    for component in result.components:
+        assert component.calibration is None or component.calibration.passed is not False
+        assert not [w for w in component.plan.warnings if "use bf16-safe" in w], component.name
 
 
 def _check_certified(source: Path, result: Any) -> None:
@@ -251,3 +281,44 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     for layer in range(layers + 1):  # every position, whole (small next to the logits)
         assert outputs[f"hidden_states.{layer}"].shape[:2] == (1, 2048)
     assert "positions only" in lengths[2048].sweep["logits"]
+
+
+def test_make_zoo_model_checks_its_packages_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A family whose tokenizer needs sentencepiece, without it: one line naming the packages
+    and the pip command, exit 2, nothing written."""
+    import importlib.util
+
+    import make_zoo_model
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *rest: object) -> object:
+        return None if name == "sentencepiece" else real(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert zoo.missing_packages("flan-t5-base") == ["sentencepiece"]
+    assert zoo.missing_packages("gpt2") == []
+    assert make_zoo_model.main(["flan-t5-base", str(tmp_path / "flan")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["make_zoo_model.py: flan-t5-base needs sentencepiece: pip install sentencepiece"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_zoo_model_leaves_no_half_written_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import make_zoo_model
+
+    def half_then_fail(name: str, path: Path) -> Path:
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+        raise RuntimeError("tokenizer trainer crashed")
+
+    monkeypatch.setattr(zoo, "build", half_then_fail)
+    assert make_zoo_model.main(["gpt2", str(tmp_path / "gpt2")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "make_zoo_model.py: building gpt2 failed: tokenizer trainer crashed"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from precision_convert.dtypes import FP16_MAX
-from precision_convert.nested import map_tensors, tensors_in
-from precision_convert.progress import report, stage
+from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.nested import map_tensors, tensors_in
+from precision_convert.core.progress import report, stage
 
 #: A module whose fp32 activations come within this factor of fp16's limit is kept fp32: other
 #: inputs than the calibration ones may well push it over.

@@ -2,7 +2,7 @@
 
 One bar per module stops being readable long before a real model (an SDXL UNet has over a
 thousand weighted modules), so modules are folded into layer roles (see
-:mod:`precision_convert.folding`): each panel is one repeated structure (``model.layers.{}``,
+:mod:`precision_convert.core.folding`): each panel is one repeated structure (``model.layers.{}``,
 ``down_blocks.{}.attentions.{}``), rows are the roles inside it (``self_attn.q_proj``),
 columns the layer indices, and a strip below holds the modules outside repeated layers. The
 colour is the peak |activation| of the fp32 run on a log scale relative to fp16's 65504
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN, ActivationStats
-from precision_convert.dtypes import FP16_MAX
-from precision_convert.folding import Role, fold
+from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.folding import Role, fold
 
 #: File name of the chart beside a model's weights; the model card shows it when present.
 CHART_NAME = "precision_activations.png"
@@ -212,8 +212,8 @@ def draw(data: HeatmapData, path: Path, title: str) -> None:
     assert image is not None
     bar = fig.colorbar(image, ax=list(axes), extend="max", shrink=0.6, aspect=30)
     decades = [10.0**-k for k in range(DECADES, -1, -1)]
-    values = [FP16_MAX * d for d in decades]
-    bar.set_ticks(decades, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values])
+    peaks = [FP16_MAX * d for d in decades]
+    bar.set_ticks(decades, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in peaks])
     bar.set_label("peak |activation| in the fp32 run (top: fp16's max)", fontsize=8)
     bar.ax.axhline(1.0 / ACTIVATION_MARGIN, color="white", linewidth=1)
     bar.ax.tick_params(labelsize=7)

@@ -30,8 +30,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from precision_convert._version import __version__
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
+from precision_convert.core._version import __version__
 
 logger = logging.getLogger(__name__)
 

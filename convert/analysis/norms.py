@@ -23,7 +23,7 @@ from precision_convert.conversion.analysis.norm_cache import SkeletonNorms
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.runtime import builders
 from precision_convert.conversion.runtime.builders import build_skeleton
-from precision_convert.names import module_of
+from precision_convert.core.names import module_of
 
 logger = logging.getLogger(__name__)
 

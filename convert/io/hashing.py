@@ -2,7 +2,8 @@
 
 One hashing serves every digest of a directory's files: the certificate's (and every check
 against it: push, ``batch --resume``, ``validate --verify``) and the digest of a calibration's
-candidate weights that lets validation reuse that candidate's outputs.
+candidate weights that lets validation reuse that candidate's outputs. A source's weight
+files are hashed by :mod:`.finite`, which checks their values in the same read.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from precision_convert.dtypes import BY_CODE, DType
-from precision_convert.errors import InputError
+from precision_convert.core.dtypes import BY_CODE, DType
+from precision_convert.core.errors import InputError
 
 #: safetensors' own reader refuses headers above 100 MB; a larger one is corrupt or hostile.
 MAX_HEADER_BYTES = 100_000_000

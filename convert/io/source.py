@@ -18,9 +18,15 @@ from typing import Any
 
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.tensors import FileTensor, LazyTensor, MemoryTensor
-from precision_convert.dtypes import from_torch
-from precision_convert.errors import InputError, UnsafeCheckpointError
-from precision_convert.hub_client import WaitTooLong
+from precision_convert.core.dtypes import from_torch
+from precision_convert.core.errors import (
+    InputError,
+    UnsafeCheckpointError,
+    first_line,
+    one_line,
+)
+from precision_convert.core.hub_client import WaitTooLong
+from precision_convert.core.patterns import HUB_ID, VARIANT_FILE, VARIANT_NAME
 
 #: Weight file stems each library writes, in the order we prefer them.
 _WEIGHT_STEMS = ("model", "diffusion_pytorch_model", "open_clip_model")
@@ -36,15 +42,6 @@ _PICKLE_TO_SAFETENSORS = {
 _WEIGHT_FILE = re.compile(
     r".*\.(safetensors|msgpack|h5|ckpt|pt|pth|onnx|gguf)$|.*\.(safetensors|bin)\.index\.json$"
     r"|(pytorch_model|diffusion_pytorch_model|open_clip_pytorch_model)([-.].*)?\.bin$"
-)
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-#: A Hub variant name (``fp16``, ``bf16``, ``non_ema``): it goes inside file names.
-VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")
-#: A variant-named weight file or index: ``model.fp16.safetensors``,
-#: ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json``.
-_VARIANT_FILE = re.compile(
-    r"(?P<stem>[^.]+)\.(?P<variant>[A-Za-z0-9_]+)(?P<shard>-\d+-of-\d+)?\.(?P<ext>safetensors|bin)"
-    r"|(?P<istem>[^.]+)\.(?P<iext>safetensors|bin)\.index\.(?P<ivariant>[A-Za-z0-9_]+)\.json"
 )
 
 
@@ -136,7 +133,7 @@ def resolve(
             raise InputError("--revision applies to Hub repo ids, not local directories", path)
         return path
     text = str(source)
-    if text.startswith((".", "/", "~")) or not _REPO_ID.fullmatch(text):
+    if text.startswith((".", "/", "~")) or not HUB_ID.fullmatch(text):
         raise InputError("no such directory", path)
     from huggingface_hub import snapshot_download
 
@@ -159,7 +156,7 @@ def _variant_files(repo_id: str, revision: str | None, variant: str) -> list[str
         return None
     wanted = []
     for path in HfApi().list_repo_files(repo_id, revision=revision):
-        found = _VARIANT_FILE.fullmatch(path.rsplit("/", 1)[-1])
+        found = VARIANT_FILE.fullmatch(path.rsplit("/", 1)[-1])
         ours = found is not None and variant in (found["variant"], found["ivariant"])
         if ours or not _WEIGHT_FILE.fullmatch(path):
             wanted.append(glob.escape(path))  # allow_patterns are fnmatch patterns
@@ -190,9 +187,9 @@ def _hub_failure(exc: Exception, revision: str | None) -> str:
         return f"the Hub repo has no revision {revision or 'main'!r}"
     if isinstance(exc, WaitTooLong):  # its text says what was asked and when to come back
         return f"not a local directory, and the Hub could not provide it now: {exc}"
-    lines = str(exc).strip().splitlines()
-    detail = lines[0].removeprefix("Got: ") if lines else type(exc).__name__
-    if lines and not isinstance(exc, OSError):  # transport errors: their text alone is vague
+    text = first_line(str(exc)).removeprefix("Got: ")
+    detail = text or type(exc).__name__
+    if text and not isinstance(exc, OSError):  # transport errors: their text alone is vague
         detail = f"{type(exc).__name__}: {detail}"
     return f"not a local directory, and the Hub could not provide it: {detail}"
 
@@ -301,7 +298,7 @@ def variants(root: Path) -> list[str]:
     """The variants whose weights ``root`` holds (a model directory, not a pipeline)."""
     found = set()
     for entry in root.iterdir():
-        match = _VARIANT_FILE.fullmatch(entry.name)
+        match = VARIANT_FILE.fullmatch(entry.name)
         if match and (match["stem"] or match["istem"]) in (*_WEIGHT_STEMS, *_PICKLE_TO_SAFETENSORS):
             found.add(match["variant"] or match["ivariant"])
     return sorted(found)
@@ -484,8 +481,8 @@ def _sharded(
                 f"shard {shard} holds tensor {extra!r} that the index does not list", index_path
             )
         files.append(weight_file)
-    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    return tuple(files), output_index, dict(metadata)
+    metadata = index.get("metadata")
+    return tuple(files), output_index, dict(metadata) if isinstance(metadata, dict) else {}
 
 
 def _without_variant(name: str, variant: str | None) -> str:
@@ -550,8 +547,7 @@ def _pickle_file(path: Path, output_name: str) -> WeightFile:
             path,
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"cannot read PyTorch checkpoint: {first}", path) from None
+        raise InputError(f"cannot read PyTorch checkpoint: {one_line(exc)}", path) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(

@@ -11,6 +11,14 @@ beside it, released by the kernel even on SIGKILL) from the moment it starts wri
 output is committed; a second run stops at once with a message naming the other's pid. The lock
 is the ``filelock`` library's (the one huggingface_hub uses), held without blocking.
 
+Every writer of an output takes that lock: ``model`` for its whole run, a batch job as it
+moves its certified output into place (:func:`precision_convert.batch.job.into_place`), and
+``validate`` while it certifies an output in place (:class:`TargetLock` directly).
+
+Names beside the target stay within the file system's limits (:func:`_marker`): an output name
+up to 255 bytes gets shortened staging and lock names, and a path that cannot hold an output's
+files is refused before any work (:func:`check_path_length`).
+
 Two rules keep a run from destroying what it did not write, both checked here for every caller
 (``model``, ``validate``, ``batch``): an output never overlaps a source (:func:`check_apart`,
 every path resolved, links included), and ``--overwrite`` replaces only an empty directory or
@@ -20,26 +28,30 @@ one this tool wrote (:func:`written_here`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from precision_convert import interrupts
 from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.source import check_text
-from precision_convert.errors import InputError, OutputExistsError
+from precision_convert.core import interrupts
+from precision_convert.core.errors import (
+    FileSystemError,
+    InputError,
+    OutputExistsError,
+    PrecisionConvertError,
+)
+from precision_convert.core.patterns import CERTIFICATE_FILE
 
 _STAGING = ".pc-staging-"
 _TRASH = ".pc-trash-"
 _LOCK = ".pc-lock"
 #: Key of the precision-convert record in configs and shard metadata (docs/format.md).
 RECORD_KEY = "precision_convert"
-#: A certificate's file name (``precision_certificate.json``, or a variant's).
-_CERTIFICATE = re.compile(r"precision_certificate(\.[A-Za-z0-9_]+)?\.json")
 
 
 def real_path(path: str | Path) -> Path:
@@ -84,7 +96,7 @@ def written_here(directory: Path) -> bool:
         folders += [d for d in directory.iterdir() if d.is_dir() and not d.is_symlink()]
     for folder in folders:
         for entry in folder.iterdir():
-            if folder is directory and _CERTIFICATE.fullmatch(entry.name) and entry.is_file():
+            if folder is directory and CERTIFICATE_FILE.fullmatch(entry.name) and entry.is_file():
                 return True
             if entry.name.endswith(".safetensors") and entry.is_file() and not entry.is_symlink():
                 with contextlib.suppress(InputError, OSError):  # unreadable: not ours
@@ -118,8 +130,62 @@ def check_replaceable(target: Path) -> None:
         )
 
 
+#: The longest file name most file systems take (ext4, xfs, btrfs, tmpfs: 255 bytes), and the
+#: longest path the kernel resolves (Linux: 4096 bytes, the final NUL included).
+NAME_MAX, PATH_MAX = 255, 4096
+#: Room left after a marker for what follows it: ``<pid>-<8 hex>`` (a pid has at most 7 digits).
+_SUFFIX_ROOM = 17
+#: Room left under an output for the files it holds: the longest is a pipeline component's
+#: sharded variant, ``text_encoder_2/model.fp16-00001-of-00002.safetensors`` (50 bytes).
+_FILE_ROOM = 64
+
+
+def _size(text: str) -> int:
+    return len(os.fsencode(text))
+
+
 def _marker(target: Path, kind: str) -> str:
-    return f".{target.name}{kind}"
+    """The name this tool's hidden files for ``target`` start with: ``.<name><kind>``. For a
+    name too long for that to fit NAME_MAX (a legal output name may take up to 255 bytes), or
+    a path too long for its staging directory's files to fit PATH_MAX, the name's start and
+    a digest of the whole, ``.<start>~<12 hex><kind>``, no longer than the name itself: still
+    ours (``kind``), still found by :func:`clean_leftovers`, and a staging path no longer than
+    the output's own, so whatever fits under one fits under the other."""
+    name = target.name
+    marker = f".{name}{kind}"
+    room = _size(marker) + _SUFFIX_ROOM
+    if room <= NAME_MAX and _size(str(target.parent)) + 1 + room + 1 + _FILE_ROOM < PATH_MAX:
+        return marker
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    start = name
+    while start and _size(f".{start}~{digest}{kind}") + _SUFFIX_ROOM > _size(name):
+        start = start[:-1]
+    return f".{start}~{digest}{kind}"
+
+
+def check_path_length(target: Path, given: Path) -> None:
+    """Refuse, before any work, an output whose path this system cannot hold: its name over
+    NAME_MAX, or its path (or its staging directory's) without room under PATH_MAX for the
+    files an output holds.
+
+    Raises:
+        InputError: naming ``given``.
+    """
+    if _size(target.name) > NAME_MAX:
+        raise InputError(
+            f"the output's name is {_size(target.name)} bytes, more than the {NAME_MAX} a "
+            "file system takes: choose a shorter -o",
+            given,
+        )
+    staging = target.parent / f"{_marker(target, _STAGING)}{'0' * _SUFFIX_ROOM}"
+    longest = max(_size(str(target)), _size(str(staging)))
+    if longest + 1 + _FILE_ROOM >= PATH_MAX:
+        raise InputError(
+            f"the output's path is {_size(str(target))} bytes: too long for this system's "
+            f"{PATH_MAX}-byte paths once its staging folder and its files are added: choose "
+            "a shorter -o",
+            given,
+        )
 
 
 def _owner_alive(pid: int) -> bool:
@@ -133,10 +199,16 @@ def _owner_alive(pid: int) -> bool:
 
 
 def clean_leftovers(target: Path) -> list[Path]:
-    """Remove staging/trash directories for ``target`` left by runs that are no longer alive."""
+    """Remove staging/trash directories for ``target`` left by runs that are no longer alive,
+    and the lock file of a run killed before it could remove it (one nobody holds)."""
     removed: list[Path] = []
     if not target.parent.is_dir():
         return removed
+    lock = TargetLock(target)
+    if lock.path.is_file():
+        # Held (by this run too): it stays. Taken and released: the file is removed.
+        with contextlib.suppress(InputError, OSError), lock:
+            removed.append(lock.path)
     for kind in (_STAGING, _TRASH):
         prefix = _marker(target, kind)
         for entry in target.parent.iterdir():
@@ -219,9 +291,23 @@ class TargetLock:
     def release(self) -> None:
         if not self._lock.is_locked:
             return
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # while still locked (see the class docstring)
+        # While still locked (see the class docstring). A folder that became unwritable keeps
+        # the file: it locks nothing once released, and the next run takes it over.
+        with contextlib.suppress(OSError):
+            self.path.unlink()
         self._lock.release()
+
+    def __enter__(self) -> TargetLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
 
 
 def _write_pid(fd: int) -> None:
@@ -263,6 +349,7 @@ class StagedOutput:
         early."""
         check_apart(self.given, self.sources)
         check_text(str(self.target), self.given)  # its card and certificate hold it as text
+        check_path_length(self.target, self.given)
         if self.target.exists() or self.target.is_symlink():
             if not self.overwrite:
                 raise OutputExistsError(self.given)
@@ -297,7 +384,7 @@ class StagedOutput:
     def commit(self) -> None:
         """Make the staged directory durable and move it to the target path.
 
-        A Ctrl-C swallowed on its way up (see :mod:`precision_convert.interrupts`) stops it
+        A Ctrl-C swallowed on its way up (see :mod:`precision_convert.core.interrupts`) stops it
         here, before the rename: the target keeps what it held.
         """
         _fsync_tree(self.path)
@@ -324,3 +411,15 @@ class StagedOutput:
                 shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._lock.release()
+        if isinstance(exc, OSError) and not isinstance(exc, PrecisionConvertError):
+            exc = FileSystemError(exc, self.path)
+        if isinstance(exc, FileSystemError):
+            # A full disk, a folder made read-only, a name too long: one line naming what
+            # failed and what to do. A file of the staging directory (gone now) is named as
+            # the output it stood for.
+            if exc.path is None:
+                raise exc.at(self.given) from None
+            inside = Path(exc.path)
+            if inside == self.path or self.path in inside.parents:
+                raise exc.at(self.given / inside.relative_to(self.path)) from None
+            raise exc

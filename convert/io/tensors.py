@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from precision_convert.conversion.io.header import TensorEntry
-from precision_convert.dtypes import DType
+from precision_convert.core.dtypes import DType
 
 if TYPE_CHECKING:
     import torch
@@ -36,9 +36,13 @@ CHUNK_BYTES = 16 * 1024 * 1024
 
 
 class LazyTensor(Protocol):
-    name: str
-    dtype: DType
-    shape: tuple[int, ...]
+    # Read-only: the tensor classes are frozen dataclasses, or views of one (PooledTensor).
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> DType: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
     def chunks(self, pool: BufferPool | None = None) -> Iterator[torch.Tensor]:
         """The flattened data in source dtype, at most CHUNK_BYTES at a time; file reads go
@@ -217,7 +221,7 @@ def read_tensor(
 
     out = torch.empty(numel(tensor), dtype=dtype)
     if isinstance(tensor, FileTensor) and tensor.dtype.torch == dtype and out.numel():
-        tensor.read_into(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+        tensor.read_into(out.view(torch.uint8).numpy().data.cast("B"))
     else:
         start = 0
         for chunk in tensor.chunks(pool):

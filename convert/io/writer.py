@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from precision_convert.conversion.io import tensors as _tensors
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.tensors import LazyTensor
-from precision_convert.dtypes import DType
+from precision_convert.core.dtypes import DType
 
 if TYPE_CHECKING:
     import torch
@@ -186,7 +186,7 @@ class _Sink:
                 n = min(total - done, max(1, room))
                 piece = torch.empty(n, dtype=dtype)
                 _cast_into(piece, chunk[done : done + n])
-                self.append(memoryview(piece.view(torch.uint8).numpy()))
+                self.append(piece.view(torch.uint8).numpy().data)
                 del piece
                 done += n
 

@@ -9,10 +9,11 @@ from precision_convert.conversion.io.source import PipelineSource, open_source
 from precision_convert.conversion.runtime.builders import (
     build_filled,
     build_pretrained,
+    declared_classes_unquestioned,
     uses_remote_code,
 )
 from precision_convert.conversion.runtime.streaming import fp32_dtype
-from precision_convert.errors import CannotValidateError, WeightsDoNotMap
+from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap
 
 
 def load_fp32(directory: Path, *, trust_remote_code: bool = False) -> Any:
@@ -42,7 +43,8 @@ def load_fp32(directory: Path, *, trust_remote_code: bool = False) -> Any:
         import diffusers
 
         components = {name: load_fp32(directory / name) for name in opened.components}
-        return diffusers.DiffusionPipeline.from_pretrained(directory, **components)
+        with declared_classes_unquestioned():
+            return diffusers.DiffusionPipeline.from_pretrained(directory, **components)
     try:
         return build_filled(opened, fp32_dtype, trust_remote_code=trust_remote_code)
     except WeightsDoNotMap:

@@ -43,7 +43,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from precision_convert.errors import InputError
+from precision_convert.core.dtypes import FLOATS, FP16
+from precision_convert.core.errors import InputError
 
 #: Attribute holding a module's registry: hook name -> the torch handles that implement it.
 REGISTRY_ATTR = "_precision_convert_hooks"
@@ -53,7 +54,7 @@ CAST_OUTPUTS = "precision_convert.cast_outputs"
 PROMOTE_MIXED = "precision_convert.promote_mixed"
 CAST_CHECK = "precision_convert.cast_check"
 #: Dtypes a boundary converts between; fp8 and integer tensors are always left alone.
-_CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_CASTABLE = frozenset(d.torch for d in FLOATS)
 #: Functions that refuse mixed floating dtypes instead of promoting them. ``cat`` and the
 #: elementwise ops already promote, so an fp32 tensor meeting an fp16 one only fails here.
 _NO_PROMOTION: frozenset[Callable[..., Any]] = frozenset(
@@ -126,9 +127,9 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if tensor is not None and tensor.dtype in _CASTABLE:
             yield name, tensor
     skip = module._non_persistent_buffers_set
-    for name, tensor in module._buffers.items():
-        if tensor is not None and name not in skip and tensor.dtype in _CASTABLE:
-            yield name, tensor
+    for name, buffer in module._buffers.items():
+        if buffer is not None and name not in skip and buffer.dtype in _CASTABLE:
+            yield name, buffer
 
 
 def _join(parent: str, child: str) -> str:
@@ -342,7 +343,10 @@ class _DtypeOf:
         raise ValueError(f"{type(module).__name__} holds no floating tensor of dtype {dtype}")
 
     def __call__(self) -> torch.dtype:
-        return self.slots[self.key].dtype
+        tensor = self.slots[self.key]
+        # Only a slot that held a floating tensor is read, and loads replace, never empty, one.
+        assert tensor is not None, f"{self.key} was emptied after its dtype hooks were placed"
+        return tensor.dtype
 
 
 class _CastInputs:
@@ -437,7 +441,7 @@ class _WarnWhenCastWhole:
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self.warned:
             return
-        cast = [name for name, dtype in self.islands.items() if dtype() == torch.float16]
+        cast = [name for name, dtype in self.islands.items() if dtype() == FP16.torch]
         if cast:
             self.warned = True
             logger.warning(

@@ -11,7 +11,7 @@ frequencies, causal masks) are computed at construction and are not in the check
 
 Whatever a library raises while building from a config it rejects (``num_attention_heads: 0``
 is a ZeroDivisionError, ``hidden_size: "16"`` a validation error, an unknown ``model_type`` a
-ValueError) leaves here as one :class:`~precision_convert.errors.CannotBuildModel` naming the
+ValueError) leaves here as one :class:`~precision_convert.core.errors.CannotBuildModel` naming the
 config key at fault when it can be told: a source that cannot be built is bad input.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import linecache
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,19 +28,29 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
-from precision_convert.dtypes import DType
-from precision_convert.errors import CannotBuildModel, InputError, PrecisionConvertError
+from precision_convert.core.dtypes import DType
+from precision_convert.core.errors import (
+    CannotBuildModel,
+    InputError,
+    PrecisionConvertError,
+    one_line,
+)
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PreTrainedModel
 
 #: Maps a tensor name in the weight files to the model's state-dict key (None: no such key).
 KeyMap = Callable[[str], str | None]
+#: A model class of transformers, diffusers or open_clip. Their loaders (``from_config``,
+#: ``from_pretrained``, ``load_config``) differ from library to library and are called as each
+#: documents them, so the class is typed only as a class.
+ModelClass = type[Any]
 
 
 @dataclass(frozen=True)
@@ -47,9 +58,10 @@ class Adapter:
     """How one library builds a model from a directory (see the module docstring)."""
 
     library: str
-    model_class: Callable[[ModelSource, bool], type]
-    skeleton: Callable[[ModelSource, type, bool], nn.Module]  # (source, class, trust_remote_code)
-    pretrained: Callable[[ModelSource, type, torch.dtype, bool], nn.Module]
+    model_class: Callable[[ModelSource, bool], ModelClass]
+    # (source, class, trust_remote_code)
+    skeleton: Callable[[ModelSource, ModelClass, bool], nn.Module]
+    pretrained: Callable[[ModelSource, ModelClass, torch.dtype, bool], nn.Module]
     key_map: Callable[[nn.Module], KeyMap]
 
 
@@ -58,7 +70,7 @@ def adapter(source: ModelSource) -> Adapter:
     return _ADAPTERS[source.library]
 
 
-def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> type:
+def model_class(source: ModelSource, *, trust_remote_code: bool = False) -> ModelClass:
     """The class that builds ``source``: its config's class, remote code only when trusted.
 
     Raises:
@@ -79,7 +91,7 @@ def uses_remote_code(source: ModelSource, *, trust_remote_code: bool) -> bool:
 
 
 def build_skeleton(
-    source: ModelSource, *, trust_remote_code: bool = False, cls: type | None = None
+    source: ModelSource, *, trust_remote_code: bool = False, cls: ModelClass | None = None
 ) -> nn.Module:
     """``source``'s module tree with parameters on the meta device (no weight memory), in eval
     mode and with tied weights tied."""
@@ -89,8 +101,9 @@ def build_skeleton(
     cls = cls or model_class(source, trust_remote_code=trust_remote_code)
     with library_errors(source, cls), init_empty_weights(include_buffers=False):
         model = chosen.skeleton(source, cls, trust_remote_code)
-    if callable(getattr(model, "tie_weights", None)):
-        model.tie_weights()
+    tie_weights = getattr(model, "tie_weights", None)
+    if callable(tie_weights):
+        tie_weights()
     return model.eval()
 
 
@@ -99,7 +112,7 @@ def build_pretrained(
     dtype: torch.dtype,
     *,
     trust_remote_code: bool = False,
-    cls: type | None = None,
+    cls: ModelClass | None = None,
 ) -> nn.Module:
     """``source`` loaded by its library's own ``from_pretrained`` with every tensor in
     ``dtype`` (OpenCLIP: its skeleton filled from the files)."""
@@ -119,7 +132,7 @@ def build_filled(
     dtype_of: Callable[[DType], torch.dtype],
     *,
     trust_remote_code: bool = False,
-    cls: type | None = None,
+    cls: ModelClass | None = None,
 ) -> nn.Module:
     """The skeleton filled from the files one tensor at a time, each in ``dtype_of(stored)``.
 
@@ -139,7 +152,7 @@ def build_filled(
 
 
 @contextmanager
-def library_errors(source: ModelSource, cls: type | None = None) -> Iterator[None]:
+def library_errors(source: ModelSource, cls: ModelClass | None = None) -> Iterator[None]:
     """What the library raises while building ``source`` as one :class:`CannotBuildModel`.
 
     Only this project's own errors and running out of memory pass through unchanged (the
@@ -157,16 +170,14 @@ def library_errors(source: ModelSource, cls: type | None = None) -> Iterator[Non
         at_fault = f" ({field!r} = {source.config[field]!r})" if field else ""
         raise CannotBuildModel(
             f"{source.library} cannot build the model {what}from it{at_fault}: "
-            f"{type(exc).__name__}: {_first_words(exc)}",
+            f"{_shortened(one_line(exc))}",
             source.root / source.config_name,
             field,
         ) from exc
 
 
-def _first_words(exc: BaseException) -> str:
-    """The first line of the message (with the next, when it only introduces it), cut short."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines or [""])[0]
+def _shortened(text: str) -> str:
+    """``text`` cut to 200 characters: a library's config error may quote the whole config."""
     return text if len(text) <= 200 else text[:199] + "…"
 
 
@@ -229,7 +240,7 @@ def without_record(config: Mapping[str, Any]) -> dict[str, Any]:
 # --- transformers ------------------------------------------------------------------------------
 
 
-def _native_transformers_class(source: ModelSource) -> type | None:
+def _native_transformers_class(source: ModelSource) -> ModelClass | None:
     """The class ``architectures`` names: transformers', or for a pipeline component the one
     its ``model_index.json`` names (diffusers' ``StableDiffusionSafetyChecker`` is a
     transformers model whose config reads as CLIP's), as diffusers itself would build it."""
@@ -270,7 +281,7 @@ def _model_index(directory: Path) -> dict[str, Any]:
     return index if isinstance(index, dict) else {}
 
 
-def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
+def _transformers_class(source: ModelSource, trust_remote_code: bool) -> ModelClass:
     """The class named in ``architectures``; remote code (``auto_map``) only when trusted."""
     import transformers
 
@@ -303,7 +314,9 @@ def _transformers_class(source: ModelSource, trust_remote_code: bool) -> type:
     return native or transformers.AutoModel
 
 
-def _transformers_skeleton(source: ModelSource, cls: type, trust_remote_code: bool) -> nn.Module:
+def _transformers_skeleton(
+    source: ModelSource, cls: ModelClass, trust_remote_code: bool
+) -> nn.Module:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(
@@ -315,7 +328,7 @@ def _transformers_skeleton(source: ModelSource, cls: type, trust_remote_code: bo
 
 
 def _transformers_pretrained(
-    source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
+    source: ModelSource, cls: ModelClass, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
     return cls.from_pretrained(
         source.root, dtype=dtype, trust_remote_code=trust_remote_code, **variant_keyword(source)
@@ -342,7 +355,8 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
             (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in state),
             None,
         )
-    mapping = get_model_conversion_mapping(model)
+    # transformers' adapter builds only transformers models (PreTrainedModel subclasses).
+    mapping = get_model_conversion_mapping(cast("PreTrainedModel", model))
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
 
@@ -358,7 +372,7 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
 # --- diffusers ---------------------------------------------------------------------------------
 
 
-def _diffusers_class(source: ModelSource, trust_remote_code: bool) -> type:
+def _diffusers_class(source: ModelSource, trust_remote_code: bool) -> ModelClass:
     import diffusers
 
     cls = getattr(diffusers, source.class_name or "", None)
@@ -367,7 +381,7 @@ def _diffusers_class(source: ModelSource, trust_remote_code: bool) -> type:
     return cls
 
 
-def _diffusers_skeleton(source: ModelSource, cls: type, trust_remote_code: bool) -> nn.Module:
+def _diffusers_skeleton(source: ModelSource, cls: ModelClass, trust_remote_code: bool) -> nn.Module:
     return cls.from_config(without_record(cls.load_config(source.root)))
 
 
@@ -392,7 +406,7 @@ def _diffusers_dtype_keyword() -> str:
 
 
 def _diffusers_pretrained(
-    source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
+    source: ModelSource, cls: ModelClass, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
     return cls.from_pretrained(
         source.root, **{_diffusers_dtype_keyword(): dtype}, **variant_keyword(source)
@@ -402,7 +416,7 @@ def _diffusers_pretrained(
 # --- open_clip ---------------------------------------------------------------------------------
 
 
-def _open_clip_class(source: ModelSource, trust_remote_code: bool) -> type:
+def _open_clip_class(source: ModelSource, trust_remote_code: bool) -> ModelClass:
     try:
         import open_clip
     except ImportError:
@@ -414,14 +428,14 @@ def _open_clip_class(source: ModelSource, trust_remote_code: bool) -> type:
     return open_clip.model.CustomTextCLIP if text.get("hf_model_name") else open_clip.model.CLIP
 
 
-def _open_clip_skeleton(source: ModelSource, cls: type, trust_remote_code: bool) -> nn.Module:
+def _open_clip_skeleton(source: ModelSource, cls: ModelClass, trust_remote_code: bool) -> nn.Module:
     # The class itself, not open_clip.create_model: that moves the model to a device (meta
     # cannot) and, without pretrained weights, logs that the model is random.
     return cls(**dict(source.config["model_cfg"]))
 
 
 def _open_clip_pretrained(
-    source: ModelSource, cls: type, dtype: torch.dtype, trust_remote_code: bool
+    source: ModelSource, cls: ModelClass, dtype: torch.dtype, trust_remote_code: bool
 ) -> nn.Module:
     return build_filled(source, lambda stored: dtype if stored.is_float else stored.torch, cls=cls)
 
@@ -448,7 +462,7 @@ _ADAPTERS: dict[str, Adapter] = {
 }
 
 
-def component_class(library: str, class_name: str) -> type | None:
+def component_class(library: str, class_name: str) -> ModelClass | None:
     """The class a pipeline's ``model_index.json`` names for a component (``[library, cls]``),
     or None when it cannot be imported."""
     module = (
@@ -459,3 +473,27 @@ def component_class(library: str, class_name: str) -> type | None:
     except (ImportError, AttributeError):
         return None
     return found if isinstance(found, type) else None
+
+
+#: The diffusers logger that questions a component passed to ``from_pretrained``, and what it
+#: says of one whose class comes from a pipeline module (a safety checker).
+_LOADING_LOGGER = "diffusers.pipelines.pipeline_loading_utils"
+_NON_STANDARD = "You have passed a non-standard module"
+
+
+def _drop_non_standard(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_NON_STANDARD)
+
+
+@contextmanager
+def declared_classes_unquestioned() -> Iterator[None]:
+    """Drop diffusers' "non-standard module" warning (with the component's whole module
+    printout) while the pipeline is assembled: each component passed is of the very class
+    ``model_index.json`` declares, and a plain ``DiffusionPipeline.from_pretrained`` of the
+    same folder says nothing. The filter is removed afterwards: no trace on the logger."""
+    logger = logging.getLogger(_LOADING_LOGGER)
+    logger.addFilter(_drop_non_standard)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_non_standard)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 if TYPE_CHECKING:
     import torch

@@ -32,6 +32,7 @@ from precision_convert.conversion.runtime.builders import (
     KeyMap,
     build_pretrained,
     component_class,
+    declared_classes_unquestioned,
     key_map,
 )
 from precision_convert.conversion.runtime.devices import move, resolve_device
@@ -41,8 +42,8 @@ from precision_convert.conversion.runtime.record import (
     tensors_under,
 )
 from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_save
-from precision_convert.dtypes import FP32, DType
-from precision_convert.errors import InputError
+from precision_convert.core.dtypes import FP32, DType
+from precision_convert.core.errors import InputError
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +119,8 @@ def _load_pipeline(source: PipelineSource, trust_remote_code: bool) -> Any:
         )
         for name, model in source.components.items()
     }
-    return diffusers.DiffusionPipeline.from_pretrained(source.root, **components)
+    with declared_classes_unquestioned():
+        return diffusers.DiffusionPipeline.from_pretrained(source.root, **components)
 
 
 def _component_class(name: str, spec: list[Any], source: PipelineSource) -> type:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -75,3 +77,37 @@ def free_model(gone: weakref.ref[Any], device: torch.device | None = None) -> No
         import torch
 
         torch.cuda.empty_cache()
+
+
+class Held:
+    """The one strong reference to a model inside a :func:`freed` block: code in the block
+    reads and sets ``model`` here and keeps no other reference past the block."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+
+@contextmanager
+def freed(model: Any = None, device: torch.device | None = None) -> Iterator[Held]:
+    """Hold ``model`` (or the one the block loads into ``held.model``) for the block, and free
+    it at the block's end, whatever ends it: the reference dropped, then :func:`free_model`
+    (``device``'s cache emptied too), so the next model to load is the only one resident.
+
+    A context manager cannot drop its caller's variables, so the model lives in the yielded
+    :class:`Held` only::
+
+        with freed(load(directory), device) as candidate:
+            run_probes(candidate.model, inputs)
+    """
+    held = Held(model)
+    del model
+    try:
+        yield held
+    finally:
+        model, held.model = held.model, None
+        if model is not None:
+            gone = weakref.ref(model)
+            del model
+            free_model(gone, device)

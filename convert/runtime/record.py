@@ -15,8 +15,8 @@ from pathlib import Path
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import LazyTensor
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, PlanRecord
-from precision_convert.dtypes import FP32
-from precision_convert.errors import InputError
+from precision_convert.core.dtypes import FP32
+from precision_convert.core.errors import InputError
 
 __all__ = ["check_record", "read_record", "record_mismatch", "tensors_under"]
 

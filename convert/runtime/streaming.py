@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_map
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
 from precision_convert.conversion.runtime.memory import release_freed_memory
-from precision_convert.dtypes import DType
-from precision_convert.errors import WeightsDoNotMap
+from precision_convert.core.dtypes import DType
+from precision_convert.core.errors import WeightsDoNotMap
 
 #: Checkpoint name -> state-dict key (see :mod:`.builders`).
 KeyMap = Callable[[str], str | None]
@@ -160,7 +160,10 @@ class Streamer:
             if self.on_load is not None:
                 self.on_load(param, key)
             for module, local, _ in self.owners[key]:
-                table = module._parameters if local in module._parameters else module._buffers
+                # The module's parameters or its buffers: each slot is put back where it was.
+                table: dict[str, Any] = (
+                    module._parameters if local in module._parameters else module._buffers
+                )
                 saved.append((table, local, table[local]))
                 table[local] = param if table is module._parameters else value
         self.saved[tag] = saved
@@ -203,10 +206,11 @@ def install_placeholders(streamer: Streamer) -> Placeholders:
             (1,) * len(shape), fill, dtype=streamer.dtype_of(stored), device=streamer.device
         ).expand(shape)
         is_param = any(local in module._parameters for module, local, _ in holders)
-        stand_in = nn.Parameter(placeholder, requires_grad=False) if is_param else placeholder
+        param = nn.Parameter(placeholder, requires_grad=False) if is_param else None
+        stand_in = param if param is not None else placeholder  # one object: ties stay tied
         for module, local, _ in holders:
             if local in module._parameters:
-                module._parameters[local] = stand_in
+                module._parameters[local] = param
             else:
                 module._buffers[local] = stand_in
         # Keyed by id, so the object is held too: a freed object's id can be reused.

@@ -42,6 +42,21 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "cogvideox-5b": pipelines.cogvideox_5b,
 }
 
+#: Families whose tokenizers are sentencepiece models (T5's, Llama-2's, Gemma's), written
+#: with the ``sentencepiece`` trainer and converted through its ``protobuf`` messages.
+SENTENCEPIECE = (
+    "mistral-7b-v0.3",
+    "gemma-2-2b",
+    "phi-3-mini-4k",
+    "t5-v1.1-base",
+    "flan-t5-base",
+    "stable-diffusion-3",
+    "flux.1-dev",
+    "cogvideox-5b",
+)
+#: The packages (pip names) a sentencepiece family needs, by the module each provides.
+SENTENCEPIECE_PACKAGES = {"sentencepiece": "sentencepiece", "google.protobuf": "protobuf"}
+
 #: Families whose tokenizer has no pad token, as published (Llama 3, Mistral, GPT-2).
 PADLESS = ("llama-3.2-1b", "mistral-7b-v0.3", "gpt2")
 
@@ -51,3 +66,21 @@ def build(name: str, path: Path) -> Path:
     if name not in FAMILIES:
         raise KeyError(f"no zoo family {name!r}; known: {', '.join(FAMILIES)}")
     return FAMILIES[name](path)
+
+
+def missing_packages(name: str) -> list[str]:
+    """The pip packages family ``name`` needs that are not installed (checked before any
+    file is written)."""
+    import importlib.util
+
+    if name not in SENTENCEPIECE:
+        return []
+    missing = []
+    for module, package in SENTENCEPIECE_PACKAGES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package (google) is absent
+            found = False
+        if not found:
+            missing.append(package)
+    return missing

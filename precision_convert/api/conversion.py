@@ -7,16 +7,16 @@ trace; the output path only ever receives a complete, fsynced directory.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.api.options import ConversionOptions
+from precision_convert.api.options import ConversionOptions, OptionKeywords
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
 from precision_convert.conversion.io.context import IOContext
+from precision_convert.conversion.io.finite import SourceRead, read_source
 from precision_convert.conversion.io.source import (
-    VARIANT_NAME,
     ModelSource,
     PipelineSource,
     Source,
@@ -34,13 +34,16 @@ from precision_convert.conversion.plan import (
     check_target,
     scan_ranges,
 )
-from precision_convert.dtypes import Target
-from precision_convert.errors import CannotValidateError, InputError
+from precision_convert.core.dtypes import Target
+from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.patterns import VARIANT_NAME
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from precision_convert.validation.calibration.plans import Calibration
     from precision_convert.validation.certify.certificate import Certificate
     from precision_convert.validation.probe.inputs.userdata import CalibrationData
@@ -172,7 +175,7 @@ def plan_model(
         else {}
     )
 
-    def plan_with(extra: Sequence[Island]) -> ModelPlan:
+    def plan_with(extra: Iterable[Island]) -> ModelPlan:
         return build_plan(
             tensors,
             target=decoded,
@@ -186,7 +189,7 @@ def plan_model(
 
     if not (calibrate and decoded.safe):
         return plan_with(()), None
-    from precision_convert.progress import forecasting
+    from precision_convert.core.progress import forecasting
     from precision_convert.validation.calibration.plans import calibrated_plan
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -217,18 +220,10 @@ def convert(
     device: str | None = None,
     *,
     options: ConversionOptions | None = None,
-    revision: str | None = None,
-    recipe: str | None = None,
-    keep_fp32: Sequence[str] = (),
-    calibrate: bool | None = None,
     overwrite: bool = False,
-    trust_remote_code: bool = False,
     on_progress: ProgressHook | None = None,
     hub_timeout: float | None = None,
-    coverage: str | None = None,
-    calibration_data: str | Path | None = None,
-    inputs: str | Path | None = None,
-    variant: str | None = None,
+    **keywords: Unpack[OptionKeywords],
 ) -> ConversionResult:
     """Convert ``source`` to target ``to`` and (by default) certify it against fp32.
 
@@ -241,7 +236,9 @@ def convert(
             :class:`~precision_convert.api.options.ConversionOptions`; or pass them as
             keywords of the same names (``device``, ``revision``, ``recipe``, ``keep_fp32``,
             ``calibrate``, ``trust_remote_code``, ``coverage``, ``calibration_data``,
-            ``inputs``, ``variant``, each described there), not both.
+            ``inputs``, ``variant``, ``allow_nonfinite_source``, each described there). A
+            field given both ways must have the same value in both (an :class:`InputError`
+            otherwise).
         overwrite: replace an output directory this tool wrote before (or an empty one).
         on_progress: called with (what is being written, source bytes just consumed).
         hub_timeout: seconds a Hub download may wait for metadata (see
@@ -255,11 +252,8 @@ def convert(
     Returns:
         A :class:`ConversionResult`; ``result.passed`` is the certificate's verdict.
     """
-    chosen = ConversionOptions.given(
-        options, device=device, revision=revision, recipe=recipe, keep_fp32=keep_fp32,
-        calibrate=calibrate, trust_remote_code=trust_remote_code, coverage=coverage,
-        calibration_data=calibration_data, inputs=inputs, variant=variant,
-    )  # fmt: skip
+    given: dict[str, Any] = {"device": device} if device is not None else {}
+    chosen = ConversionOptions.given(options, **given, **keywords)
     run = _Run(validate, overwrite, on_progress, hub_timeout)
     return _convert(source, check_target(to), output, chosen, run)
 
@@ -291,10 +285,11 @@ def _convert(
 
         supplied = read_inputs(options.inputs)
     root = resolve(source, options.revision, timeout=run.hub_timeout)
+    opened = open_source(root)
+    check_not_converted(opened, source)
     target_dir = Path(output) if output is not None else default_output(source, target)
     staged = StagedOutput(target_dir, overwrite=run.overwrite, sources=(root,))
     staged.check()
-    opened = open_source(root)
     if data is not None or supplied is not None:
         from precision_convert.validation.probe.inputs.preflight import check_user_inputs
 
@@ -303,6 +298,10 @@ def _convert(
             trust_remote_code=options.trust_remote_code, warn_of_cuts=not run.validate,
         )  # fmt: skip
     models = _models(opened)
+    # The source's weights, read once before anything is planned or written: hashed for the
+    # certificate, and refused when they hold NaN or ±inf.
+    read = read_source(root, models)
+    read.refuse_broken(root, options.allow_nonfinite_source)
     if options.variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
     if options.calibrate is None:  # on where fp16's range is at stake
@@ -321,7 +320,7 @@ def _convert(
                 for c in components
                 if c.calibration is not None and c.calibration.runs is not None
             }
-            certificate = _certify(staged, root, options, supplied, data, prior)
+            certificate = _certify(staged, root, options, supplied, data, prior, read)
         staged.commit()
     return ConversionResult(
         source=str(source),
@@ -340,10 +339,12 @@ def _certify(
     supplied: Any,
     data: CalibrationData | None,
     prior: dict[str, PriorRuns],
+    read: SourceRead,
 ) -> Certificate:
     """Validate the staged output against ``root`` (reusing ``prior``: calibration's probe
-    runs, by component); a run that cannot validate keeps its output, with the failing
-    certificate that says what is missing."""
+    runs, by component, and ``read``: the source's weights as read up front); a run that
+    cannot validate keeps its output, with the failing certificate that says what is
+    missing."""
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -356,7 +357,9 @@ def _certify(
             coverage=options.coverage or DEFAULT_LEVEL,
             calibration_data=data,
             trust_remote_code=options.trust_remote_code,
+            allow_nonfinite_source=options.allow_nonfinite_source,
             prior=prior,
+            source_read=read,
         )
     except CannotValidateError:
         staged.commit()
@@ -428,6 +431,35 @@ def check_variant(variant: str | None) -> None:
         raise InputError(
             f"--variant {variant!r}: a variant name is letters, digits and _ (e.g. fp16)"
         )
+
+
+def check_not_converted(opened: Source, given: str | Path) -> None:
+    """Refuse a source that is itself a precision-convert output (its weights or config carry
+    the ``precision_convert`` record): converting it again would round already-rounded
+    weights, and its certificate would compare them with themselves. The source it was made
+    from is named when its certificate records one.
+
+    Raises:
+        InputError: naming ``given`` as the user wrote it (never a download or staging path).
+    """
+    from precision_convert.conversion.runtime.record import read_record
+
+    converted = next(
+        (record for model in _models(opened).values() if (record := read_record(model))), None
+    )
+    if converted is None:
+        return
+    from precision_convert.validation.certify.certificate import Certificate
+
+    made_from = None
+    with suppress(OSError, ValueError, TypeError, KeyError):  # no certificate, or unreadable
+        made_from = Certificate.read(opened.root).source.get("id")
+    origin = f"converted from {made_from}" if made_from else "its source is not recorded"
+    raise InputError(
+        f"is a precision-convert output ({converted.target or 'converted'}, {origin}): "
+        "convert the source instead",
+        given,
+    )
 
 
 def read_user_data(path: str | Path | None, coverage: str | None) -> CalibrationData | None:

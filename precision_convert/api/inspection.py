@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.conversion.analysis.norms import normalization_modules
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
 from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
-from precision_convert.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
-from precision_convert.names import units
+from precision_convert.core.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
+from precision_convert.core.names import units
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:

@@ -8,9 +8,12 @@ It imports nothing heavy: the batch manifest reads it before any conversion star
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+from precision_convert.core.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class ConversionOptions:
             (default) or ``thorough``.
         device: where validation runs (``cpu``, ``cuda``…); default CUDA when present.
         trust_remote_code: let a model's own code (``auto_map``) run.
+        allow_nonfinite_source: convert a source whose own weights hold NaN or ±inf (beyond
+            attention masks stored as ±inf by design), which is refused otherwise; its
+            certificate then fails, naming the tensors.
         variant: write the weights under the Hub's variant names (``model.<variant>.
             safetensors``…) and keep the source's config files unchanged, so the output can
             be added to the source repo and loaded with ``from_pretrained(..., variant=)``;
@@ -46,20 +52,51 @@ class ConversionOptions:
     coverage: str | None = None
     device: str | None = None
     trust_remote_code: bool = False
+    allow_nonfinite_source: bool = False
     variant: str | None = None
 
     @classmethod
     def given(cls, options: ConversionOptions | None, **keywords: Any) -> ConversionOptions:
-        """``options``, or the loose ``keywords`` of the same names (``convert()``'s own):
-        one or the other, so no value is silently dropped."""
-        defaults = cls()
-        keywords["keep_fp32"] = tuple(keywords.get("keep_fp32", ()))
-        changed = {k: v for k, v in keywords.items() if v != getattr(defaults, k)}
+        """The options of one ``convert()`` call: ``options`` and the ``keywords`` of the same
+        names that the caller gave (a keyword left out is not in ``keywords``), in one object.
+
+        A field given both ways must have one value: if they differ, one of them would be
+        dropped without a word, so that is refused.
+
+        Raises:
+            TypeError: a keyword that is no field (as for any function).
+            InputError: a field given both ways with different values.
+        """
+        unknown = sorted(set(keywords) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+        if "keep_fp32" in keywords:
+            keywords["keep_fp32"] = tuple(keywords["keep_fp32"])
         if options is None:
-            return cls(**changed)
-        if changed:
-            raise TypeError(f"pass options= or {', '.join(sorted(changed))}, not both")
+            return cls(**keywords)
+        differ = sorted(k for k, v in keywords.items() if v != getattr(options, k))
+        if differ:
+            raise InputError(
+                f"{', '.join(differ)} given as a keyword and in options= with different "
+                "values; give each once"
+            )
         return options
+
+
+class OptionKeywords(TypedDict, total=False):
+    """:class:`ConversionOptions`' fields as ``convert()`` takes them as keywords (``device``
+    is its own parameter); one left out is not given."""
+
+    revision: str | None
+    recipe: str | None
+    keep_fp32: Sequence[str]
+    calibrate: bool | None
+    calibration_data: str | Path | None
+    inputs: str | Path | None
+    coverage: str | None
+    trust_remote_code: bool
+    variant: str | None
+    allow_nonfinite_source: bool
 
 
 #: Option names, in declaration order (a batch manifest's keys among them).

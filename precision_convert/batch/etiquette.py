@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from precision_convert.errors import PushFailed
-from precision_convert.hub_client import announce_wait, max_retry_wait
+from precision_convert.core.errors import PushFailed
+from precision_convert.core.hub_client import announce_wait, max_retry_wait
 
 if TYPE_CHECKING:
     from tenacity import RetryCallState

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.batch.etiquette import Etiquette, push_politely
 from precision_convert.batch.manifest import Job
 from precision_convert.batch.state import STATE_DIR, JobState, Start, StateStore
-from precision_convert.errors import CheckFailed, PrecisionConvertError
+from precision_convert.core.errors import CheckFailed, one_line
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ConvertedComponent
@@ -49,6 +49,10 @@ class Settings:
     output_dir: Path
     threads: int  # torch intra-op threads per job: fixed, so metrics repeat bit for bit
     etiquette: Etiquette
+    #: The outputs a job may replace: those that existed when the run started and that the
+    #: run was asked to redo (``--overwrite``, ``--resume``). Any other output found at the
+    #: target when a job moves into place was written meanwhile by another run: it is kept.
+    replaceable: frozenset[Path] = frozenset()
 
     @classmethod
     def for_run(cls, output_dir: Path, threads: int, **etiquette: Any) -> Settings:
@@ -120,15 +124,6 @@ def _stage(outcome: Outcome, stage: str) -> Iterator[None]:
         outcome.timings[stage] = round(time.perf_counter() - began, 3)
 
 
-def one_line(exc: BaseException) -> str:
-    """An error as one line: our own messages as they are, others with their class name."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if isinstance(exc, PrecisionConvertError):
-        return text or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _ignore(stage: str) -> None:
     """The default stage listener."""
 
@@ -177,13 +172,14 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
     none removes the staged output and leaves the target as it was."""
     if outcome.failed:
         return outcome
-    from precision_convert.errors import CannotValidateError
+    from precision_convert.core.errors import CannotValidateError
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.certify.verify import verify
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
     options = job.options
     scratch = settings.scratch(job)
+    replaceable = job.output in settings.replaceable
     with _stage(outcome, "validate"):
         try:
             certificate = validate(
@@ -194,14 +190,16 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
                 coverage=options.coverage or DEFAULT_LEVEL,
                 calibration_data=options.calibration_data,
                 trust_remote_code=options.trust_remote_code,
+                allow_nonfinite_source=options.allow_nonfinite_source,
             )
         except CannotValidateError:
-            into_place(scratch, job.output)  # with the failing certificate saying what is missing
+            # With the failing certificate saying what is missing.
+            into_place(scratch, job.output, replaceable)
             raise
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-        into_place(scratch, job.output)
+        into_place(scratch, job.output, replaceable)
         describe(outcome, certificate)
         if not certificate.passed:
             first = certificate.failures[0] if certificate.failures else "no metric was judged"
@@ -213,15 +211,28 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
     return outcome
 
 
-def into_place(staged: Path, target: Path) -> None:
-    """Rename the certified ``staged`` directory to ``target``, replacing what is there, the
-    way ``model`` commits its output: under the target's lock, made durable first, the old
-    output moved aside and removed only once the new one is in place."""
+def into_place(staged: Path, target: Path, replaceable: bool) -> None:
+    """Rename the certified ``staged`` directory to ``target`` the way ``model`` commits its
+    output: under the target's lock (a ``model`` run writing it now makes this job fail at
+    once), made durable first, an old output moved aside and removed only once the new one is
+    in place. An output is replaced only when ``replaceable`` (see
+    :attr:`Settings.replaceable`); one that another run wrote meanwhile is kept, and the job
+    fails saying so. ``staged`` is gone either way."""
     from precision_convert.conversion.io.staging import StagedOutput
+    from precision_convert.core.errors import InputError, OutputExistsError
 
-    with StagedOutput(target, overwrite=True) as place:
-        os.replace(staged, place.path)  # onto the empty directory it made for the output
-        place.commit()
+    try:
+        with StagedOutput(target, overwrite=replaceable) as place:
+            os.replace(staged, place.path)  # onto the empty directory it made for the output
+            place.commit()
+    except OutputExistsError:
+        raise InputError(
+            "another run wrote this output while the job ran; it is kept as it is (run the "
+            "batch with --overwrite to replace it)",
+            target,
+        ) from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def push_stage(job: Job, settings: Settings, outcome: Outcome) -> Outcome:
@@ -314,7 +325,7 @@ def own_process(threads: int) -> None:
     import warnings
 
     from precision_convert.conversion.runtime.memory import map_large_allocations
-    from precision_convert.hub_client import bound_hub_requests
+    from precision_convert.core.hub_client import bound_hub_requests
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")

@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from functools import partial
+from types import FrameType
 from typing import Any
 
 from precision_convert.batch.job import (
@@ -42,6 +43,7 @@ from precision_convert.batch.job import (
     validate_stage,
 )
 from precision_convert.batch.manifest import Job
+from precision_convert.core import interrupts
 
 #: A listener of job stages: ``(job key, stage)``.
 EventSink = Callable[[str, str], None]
@@ -54,6 +56,7 @@ _WATCH_SECONDS = 1.0
 
 _events: Any = None  # the worker's end of the event queue (set by _warm)
 _slots: Any = None  # the worker's end of the validation-slot queue
+_busy = False  # the worker is running a job (see _on_terminate)
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ def _warm(threads: int, events: Any, slots: Any, filling: tuple[Any, Any], drive
     global _events, _slots
     _events, _slots = events, slots
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_terminate)
     _die_with_the_driver(driver)
     events.put((_WORKER, str(os.getpid())))
     own_process(threads)
@@ -213,7 +218,29 @@ def _warm(threads: int, events: Any, slots: Any, filling: tuple[Any, Any], drive
     import precision_convert.validation.certify.runner  # noqa: F401
 
 
+def _on_terminate(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGHUP (the driver stopping its workers, or a scheduler): a job in progress
+    unwinds like a Ctrl-C, so its staging directory and the target's lock go with it (see
+    :func:`_run`); an idle worker holds nothing and ends at once, without a traceback."""
+    if not _busy:
+        os._exit(128 + signum)
+    interrupts.on_signal(signum, frame)
+
+
 def _run(task: Task, settings: Settings) -> Outcome:
+    global _busy
+    _busy = True
+    try:
+        return _stages(task, settings)
+    except interrupts.Terminated as exc:
+        # Everything the job held is cleaned up by now; the pool would hand this worker its
+        # next job, so it ends here, as the signal asked.
+        os._exit(interrupts.exit_code(exc))
+    finally:
+        _busy = False
+
+
+def _stages(task: Task, settings: Settings) -> Outcome:
     job = task.job
     emit = partial(_emit, job.key)
     if task.outcome is not None:

@@ -14,20 +14,20 @@ are read relative to the manifest's folder, so a manifest means the same from an
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from precision_convert._version import __version__
 from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
-from precision_convert.errors import InputError, printable
+from precision_convert.core._version import __version__
+from precision_convert.core.errors import InputError, did_you_mean, printable
+from precision_convert.core.patterns import HUB_ID, REPO_ID
 from precision_convert.recipes import TARGETS
 
 #: ``[[model]]`` keys that only an entry can have.
@@ -43,13 +43,13 @@ OPTION_KEYS = frozenset(
         "private",
     }
 )
-_BOOL_KEYS = frozenset({"calibrate", "trust_remote_code", "create_pr", "private"})
+_BOOL_KEYS = frozenset(
+    {"calibrate", "trust_remote_code", "allow_nonfinite_source", "create_pr", "private"}
+)
 _LIST_KEYS = frozenset({"to", "keep_fp32"})  # a string or a list of strings
 _PATH_KEYS = frozenset({"calibration_data", "inputs"})
 #: ``push = "pr"``: a variant pull request into the source repo.
 PUSH_PR = "pr"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -60,12 +60,6 @@ class ManifestError(InputError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known word closest to a misspelled one, or ``""``."""
-    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -232,8 +226,8 @@ class _Reader:
         try:
             self._library_checks(values)
         except InputError as exc:
-            key = next((k for k in ("recipe", "variant", "calibration_data") if k in values), None)
-            self.note(str(exc), table, index, key or "coverage")
+            at = next((k for k in ("recipe", "variant", "calibration_data") if k in values), None)
+            self.note(str(exc), table, index, at or "coverage")
 
     @staticmethod
     def _library_checks(values: Mapping[str, Any]) -> None:
@@ -272,7 +266,7 @@ class _Reader:
                 if local.is_dir():
                     return str(local.resolve()), False
                 problem = f"source {raw!r}: no such directory"
-            elif _HUB_ID.match(raw):
+            elif HUB_ID.fullmatch(raw):
                 return raw, True
             else:
                 problem = f"source {raw!r} is neither a directory nor a Hub repo id"
@@ -365,7 +359,7 @@ def _jobs(
     create_pr = values.pop("create_pr", False)
     private = values.pop("private", None)
     options = ConversionOptions(**values)
-    jobs = []
+    jobs: list[Job] = []
     for target in dict.fromkeys(targets):
         push = None
         if push_value is not None:
@@ -413,7 +407,7 @@ def _push(
         usage = "use {name}, {target}, {variant}"
         reader.note(f"push pattern {pattern!r}: {exc} ({usage})", "model", index, "push")
         return None
-    if not _REPO_ID.match(repo_id):
+    if not REPO_ID.fullmatch(repo_id):
         reader.note(f"push: {repo_id!r} is not a Hub repo id", "model", index, "push")
         return None
     return repo_id
@@ -433,7 +427,7 @@ def _check_unique(reader: _Reader, jobs: list[Job]) -> None:
     """No two jobs write one folder, push one repo, or add one variant to one source."""
     seen: dict[tuple[str, ...], Job] = {}
     for job in jobs:
-        keys = [("output", job.key)]
+        keys: list[tuple[str, ...]] = [("output", job.key)]
         if job.push is not None and not job.push.variant_pr:
             keys.append(("repo", job.push.repo_id))
         if job.push is not None and job.push.variant_pr:

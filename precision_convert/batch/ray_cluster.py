@@ -14,6 +14,7 @@ pushes: the driver never ships its token to the cluster.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,14 +23,13 @@ from precision_convert.batch.job import (
     Outcome,
     Settings,
     convert_stage,
-    one_line,
     own_process,
     push_stage,
     validate_stage,
 )
 from precision_convert.batch.local import EventSink, Task
 from precision_convert.batch.manifest import Job
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError, one_line
 
 _DONE = "done"
 
@@ -55,7 +55,10 @@ def run_ray(
     if owned:
         # Ray's start-up notes would break into the progress display; errors still show.
         ray.init(
-            address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR"
+            address=address,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
         )
     try:
         yield from _run(ray, tasks, settings, on_event)

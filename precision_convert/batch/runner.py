@@ -13,18 +13,18 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from precision_convert._version import __version__
 from precision_convert.batch.job import DONE, FAILED, RUNNING, SKIPPED, Outcome, Settings, recorded
 from precision_convert.batch.local import EventSink, Task, run_local
 from precision_convert.batch.manifest import Job, Manifest
 from precision_convert.batch.state import Resume, Start, exclusive, resume_point
 from precision_convert.conversion.io.staging import clean_leftovers
-from precision_convert.errors import InputError
+from precision_convert.core._version import __version__
+from precision_convert.core.errors import InputError
 
 REPORT_NAME = "batch_report.json"
 #: Every run's own report, named by when it started (REPORT_NAME is the latest run's).
@@ -129,6 +129,9 @@ def run_batch(
     )
     with exclusive(manifest.output_dir):
         starts = _starts(manifest, settings, resume=resume, overwrite=overwrite)
+        if resume or overwrite:  # what it was asked to redo, as it stands now
+            existing = [job.output for job in manifest.jobs if _exists(job.output)]
+            settings = replace(settings, replaceable=frozenset(existing))
         tasks = []
         for job in manifest.jobs:  # kept jobs are reported now, the others run
             start = starts[job.key]
@@ -143,8 +146,15 @@ def run_batch(
             outcomes = run_ray(tasks, settings, ray_address, listener)
         else:
             outcomes = run_local(tasks, settings, jobs, listener)
-        for outcome in outcomes:
-            _finish(report, outcome, listener)
+        try:
+            for outcome in outcomes:
+                _finish(report, outcome, listener)
+        except KeyboardInterrupt:
+            # The workers are stopped (local: waited for; Ray: cancelled, killed): what one
+            # killed mid-move left beside a target goes now, not at the next run.
+            for job in manifest.jobs:
+                clean_leftovers(job.output)
+            raise
         order = {job.key: job.index for job in manifest.jobs}
         report.outcomes.sort(key=lambda o: order[o.key])
         report.finished = datetime.now(UTC).isoformat(timespec="seconds")
@@ -196,7 +206,7 @@ def _starts(
 def _refuse_existing(jobs: list[Job]) -> None:
     """The rule ``model`` keeps with ``--overwrite``: an existing output is replaced only when
     asked. Every job in the way is named; nothing has run."""
-    existing = [job.output for job in jobs if job.output.exists() or job.output.is_symlink()]
+    existing = [job.output for job in jobs if _exists(job.output)]
     if not existing:
         return
     shown = ", ".join(str(path) for path in existing[:3])
@@ -206,6 +216,11 @@ def _refuse_existing(jobs: list[Job]) -> None:
         f"{what} already ({shown}{more}): --resume keeps finished jobs and redoes the rest, "
         "--overwrite redoes every job"
     )
+
+
+def _exists(path: Path) -> bool:
+    """Something is at ``path``: a folder, a file, or a link (a broken one included)."""
+    return path.exists() or path.is_symlink()
 
 
 def _clear_leftovers(settings: Settings, jobs: tuple[Job, ...]) -> None:

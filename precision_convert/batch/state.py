@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.batch.manifest import Job
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 if TYPE_CHECKING:
     from precision_convert.validation.certify.certificate import Certificate
@@ -86,7 +86,7 @@ class Start:
 
 def resume_point(job: Job, store: StateStore) -> Start:
     """How much of ``job`` a ``--resume`` run can keep (see the module docstring)."""
-    from precision_convert.errors import PrecisionConvertError
+    from precision_convert.core.errors import PrecisionConvertError
     from precision_convert.validation.certify.verify import verify
 
     state = store.read(job.key)

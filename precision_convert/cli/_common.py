@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,7 +17,7 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from precision_convert.progress import shorten
+from precision_convert.core.progress import shorten
 
 #: Columns of a line written off a terminal (a log, a file, a pipe) when ``COLUMNS`` does not
 #: say: as wide as the line is, so nothing is wrapped, split or elided for a screen that is
@@ -34,7 +36,7 @@ class _Console(Console):
             return ConsoleDimensions(UNBOUNDED_WIDTH, size.height)
         return size
 
-    size = property(_size, Console.size.fset)  # type: ignore[attr-defined,assignment]
+    size = property(_size, Console.size.fset)  # type: ignore[attr-defined]
 
 
 #: Progress, warnings and notes: stderr, so they never mix into a report or ``--json`` output.
@@ -76,24 +78,38 @@ NOTHING_WRITTEN = "nothing was written"
 @contextmanager
 def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Iterator[None]:
     """Turn library errors into one line on stderr (a line per problem when the error holds
-    several) and the error's exit code.
+    several) and the error's exit code; an ``OSError`` too (exit 2, its file and what to do).
 
     Ctrl-C exits 130 with ``on_disk()``: what the interrupted command left on disk, looked up
-    then (a conversion may have committed its output before validation was interrupted).
+    then (a conversion may have committed its output before validation was interrupted);
+    SIGTERM and SIGHUP likewise, exit 143 and 129 (see :mod:`precision_convert.core.interrupts`).
     """
-    from precision_convert.errors import PrecisionConvertError, printable
+    from precision_convert.core import interrupts
+    from precision_convert.core.errors import FileSystemError, PrecisionConvertError, printable
 
     try:
-        yield
+        try:
+            yield
+        except OSError as exc:
+            # The file system refused something no library call turned into an error of ours
+            # (a report, a certificate written in place): one line, like every other error.
+            raise FileSystemError(exc) from exc
     except PrecisionConvertError as exc:
         if os.environ.get(DEBUG_VARIABLE):
             raise
         for line in str(exc).splitlines() or [""]:  # several problems (a manifest's): a line each
             print(f"precision-convert: {printable(line)}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
-        print(f"precision-convert: interrupted; {on_disk()}", file=sys.stderr)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        say(f"{interrupts.stopped_by(exc)}; {on_disk()}")
+        raise typer.Exit(interrupts.exit_code(exc)) from None
+
+
+def say(line: str) -> None:
+    """One ``precision-convert: ...`` line on stderr. A stderr that is gone (the terminal of
+    a SIGHUP) loses the line; the exit code still says what happened."""
+    with contextlib.suppress(OSError):
+        print(f"precision-convert: {line}", file=sys.stderr, flush=True)
 
 
 def emit_json(payload: Any) -> None:
@@ -109,7 +125,7 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
     Off a terminal (a log, a pipe) the stages are plain lines instead (:class:`_PlainSteps`):
     no bar, nothing redrawn, no escape codes. A no-op when disabled.
     """
-    from precision_convert.progress import reporting
+    from precision_convert.core.progress import reporting
 
     if not enabled:
         yield lambda label, n: None
@@ -250,11 +266,19 @@ class _StepDisplay:
 
 
 def _no_flag_placeholders(params: list[Any]) -> list[Any]:
-    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included)."""
+    """A flag takes no value: no ``<bool>`` after it in the help (``--help`` included); an
+    argument is named by its word (``SOURCE``), not followed by its Python type (``<str>``)."""
     for param in params:
         if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
             param.metavar = ""
+        if isinstance(param, TyperArgument):
+            param.display_type_rich = _no_type  # type: ignore[method-assign]
     return params
+
+
+def _no_type(ctx: Any) -> None:
+    """An argument's type column in the help: empty (its name column already says it)."""
+    return None
 
 
 class Group(TyperGroup):
@@ -318,9 +342,11 @@ def one_line_usage_errors(app: typer.Typer) -> None:
     line on stderr, exit 2, like every other error, instead of typer's box."""
     try:
         code = app(standalone_mode=False)
-    except KeyboardInterrupt:  # before any command began (typer still building the commands)
-        print(f"precision-convert: interrupted; {NOTHING_WRITTEN}", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # before any command began (typer building the commands)
+        from precision_convert.core import interrupts
+
+        say(f"{interrupts.stopped_by(exc)}; {NOTHING_WRITTEN}")
+        sys.exit(interrupts.exit_code(exc))
     except typer.TyperException as exc:  # click's usage errors, as typer vendors them
         message = exc.format_message().strip().rstrip(".")
         context = getattr(exc, "ctx", None)
@@ -359,5 +385,24 @@ CalibrationDataOption = Annotated[
         metavar="FILE",
         help="Text lines (each cut to the model's position limit, with a warning) or JSONL "
         "of model inputs (a row longer than the limit is refused), added to the probes.",
+    ),
+]
+
+
+class ReportLevel(StrEnum):
+    """How much of a result ``model`` and ``validate`` print: a screenful, or every table."""
+
+    summary = "summary"
+    full = "full"
+
+
+ReportOption = Annotated[
+    ReportLevel,
+    typer.Option(
+        "--report",
+        metavar="LEVEL",
+        help="summary (default: the verdict, what was judged, the metrics nearest their "
+        "bounds, where the files are) or full (every island, metric and probe; the "
+        "certificate always holds them all).",
     ),
 ]

@@ -1,7 +1,7 @@
 """The human-readable reports of ``inspect``, ``model`` and ``validate``, on stdout.
 
 A model with 80 layers has 80 copies of every module; the reports fold them into one row per
-role (``model.layers.{0..79}.mlp.down_proj``, see :mod:`precision_convert.folding`) and say
+role (``model.layers.{0..79}.mlp.down_proj``, see :mod:`precision_convert.core.folding`) and say
 which instances differ, so a report of a real model fits on a screen and still names every
 fp32 island. Tables are sized to the terminal: a name too long for its column loses its
 middle, where a folded name repeats least (its head says where, its tail what).
@@ -9,6 +9,7 @@ middle, where a folded name repeats least (its head says where, its tail what).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -19,12 +20,13 @@ from rich.table import Table
 from rich.text import Text
 
 from precision_convert.cli._common import console, elide, out
-from precision_convert.dtypes import Target
-from precision_convert.folding import Role, fold
+from precision_convert.core.dtypes import Target
+from precision_convert.core.folding import Role, fold
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ConversionResult
     from precision_convert.api.inspection import ComponentReport, InspectReport
+    from precision_convert.validation.certify.card_metrics import MetricRow
     from precision_convert.validation.certify.certificate import Certificate
 
 #: A name column never gets narrower than this, however wide the other columns are.
@@ -33,6 +35,8 @@ MIN_NAME_WIDTH = 24
 MAX_HAZARD_ROLES = 10
 #: Most roles in the table of modules nearest to fp16's limit.
 MAX_NEAR_ROLES = 20
+#: Metric rows (and failure lines) a summary report lists: it stays under 40 lines.
+SUMMARY_ROWS = 8
 
 
 def print_table(
@@ -190,9 +194,9 @@ def _print_calibration(component: ComponentReport) -> None:
 # --------------------------------------------------------------------------- model
 
 
-def print_conversion(result: ConversionResult) -> None:
-    """``model``'s summary: one row per component, then each component's islands folded by
-    role; the plan's warnings go to stderr."""
+def print_conversion(result: ConversionResult, *, full: bool = False) -> None:
+    """``model``'s summary: one row per component, then (with ``full``) each component's
+    islands folded by role; the plan's warnings go to stderr."""
     out.print(escape(f"{result.source} → {result.output} ({result.target})"), soft_wrap=True)
     table = Table()
     for column in ("component", "recipe", "fp32 modules", "fp32 share", "warnings"):
@@ -203,11 +207,11 @@ def print_conversion(result: ConversionResult) -> None:
             component.name or component.class_name or "model",
             summary["recipe"],
             str(summary["fp32_modules"]),
-            f"{summary['fp32_share']:.1%}",
+            share_text(component.plan.fp32_share, bool(component.plan.islands)),
             str(len(summary["warnings"])),
         )
     out.print(table)
-    for component in result.components:
+    for component in result.components if full else ():
         islands = {i.name: i.reason for i in component.plan.islands}
         if islands:
             units = dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float)
@@ -216,6 +220,14 @@ def print_conversion(result: ConversionResult) -> None:
     for component in result.components:
         for warning in component.plan.warnings:
             console.print(f"[yellow]warning[/]: {escape(warning)}")
+
+
+def share_text(share: float, has_islands: bool) -> str:
+    """A share as a percentage that never reads 0.0% while there are fp32 islands (a few
+    norm weights of a large model are a tiny but real share)."""
+    if has_islands and share < 0.001:
+        return "<0.1%"
+    return f"{share:.1%}"
 
 
 def print_islands(title: str, units: Iterable[str], islands: Mapping[str, str]) -> None:
@@ -234,6 +246,17 @@ def print_islands(title: str, units: Iterable[str], islands: Mapping[str, str]) 
 # --------------------------------------------------------------------------- certificates
 
 
+def note_uncertified(converted: Path, source: str) -> None:
+    """Say (on stderr) that a ``--no-validate`` output holds no certificate, and how to get
+    one: ``push`` refuses it until then."""
+    console.print(
+        f"note: {converted} is not certified (--no-validate): precision-convert validate "
+        f"{converted} --baseline {source}",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
 def note_unvalidated(converted: Path) -> None:
     """Say (on stderr) where the failing certificate of a validation that could not run went."""
     from precision_convert.validation.certify.certificate import CARD_NAME, CERTIFICATE_NAME
@@ -246,10 +269,15 @@ def note_unvalidated(converted: Path) -> None:
         )
 
 
-def print_certificate(certificate: Certificate) -> None:
+def print_certificate(
+    certificate: Certificate, directory: Path | None = None, *, full: bool = False
+) -> None:
     """The judged metrics on stdout, folded: one row per output and metric with its worst
-    value over every probe (block-wise comparisons folded by layer role), the parity metric
-    per probe when several were swept, the failures and the verdict."""
+    value over every probe (block-wise comparisons folded by layer role), the failures, where
+    the files are and the verdict. Without ``full`` only the rows nearest their bounds (and
+    the failing ones, up to as many) are listed, so the report fits a screen for any model;
+    with it every row, and the parity metric per probe when several were swept. ``directory``
+    is where the certificate and its card were written."""
     from precision_convert.validation.certify.card import compared_with, outside_bounds
     from precision_convert.validation.certify.card_metrics import (
         BAR_LABEL,
@@ -258,8 +286,10 @@ def print_certificate(certificate: Certificate) -> None:
     )
     from precision_convert.validation.certify.certificate import SMOKE_PASS
 
+    folded = folded_metrics(certificate.metrics)
+    shown = folded if full else nearest_bounds(folded, SUMMARY_ROWS)
     rows = []
-    for row in folded_metrics(certificate.metrics):
+    for row in shown:
         value = "NaN/Inf" if row.value is None else f"{row.value:.4g}"
         rows.append(
             [
@@ -276,7 +306,14 @@ def print_certificate(certificate: Certificate) -> None:
     if not certificate.against_source:
         title += " (a smoke check, never a certification)"
     print_table(title, headers, rows, right=(2,))
-    for series in probe_series(certificate.metrics):
+    out.print(escape(judged_text(certificate)), soft_wrap=True)
+    if len(shown) < len(folded):
+        out.print(
+            f"… {len(folded) - len(shown)} more rows within their bounds: --report full, or "
+            f"{certificate.file_name}",
+            soft_wrap=True,
+        )
+    for series in probe_series(certificate.metrics) if full else ():
         out.print(escape(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
         table = Table()
         for column in ("probe", series.metric, BAR_LABEL):
@@ -284,14 +321,64 @@ def print_certificate(certificate: Certificate) -> None:
         for probe, value, bar in series.rows():
             table.add_row(escape(probe), value, bar)
         out.print(table)
-    for line in certificate.failures_beside_metrics():
+    failures = certificate.failures_beside_metrics()
+    for line in failures if full else failures[:SUMMARY_ROWS]:
         out.print(f"[red]✗[/] {escape(line)}", soft_wrap=True)
+    if not full and len(failures) > SUMMARY_ROWS:
+        out.print(f"[red]✗[/] … {len(failures) - SUMMARY_ROWS} more in {certificate.file_name}")
     if outside := outside_bounds(certificate):
         out.print(
             f"[red]✗[/] {outside}: the FAIL rows above (every one in {certificate.file_name})",
+            soft_wrap=True,
+        )
+    if directory is not None:
+        from precision_convert.validation.certify.certificate import CARD_NAME
+
+        card = directory / CARD_NAME
+        out.print(
+            escape(f"written: {directory / certificate.file_name}, {card} (the card)"),
             soft_wrap=True,
         )
     colour = (
         "green" if certificate.passed else "yellow" if certificate.verdict == SMOKE_PASS else "red"
     )
     out.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")
+
+
+def judged_text(certificate: Certificate) -> str:
+    """What was judged, in one line: probes, outputs and measurements (blocks, when a
+    block-wise comparison ran)."""
+    from precision_convert.validation.certify.card_metrics import BLOCK
+
+    probes = {m.probe for m in certificate.metrics if not m.probe.startswith(BLOCK)}
+    blocks = {m.probe for m in certificate.metrics if m.probe.startswith(BLOCK)}
+    outputs = {(m.component, m.output) for m in certificate.metrics if m.metric != "coverage"}
+    parts = [f"{len(probes)} probes"] + ([f"{len(blocks)} blocks"] if blocks else [])
+    return (
+        f"judged: {' and '.join(parts)}, {len(outputs)} outputs, "
+        f"{len(certificate.metrics)} measurements"
+    )
+
+
+def nearest_bounds(rows: Sequence[MetricRow], most: int) -> list[MetricRow]:
+    """The failing rows, then the judged rows nearest their bounds, ``most`` in all, in the
+    order of ``rows``: what a reader must see first whatever the model's size."""
+
+    def closeness(row: MetricRow) -> float:
+        if row.value is None:
+            return math.inf
+        assert row.threshold is not None
+        if row.bound == "max":
+            if row.threshold <= 0:  # nonfinite ≤ 0: at the bound only when over it
+                return math.inf if row.value > 0 else 0.0
+            return row.value / row.threshold
+        # A lower bound on a similarity (cosine, top-1 agreement): the distance from 1 that
+        # remains, as a share of the distance the bound allows.
+        if row.threshold < 1:
+            return (1 - row.value) / (1 - row.threshold)
+        return row.threshold / row.value if row.value > 0 else math.inf
+
+    judged = [r for r in rows if r.threshold is not None or not r.passed]
+    ranked = sorted(judged, key=lambda r: (r.passed, -closeness(r) if r.threshold else 0))
+    keep = {id(r) for r in ranked[:most]}
+    return [r for r in rows if id(r) in keep]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
@@ -11,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from precision_convert.cli._common import console, out, reported_errors
+from precision_convert.cli._common import console, out, reported_errors, say
+from precision_convert.core import interrupts
 
 if TYPE_CHECKING:
     from precision_convert.batch.job import Outcome
@@ -61,8 +61,9 @@ def batch(
         bool,
         typer.Option(
             "--overwrite",
-            help="Redo every job, replacing outputs that exist (without it or --resume, an "
-            "existing output stops the run before anything runs).",
+            help="Redo every job, replacing the outputs that exist when the run starts (without "
+            "it or --resume, an existing output stops the run before anything runs). An output "
+            "another run writes while a job runs is never replaced: that job fails.",
         ),
     ] = False,
 ) -> None:
@@ -97,13 +98,12 @@ def batch(
             console.print(
                 f"report: {report.file} (latest: {latest})", highlight=False, soft_wrap=True
             )
-        except KeyboardInterrupt:
-            print(
-                "precision-convert: interrupted; jobs that finished are kept in "
-                f"{plan.output_dir}: run again with --resume to do the rest",
-                file=sys.stderr,
+        except KeyboardInterrupt as exc:
+            say(
+                f"{interrupts.stopped_by(exc)}; jobs that finished are kept in "
+                f"{plan.output_dir}: run again with --resume to do the rest"
             )
-            raise typer.Exit(130) from None
+            raise typer.Exit(interrupts.exit_code(exc)) from None
     if report.failed:
         raise typer.Exit(1)
 

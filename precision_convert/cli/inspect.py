@@ -66,7 +66,7 @@ def inspect(
     ]
     if ignored:
         with reported_errors():
-            from precision_convert.errors import InputError
+            from precision_convert.core.errors import InputError
 
             verb = "applies" if len(ignored) == 1 else "apply"
             raise InputError(f"{' and '.join(ignored)} {verb} only with --calibrate: add it")

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from precision_convert import interrupts
 from precision_convert.cli import batch as batch_cmd
 from precision_convert.cli import inspect as inspect_cmd
 from precision_convert.cli import model as model_cmd
@@ -17,7 +16,8 @@ from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
 from precision_convert.cli._common import Command, Group, one_line_usage_errors
 from precision_convert.conversion.runtime.memory import map_large_allocations
-from precision_convert.hub_client import bound_hub_requests
+from precision_convert.core import interrupts
+from precision_convert.core.hub_client import bound_hub_requests
 
 app = typer.Typer(
     name="precision-convert",
@@ -41,7 +41,7 @@ app.command("recipes", cls=Command)(recipes_cmd.recipes)
 
 def _version(value: bool) -> None:
     if value:
-        from precision_convert._version import __version__
+        from precision_convert.core._version import __version__
 
         typer.echo(f"precision-convert {__version__}")
         raise typer.Exit()
@@ -59,6 +59,12 @@ def _root(
 
 def run() -> None:
     """Console-script entry point."""
+    # First, so that a SIGTERM or SIGHUP from here on ends in the command's one line and exit
+    # code (143, 129) like a Ctrl-C, with its cleanup, not in a silent death that leaves the
+    # lock and staging directory behind. Every such signal is recorded as well as raised: one
+    # that something swallows on its way up (seen while torch imports numpy) still stops the
+    # run before it renames an output into place or commits to the Hub.
+    interrupts.watch()
     # transformers/diffusers draw their own tqdm bars ("Loading weights") on every model they
     # build; the command shows one progress display of its own instead.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -69,8 +75,12 @@ def run() -> None:
     # Peak memory that follows what is live, not the heap's history (a forward's freed
     # activations otherwise stay in the heap between live ones).
     map_large_allocations()
-    # Every Ctrl-C is recorded as well as raised: one that something swallows on its way up
-    # (seen while torch imports numpy) still stops the run before it renames an output into
-    # place or commits to the Hub (see precision_convert.interrupts).
-    interrupts.watch()
-    one_line_usage_errors(app)
+    try:
+        one_line_usage_errors(app)
+    except SystemExit as done:
+        if interrupts.terminating():
+            # SIGTERM or SIGHUP: the run has cleaned up and said so; the interpreter's own
+            # teardown (freeing a big model object by object) would hold the exit for
+            # seconds a scheduler does not wait, so the process ends here.
+            interrupts.exit_now(done.code)
+        raise

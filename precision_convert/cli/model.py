@@ -11,6 +11,8 @@ from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
+    ReportLevel,
+    ReportOption,
     byte_progress,
     emit_json,
     reported_errors,
@@ -88,6 +90,14 @@ def model(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
+    allow_nonfinite_source: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite-source",
+            help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
+            "the certificate then fails, naming the tensors.",
+        ),
+    ] = False,
     variant: Annotated[
         str | None,
         typer.Option(
@@ -114,23 +124,25 @@ def model(
     private: Annotated[
         bool, typer.Option("--private", help="With --push: create the repo private.")
     ] = False,
+    report: ReportOption = ReportLevel.summary,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
     if push is not None and not validate:
         with reported_errors():
-            from precision_convert.errors import InputError
+            from precision_convert.core.errors import InputError
 
             raise InputError("--push needs a certificate: drop --no-validate")
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
         from precision_convert.api.conversion import convert, default_output
         from precision_convert.api.options import ConversionOptions
         from precision_convert.cli._reports import (
+            note_uncertified,
             note_unvalidated,
             print_certificate,
             print_conversion,
         )
-        from precision_convert.errors import CannotValidateError
+        from precision_convert.core.errors import CannotValidateError
 
     target = output if output is not None else default_output(source, to)
     before = _inode(target)
@@ -153,6 +165,7 @@ def model(
                     coverage=coverage,
                     device=None if device == "auto" else device,
                     trust_remote_code=trust_remote_code,
+                    allow_nonfinite_source=allow_nonfinite_source,
                     variant=variant,
                 )
                 result = convert(
@@ -170,10 +183,12 @@ def model(
         if json_output:
             emit_json(result.to_json())
         else:
-            print_conversion(result)
+            print_conversion(result, full=report == "full")
+        if not validate:
+            note_uncertified(result.output, source)
         if result.certificate is not None:
             if not json_output:
-                print_certificate(result.certificate)
+                print_certificate(result.certificate, result.output, full=report == "full")
             calibrated = all(c.calibration is not None for c in result.components)
             require_pass(result.certificate, result.output, calibrated=calibrated)
             if push is not None:

@@ -20,13 +20,17 @@ if TYPE_CHECKING:
 def push_command(
     converted: Annotated[
         Path,
-        typer.Argument(help="A directory written and certified by `precision-convert model`."),
+        typer.Argument(
+            metavar="CONVERTED",
+            help="A directory written and certified by `precision-convert model`.",
+        ),
     ],
     repo_id: Annotated[
         str,
         typer.Argument(
+            metavar="REPO_ID",
             help="Hub repo to publish to (namespace/name). The source repo of an output written "
-            "with --variant: a pull request adding the variant."
+            "with --variant: a pull request adding the variant.",
         ),
     ],
     create_pr: Annotated[
@@ -43,14 +47,16 @@ def push_command(
     revision: Annotated[
         str | None,
         typer.Option(
+            metavar="REV",
             help="Branch to commit to, or to open the pull request against (default: main); "
-            "or refs/pr/N to push into that open pull request."
+            "or refs/pr/N to push into that open pull request.",
         ),
     ] = None,
     commit_message: Annotated[
         str | None,
         typer.Option(
             "--commit-message",
+            metavar="TEXT",
             help="The commit's summary (and a new pull request's title); default: one naming "
             "the conversion and its verdict.",
         ),
@@ -59,6 +65,7 @@ def push_command(
         str | None,
         typer.Option(
             "--token",
+            metavar="TOKEN",
             help="Hub token with write access (default: HF_TOKEN or your login); never printed.",
             show_default=False,
         ),
@@ -106,10 +113,10 @@ def push_and_report(
     """Push and say what happened on stderr (``with_url``: the URL too, for ``model --push``,
     whose stdout is the conversion's report); for ``push`` and for ``model … --push`` (call it
     inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
-    from precision_convert.errors import PushFailed
+    from precision_convert.core.errors import PushFailed
+    from precision_convert.core.hub_client import RETRIED_STATUSES
     from precision_convert.hub import push_with_result
     from precision_convert.hub.errors import retry_wait_limit
-    from precision_convert.hub_client import RETRIED_STATUSES
 
     maximum = retry_wait_limit()
     with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
@@ -130,8 +137,8 @@ def push_and_report(
                 # asked (the client's hook has announced a long wait and refused one beyond
                 # the maximum), then resume; what the Hub holds is not sent again.
                 wait = exc.retry_after
-                asked = wait is not None and exc.status in RETRIED_STATUSES
-                if not asked or wait > maximum or attempt == _WAITED_RETRIES:
+                asked = exc.status in RETRIED_STATUSES
+                if wait is None or not asked or wait > maximum or attempt == _WAITED_RETRIES:
                     raise
                 time.sleep(wait)
     line = _report(result) + (f": {result.url}" if with_url else "")

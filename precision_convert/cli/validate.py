@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,6 +12,8 @@ from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
+    ReportLevel,
+    ReportOption,
     emit_json,
     reported_errors,
     step_progress,
@@ -59,6 +62,14 @@ def validate_command(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
+    allow_nonfinite_source: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite-source",
+            help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
+            "the certificate then fails, naming the tensors.",
+        ),
+    ] = False,
     verify: Annotated[
         bool,
         typer.Option(
@@ -67,6 +78,7 @@ def validate_command(
             "certified (the card regenerated and compared too); runs no model.",
         ),
     ] = False,
+    report: ReportOption = ReportLevel.summary,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the certificate as one JSON object.")
     ] = False,
@@ -74,7 +86,8 @@ def validate_command(
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
         from precision_convert.cli._reports import note_unvalidated, print_certificate
-        from precision_convert.errors import CannotValidateError
+        from precision_convert.conversion.io.staging import TargetLock, real_path
+        from precision_convert.core.errors import CannotValidateError
         from precision_convert.validation.certify.runner import validate
         from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -87,7 +100,13 @@ def validate_command(
 
     with reported_errors(on_disk):
         try:
-            with step_progress("validating against fp32", True):
+            # The certificate and card go into CONVERTED: under the lock every writer of an
+            # output takes, so neither this run nor a `model --overwrite` (or a batch job)
+            # replaces what the other is writing; the later one stops at once, naming the other.
+            lock: AbstractContextManager[object] = nullcontext()
+            if converted.is_dir():  # else validate says what is wrong with it
+                lock = TargetLock(real_path(converted))
+            with lock, step_progress("validating against fp32", True):
                 certificate = validate(
                     converted,
                     baseline,
@@ -97,6 +116,7 @@ def validate_command(
                     coverage=coverage or DEFAULT_LEVEL,
                     calibration_data=calibration_data,
                     trust_remote_code=trust_remote_code,
+                    allow_nonfinite_source=allow_nonfinite_source,
                 )
         except CannotValidateError:
             note_unvalidated(converted)
@@ -104,7 +124,7 @@ def validate_command(
         if json_output:
             emit_json(certificate.to_dict())
         else:
-            print_certificate(certificate)
+            print_certificate(certificate, converted, full=report == "full")
         require_pass(certificate, converted)
 
 
@@ -135,11 +155,11 @@ def require_pass(certificate: Certificate, converted: Path, *, calibrated: bool 
     """Raise CheckFailed (exit 1) saying why, unless the verdict is pass (a smoke check is
     not a certification, whatever it found). ``calibrated``: whether the conversion measured
     the model for islands (a failing safe conversion that did not is told how to)."""
-    from precision_convert.dtypes import Target
-    from precision_convert.errors import CheckFailed
+    from precision_convert.core.dtypes import Target
+    from precision_convert.core.errors import CheckFailed
 
-    if not certificate.passed:
-        why = certificate.why_not_certified(converted)
+    why = certificate.why_not_certified(converted)  # None: passed
+    if why is not None:
         target = Target.lookup(certificate.target)
         if certificate.verdict == "fail" and target is not None and not target.safe:
             safe = target.with_islands

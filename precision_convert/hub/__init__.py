@@ -7,10 +7,11 @@
    ``validate --verify`` use too), local and offline. It reads the certificate
    (``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
    written with ``--variant``), hashes every file it is about to upload — the bytes, never a
-   name such as a Hub-cache blob's — and refuses (:class:`~precision_convert.errors.PushRefused`,
-   exit 1) unless the verdict is ``pass`` and every file matches: each changed, missing or
-   extra file is named. The card (``README.md``) is regenerated from the certificate and must be
-   identical, so a hand-edited card is refused too. Nothing is sent when the gate refuses.
+   name such as a Hub-cache blob's — and refuses
+   (:class:`~precision_convert.core.errors.PushRefused`, exit 1) unless the verdict is ``pass``
+   and every file matches: each changed, missing or extra file is named. The card
+   (``README.md``) is regenerated from the certificate and must be identical, so a hand-edited
+   card is refused too. Nothing is sent when the gate refuses.
 2. **The upload**, through ``huggingface_hub.HfApi`` in one of two shapes:
 
    - *new repo*: ``create_repo(exist_ok=True)`` and one commit holding every file (on the
@@ -34,14 +35,14 @@
    preupload and LFS machinery: the Hub reports the objects it already holds and the client
    skips them, so a push that was interrupted uploads only what is missing when run again; the
    client retries 429 and 5xx answers itself, after the wait the Hub asks for (which the
-   command bounds, see :mod:`precision_convert.hub_client`).
+   command bounds, see :mod:`precision_convert.core.hub_client`).
 
 The token comes from the ``token`` argument, ``HF_TOKEN`` or the user's login, is handed only to
 ``HfApi``, and is scrubbed from every message this module produces. Errors surface as this
-project's: :class:`~precision_convert.errors.HubAuthError` (missing or rejected token),
-:class:`~precision_convert.errors.HubPermissionError` (403, with the hint that fits the token,
+project's: :class:`~precision_convert.core.errors.HubAuthError` (missing or rejected token),
+:class:`~precision_convert.core.errors.HubPermissionError` (403, with the hint that fits the token,
 the namespace and the step), ``InputError`` (bad repo id, a revision that is neither a branch
-nor an open pull request), :class:`~precision_convert.errors.PushFailed` (the Hub did not
+nor an open pull request), :class:`~precision_convert.core.errors.PushFailed` (the Hub did not
 complete the push) — each one line. :func:`check_write_access` asks the same of a token before
 a batch runs anything that would end in pushes.
 """

@@ -9,14 +9,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from precision_convert.errors import (
+from precision_convert.core.errors import (
     HubAuthError,
     HubPermissionError,
     InputError,
     PrecisionConvertError,
     PushFailed,
+    first_line,
 )
-from precision_convert.hub_client import (
+from precision_convert.core.hub_client import (
     MAX_RETRY_WAIT_VARIABLE,
     WaitTooLong,
     clock,
@@ -153,10 +154,9 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
     def scrub(text: str) -> str:
         return text.replace(token, "***") if token else text
 
-    def first_line(error: BaseException) -> str:
+    def said(error: BaseException) -> str:  # what the Hub answered, in one line
         message = getattr(error, "server_message", None) or str(error)
-        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-        return scrub(lines[0] if lines else type(error).__name__)
+        return scrub(first_line(str(message)) or type(error).__name__)
 
     if isinstance(exc, WaitTooLong):
         return PushFailed(
@@ -178,7 +178,6 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
         after = retry_after(exc.response.headers.get("Retry-After"))
-        answered = {"status": status, "retry_after": after}
         if status == 401:
             return HubAuthError(
                 "the Hub rejected the token (401 Unauthorized): set HF_TOKEN to a valid token "
@@ -191,31 +190,32 @@ def _translate(exc: Exception, errors: HubErrors) -> PrecisionConvertError:
                 hint = _forbidden_hint(
                     repo_id, errors.user, errors.proposes, errors.identity, creating=errors.creating
                 )
-            return HubPermissionError(
-                f"{repo_id}: {refused} (403 Forbidden: {first_line(exc)}); {hint}"
-            )
+            return HubPermissionError(f"{repo_id}: {refused} (403 Forbidden: {said(exc)}); {hint}")
         if status in (409, 412):
             return PushFailed(
-                f"{repo_id}: {branch!r} moved while pushing ({first_line(exc)}); nothing was "
+                f"{repo_id}: {branch!r} moved while pushing ({said(exc)}); nothing was "
                 "committed: run push again",
-                **answered,
+                status=status,
+                retry_after=after,
             )
         if status == 429 or status >= 500:
             return PushFailed(
                 f"{repo_id}: the Hub answered {status}{where} and did not recover (the client "
                 "retries what it can); run push again later: files it already holds are not "
                 "uploaded twice",
-                **answered,
+                status=status,
+                retry_after=after,
             )
         return PushFailed(
-            f"{repo_id}: the Hub refused the push{where} ({status}: {first_line(exc)})",
-            **answered,
+            f"{repo_id}: the Hub refused the push{where} ({status}: {said(exc)})",
+            status=status,
+            retry_after=after,
         )
     if isinstance(exc, ValueError) and "README.md" in str(exc):
         return PushFailed(
-            f"{repo_id}: the Hub refused the card's metadata ({first_line(exc)})", status=400
+            f"{repo_id}: the Hub refused the card's metadata ({said(exc)})", status=400
         )
     return PushFailed(
-        f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {first_line(exc)}); "
+        f"{repo_id}: the push did not complete{where} ({type(exc).__name__}: {said(exc)}); "
         "run push again to resume"
     )

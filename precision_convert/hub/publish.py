@@ -10,31 +10,31 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from precision_convert import interrupts
 from precision_convert.conversion.io.hashing import HashedFile
-from precision_convert.errors import (
+from precision_convert.core import interrupts
+from precision_convert.core.errors import (
     HubAuthError,
     InputError,
     NotAsCertified,
     PushRefused,
 )
+from precision_convert.core.patterns import CERTIFICATE_FILE, REPO_ID, is_variant_file
 from precision_convert.hub.errors import hub_errors
 from precision_convert.hub.upload import addition, changed_file, same_content
-from precision_convert.validation.certify.card import base_model_id, render_card
+from precision_convert.validation.certify.card import base_model_id, render_card, stored_in
 from precision_convert.validation.certify.certificate import CARD_NAME
-from precision_convert.validation.certify.verify import Verified, is_variant_file, verify
+from precision_convert.validation.certify.verify import Verified, verify
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: Remote files a new-repo push replaces when its output lacks them: whatever decides what
 #: loads (weights, shard indexes, certificates). Documentation and other files are left alone.
 _LOAD_BEARING = re.compile(
     r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf)"
     r"|\.(safetensors|bin)\.index(\.[\w-]+)?\.json"
-    r"|(^|/)precision_certificate(\.[\w-]+)?\.json)$"
+    rf"|(^|/){CERTIFICATE_FILE.pattern})$"
 )
 #: A branch may be named with or without this prefix.
 _HEADS = "refs/heads/"
@@ -149,7 +149,7 @@ def push_with_result(
     commit_message: str | None = None,
 ) -> PushResult:
     """:func:`push`, returning what was done (for the command's report)."""
-    if not _REPO_ID.match(repo_id):
+    if not REPO_ID.fullmatch(repo_id):
         raise InputError(f"{repo_id!r} is not a Hub repo id (namespace/name)")
     branch, pull_request = _revision(revision)
     if pull_request is not None and create_pr:
@@ -318,7 +318,7 @@ def _into_pull_request(request: _Request, prs: dict[str, str]) -> _Target:
     """``--revision refs/pr/N``: the open pull request N, whoever opened it."""
     number = request.pull_request
     ref = f"refs/pr/{number}"
-    if ref not in prs:
+    if number is None or ref not in prs:
         raise InputError(f"{request.repo_id}: no pull request #{number} (--revision {ref})")
     details = request.api.get_discussion_details(request.repo_id, number)
     if not details.is_pull_request or details.status != "open":
@@ -401,9 +401,11 @@ def _summary(checked: Verified, paths: list[str]) -> str:
     failed = sum(not m.passed for m in cert.metrics)
     source = cert.source.get("id") or "the source checkpoint"
     at = f" at `{cert.source['revision']}`" if cert.source.get("revision") else ""
+    stored = stored_in(cert)
     lines = [
         f"Converted with precision-convert {cert.tool.get('version', '')} and certified "
-        f"against the source upcast to fp32: verdict **{cert.verdict}**.",
+        f"against the source{f' ({stored})' if stored else ''} upcast to fp32: verdict "
+        f"**{cert.verdict}**.",
         "",
         f"- target: `{cert.target}` (compute dtype `{cert.compute_dtype}`)",
         f"- source: `{source}`{at}",

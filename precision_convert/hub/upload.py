@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import io
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from precision_convert.conversion.io.hashing import BLOCK_BYTES, HashedFile
+from precision_convert.core.errors import ChangedSinceCertified
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd
@@ -24,7 +25,8 @@ def addition(file: HashedFile, readers: ExitStack) -> CommitOperationAdd:
     # Built on the path (which reads nothing), then given the certified stream and upload info:
     # a file object passed in directly would be read whole once more just to hash it.
     add = CommitOperationAdd(file.path, file.location)
-    add.path_or_fileobj = readers.enter_context(CertifiedReader(file))
+    # A binary file to the client; typeshed's BinaryIO is a class, not the protocol it reads.
+    add.path_or_fileobj = cast(BinaryIO, readers.enter_context(CertifiedReader(file)))
     # The sample (read from the path) only tells text from binary; it is not uploaded.
     add.upload_info = UploadInfo(file.size, add.upload_info.sample, bytes.fromhex(file.sha256))
     return add
@@ -94,14 +96,6 @@ class CertifiedReader(io.BufferedIOBase):
             self._handle = None
         self._block = b""
         super().close()
-
-
-class ChangedSinceCertified(Exception):
-    """A file's bytes changed between the gate and its upload (raised inside the client)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        super().__init__(f"{path}: changed since certification")
 
 
 def changed_file(exc: BaseException) -> str | None:

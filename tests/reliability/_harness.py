@@ -2,7 +2,8 @@
 
 One *trial* starts a command (a conversion, a calibrating conversion, a validation, a batch
 run, a push), waits until it has really begun its work, sleeps a delay drawn from
-``random.Random(seed)`` and sends SIGKILL or SIGINT. Then it checks the promises of the tool:
+``random.Random(seed)`` and sends SIGKILL, SIGINT, SIGTERM or SIGHUP. Then it checks the
+promises of the tool:
 
 - the target path holds nothing, or a complete output: every file byte-identical to what an
   uninterrupted run writes, and, when a certificate is there, one that ``validate --verify``
@@ -10,7 +11,9 @@ run, a push), waits until it has really begun its work, sleeps a delay drawn fro
   signal cut validation short (conversion commits before it validates; ``validate`` then
   certifies it), and the trial records it;
 - the source is byte-identical (a digest of every file before and after);
-- SIGINT exits 130 with one line that says what is on disk, and no traceback;
+- SIGINT exits 130, SIGTERM 143 (what ``kill``, ``timeout`` and schedulers send) and SIGHUP
+  129, each with one line that says what is on disk, no traceback, and neither its staging
+  directory nor its lock left beside the target;
 - a rerun succeeds (the same command; ``validate`` for an output whose validation was cut
   short; ``batch --resume``; ``push`` again), and afterwards no staging directory is left.
 
@@ -54,7 +57,14 @@ from precision_convert.cli.main import app
 
 #: The kinds of work a trial interrupts.
 KINDS = ("conversion", "calibration", "validation", "batch", "push")
-SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGINT": signal.SIGINT}
+SIGNALS = {
+    "SIGKILL": signal.SIGKILL,
+    "SIGINT": signal.SIGINT,
+    "SIGTERM": signal.SIGTERM,
+    "SIGHUP": signal.SIGHUP,
+}
+#: The signals of the full mode (SIGHUP is handled exactly as SIGTERM: sampled once).
+FULL_SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM")
 #: Where a trial's processes find the read throttle (``sitecustomize``).
 SITECUSTOM = Path(__file__).with_name("_sitecustom")
 #: Seconds of sleep per 256 KiB source chunk: an 8 MiB source takes ~3 s to write.
@@ -91,12 +101,12 @@ class Trial:
     """One interrupted run and what it left behind."""
 
     kind: str
-    signal: str  # "SIGKILL" or "SIGINT"
+    signal: str  # a key of SIGNALS
     seed: int
     delay: float = 0.0  # seconds after the command began its work
     interrupted: bool = False  # the command was still running when the signal arrived
     late: bool = False  # the signal arrived as it exited after finishing (exit 0)
-    swallowed: bool = False  # SIGINT arrived, but it did not exit 130 (a known defect)
+    swallowed: bool = False  # SIGINT/SIGTERM arrived, but it did not exit 128+signal (a defect)
     returncode: int | None = None
     stderr: str = ""
     left: str = ""  # what the target held: nothing, certified, complete, uncertified
@@ -304,7 +314,7 @@ def interrupt(
     trial.returncode = child.wait()
     went_on = time.monotonic() - signalled
     trial.stderr = child.stderr
-    if not trial.interrupted or trial.returncode in (130, -signal.SIGKILL):
+    if not trial.interrupted or trial.returncode in (exit_code(trial.signal), -signal.SIGKILL):
         return
     if trial.returncode == 0 and went_on < _LATE_S:
         # A signal that lands while the interpreter shuts down after the work is done (the
@@ -320,7 +330,14 @@ def interrupt(
             f"{trial.returncode}"
         )
     else:
-        trial.defect(f"Ctrl-C exit code: {trial.returncode}, not 130 ({trial.stderr[-200:]!r})")
+        # Only a Ctrl-C has a known way to go astray (typer's silent exit before the command
+        # began); a SIGTERM or SIGHUP that kills the process is a failure.
+        wrong = (
+            f"{trial.signal} exit code: {trial.returncode}, not {exit_code(trial.signal)} "
+            f"({trial.stderr[-200:]!r})"
+        )
+        assert trial.signal == "SIGINT", wrong
+        trial.defect(wrong)
 
 
 # --------------------------------------------------------------------------- checks
@@ -376,7 +393,8 @@ def check_output(trial: Trial, output: Path, reference: Path, *, certifies: bool
 def check_signal_exit(
     trial: Trial, holds_output: bool, truthful: Callable[[str], bool] | None
 ) -> None:
-    """SIGKILL: killed. SIGINT: exit 130, one line that says what is on disk, no traceback.
+    """SIGKILL: killed. Any other: exit 128 + the signal, one line that says what is on disk,
+    no traceback.
 
     ``holds_output``: whether the target holds something now; then the line must not say that
     nothing was written, and ``truthful(line)`` (e.g. "it names the output") must hold. Without
@@ -387,7 +405,7 @@ def check_signal_exit(
     if trial.signal == "SIGKILL":
         assert trial.returncode == -signal.SIGKILL, (trial.returncode, trial.stderr)
         return
-    assert trial.returncode == 130, (trial.returncode, trial.stderr)
+    assert trial.returncode == exit_code(trial.signal), (trial.returncode, trial.stderr)
     if not trial.stderr.strip():
         # typer turns a KeyboardInterrupt that escapes the command into a silent exit 130:
         # Ctrl-C while a command still imports what it needs, before its error handler.
@@ -402,6 +420,21 @@ def check_signal_exit(
         trial.defect(f"interrupted with output on disk, the message says: {line!r}")
     if not holds_output:
         assert says_nothing(line) or truthful is None, line
+
+
+def exit_code(sig: str) -> int:
+    """What a command stopped by ``sig`` (a key of :data:`SIGNALS`) exits with: 128 + the
+    signal, as a shell reports it (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP)."""
+    return 128 + SIGNALS[sig]
+
+
+def check_cleaned_up(trial: Trial, parent: Path) -> None:
+    """A command that a catchable signal stopped removed its staging directory and its lock
+    before it exited: nothing of it is left beside the target for a rerun to clean up (a
+    SIGKILL leaves them; the next run removes them)."""
+    if trial.interrupted and trial.signal != "SIGKILL" and not trial.swallowed:
+        left = [p.name for p in parent.iterdir() if p.name.endswith(".pc-lock")]
+        assert leftovers(parent) + left == [], (leftovers(parent) + left, trial.stderr)
 
 
 def last_line(stderr: str) -> str:
@@ -515,6 +548,7 @@ def _convert_trial(
     interrupt(trial, child, ready(target), window)
     check_output(trial, target, reference, certifies=certifies)
     check_signal_exit(trial, trial.left != "nothing", lambda line: str(target) in line)
+    check_cleaned_up(trial, work)
     assert tree_digest(source) == before, "the source changed"
     if trial.left == "uncertified":
         rerun = run_in_process(["validate", str(target), "--coverage", "quick"])
@@ -583,6 +617,7 @@ def validation(trial: Trial, work: Path, sources: Sources) -> None:
     interrupt(trial, child, lambda: True, window=0.9)
     check_output(trial, target, sources.certified_reference, certifies=True)
     check_signal_exit(trial, True, lambda line: str(target) in line)
+    check_cleaned_up(trial, work)
     assert tree_digest(sources.llama) == before, "the baseline changed"
     rerun = run_in_process(args)
     assert rerun.exit_code == 0, rerun.stderr
@@ -609,6 +644,7 @@ def batch(trial: Trial, work: Path, sources: Sources) -> None:
     trial.left = ",".join(states)
     # Finished jobs are kept: the line must not say that nothing was written.
     check_signal_exit(trial, any(state != "nothing" for state in states), None)
+    check_cleaned_up(trial, out)
     assert tree_digest(sources.llama) == before, "the source changed"
     rerun = run_in_process(["batch", str(manifest), "--resume"])
     assert rerun.exit_code == 0, rerun.stderr

@@ -1,5 +1,6 @@
 """Two runs on one output at once: one wins, the other stops with a clear message (exit 2),
-and what is left is one run's complete output, never a mix of both.
+and what is left is one run's complete output, never a mix of both. A batch job and a
+``model`` run on one path likewise: the job fails instead of replacing the other's output.
 
 The runs are real processes (forked warm, see ``_harness``) with slowed source reads, so the
 first is still writing when the second reaches the output.
@@ -7,12 +8,18 @@ first is still writing when the second reaches the output.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
 import _harness
 import pytest
 from _corrupt import assert_one_error_line, leftovers, tree_digest
+
+from precision_convert.batch.job import Outcome, Settings, convert_stage, validate_stage
+from precision_convert.batch.manifest import Job, read_manifest
+from precision_convert.conversion.io.staging import TargetLock
 
 #: What the refused run may say: the lock of a run still writing, or the output it committed.
 _REFUSALS = ("another precision-convert run (pid", "output already exists")
@@ -86,3 +93,87 @@ def test_second_batch_on_a_busy_output_dir_stops(tmp_path: Path, sources: _harne
         first.signal(_harness.SIGNALS["SIGKILL"])
         first.wait()
     assert not (tmp_path / "out" / "batch_report.json").exists()  # the second wrote nothing
+
+
+# --------------------------------------------------------------------------- batch and model
+
+
+@pytest.fixture
+def staged_job(tmp_path: Path, sources: _harness.Sources) -> tuple[Job, Settings, Outcome]:
+    """A batch job with its output converted into its staging folder: next it validates, then
+    moves into place (the stages a worker runs, here in this process, one at a time)."""
+    manifest = tmp_path / "batch.toml"
+    manifest.write_text(
+        f'[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n\n'
+        f'[[model]]\nsource = "{sources.llama}"\n'
+    )
+    plan = read_manifest(manifest)
+    [job] = plan.jobs
+    settings = Settings.for_run(plan.output_dir, threads=1)
+    outcome = convert_stage(job, settings)
+    assert not outcome.failed, outcome.reason
+    return job, settings, outcome
+
+
+def test_a_model_run_that_finishes_while_a_batch_job_validates_is_kept(
+    staged_job: tuple[Job, Settings, Outcome], sources: _harness.Sources
+) -> None:
+    """The batch job validates while ``model`` finishes into the same path: the job's move
+    into place finds an output it did not write and was not asked to replace; it fails
+    saying so, and the model run's output is kept whole."""
+    job, settings, outcome = staged_job
+    args = ["model", str(sources.llama), "--to", "bf16", "--coverage", "quick"]
+    assert _harness.run_in_process([*args, "-o", str(job.output)]).exit_code == 0
+    before = tree_digest(job.output)
+
+    outcome = validate_stage(job, settings, outcome, "cpu")
+
+    assert outcome.failed and outcome.reason is not None
+    assert outcome.reason.startswith(f"validate: {job.output}: another run wrote this output")
+    assert "--overwrite" in outcome.reason
+    assert tree_digest(job.output) == before
+    _harness.verify(job.output)
+    assert not settings.scratch(job).exists()
+    assert leftovers(job.output.parent) == []
+    assert not (job.output.parent / f".{job.output.name}.pc-lock").exists()
+
+
+def test_a_batch_job_moving_into_place_while_a_model_run_writes_there_fails_at_once(
+    staged_job: tuple[Job, Settings, Outcome],
+) -> None:
+    """A ``model`` run holds the target's lock while it writes: the batch job's move into place
+    stops at once, naming it, and leaves the target to it (nothing there, nothing beside)."""
+    job, settings, outcome = staged_job
+    writing = TargetLock(job.output)  # what a model run holds from its start to its commit
+    writing.acquire()
+    try:
+        outcome = validate_stage(job, settings, outcome, "cpu")
+    finally:
+        writing.release()
+
+    assert outcome.failed and outcome.reason is not None
+    assert f"(pid {os.getpid()}) is writing this output" in outcome.reason
+    assert not job.output.exists()
+    assert leftovers(job.output.parent) == []
+    assert not settings.scratch(job).exists()
+
+
+def test_validate_into_an_output_another_run_is_writing_stops(
+    tmp_path: Path, sources: _harness.Sources
+) -> None:
+    """``validate`` writes its certificate and card into the output: under the same lock as
+    ``model`` and batch, so while another run holds the output it stops at once, naming that
+    run, and writes nothing."""
+    target = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, target)
+    before = tree_digest(target)
+    args = ["validate", str(target), "--baseline", str(sources.llama), "--coverage", "quick"]
+
+    with TargetLock(target):  # a `model --overwrite` replacing it now
+        done = _harness.run_in_process(args)
+
+    assert done.exit_code == 2, done.stderr
+    assert_one_error_line(done.stderr, str(target), f"(pid {os.getpid()}) is writing")
+    assert tree_digest(target) == before
+    assert _harness.run_in_process(args).exit_code == 0  # once it is free
+    assert [p.name for p in tmp_path.iterdir() if ".pc-" in p.name] == []

@@ -45,6 +45,16 @@ SAMPLE = [
     ("batch", "SIGKILL"),
     ("push", "SIGINT"),
 ]
+#: SIGTERM (what ``kill``, ``timeout`` and schedulers send) at each stage, and SIGHUP once: the
+#: run unwinds as a Ctrl-C does, and exits 143 (129).
+TERMINATED = [
+    ("conversion", "SIGTERM"),
+    ("calibration", "SIGTERM"),
+    ("validation", "SIGTERM"),
+    ("batch", "SIGTERM"),
+    ("push", "SIGTERM"),
+    ("conversion", "SIGHUP"),
+]
 #: Seeds of the full mode: five per (kind, signal), ten per kind.
 FULL_SEEDS = range(1, 6)
 
@@ -73,7 +83,9 @@ def _run(
     return trial
 
 
-@pytest.mark.parametrize(("kind", "sig"), SAMPLE, ids=[f"{k}-{s}" for k, s in SAMPLE])
+@pytest.mark.parametrize(
+    ("kind", "sig"), SAMPLE + TERMINATED, ids=[f"{k}-{s}" for k, s in SAMPLE + TERMINATED]
+)
 def test_interrupted_once(
     kind: str, sig: str, tmp_path: Path, sources: _harness.Sources, hub: FakeHub
 ) -> None:
@@ -83,7 +95,7 @@ def test_interrupted_once(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", FULL_SEEDS)
-@pytest.mark.parametrize("sig", list(_harness.SIGNALS))
+@pytest.mark.parametrize("sig", _harness.FULL_SIGNALS)
 @pytest.mark.parametrize("kind", _harness.KINDS)
 def test_interrupted_at_random(
     kind: str, sig: str, seed: int, tmp_path: Path, sources: _harness.Sources, hub: FakeHub

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precision_convert.batch.manifest import OPTION_KEYS, read_manifest
-from precision_convert.errors import InputError
-from precision_convert.names import matches
+from precision_convert.core.errors import InputError
+from precision_convert.core.names import matches
 from precision_convert.recipes import TARGETS
 
 SETTINGS = settings(

@@ -2,15 +2,15 @@
 
 SIGINT raises ``KeyboardInterrupt`` wherever the main thread is, and code catching
 ``BaseException`` there drops it (seen once in 50 trials while torch imported numpy). The
-command records every SIGINT (``precision_convert.interrupts``), so a run that went on anyway
+command records every SIGINT (``precision_convert.core.interrupts``), so a run that went on anyway
 stops before it renames its output into place or commits to the Hub.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,13 +18,13 @@ from _corrupt import cli_env, leftovers, tiny_source
 from test_push import Served, _writes, hub, served  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
-from precision_convert import interrupts
 from precision_convert.cli.main import app
+from precision_convert.core import interrupts
 
 #: A real SIGINT to the real handler, swallowed as a careless import would, then the command.
 _SWALLOWED = """
 import os, signal, sys, time
-from precision_convert import interrupts
+from precision_convert.core import interrupts
 interrupts.watch()
 try:
     os.kill(os.getpid(), signal.SIGINT)
@@ -63,9 +63,8 @@ def test_a_swallowed_ctrl_c_stops_the_push_before_its_commit(
     hub: object,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    recorded = threading.Event()
-    recorded.set()  # what the handler leaves behind when its KeyboardInterrupt was swallowed
-    monkeypatch.setattr(interrupts, "_interrupted", recorded)
+    # What the handler leaves behind when its KeyboardInterrupt was swallowed.
+    monkeypatch.setattr(interrupts, "_received", [signal.SIGINT])
 
     done = CliRunner().invoke(app, ["push", str(served.output), "ns/never-committed"])
 
@@ -77,7 +76,7 @@ def test_a_swallowed_ctrl_c_stops_the_push_before_its_commit(
 #: A SIGINT that lands in a finalizer: Python cannot raise it there and prints it as ignored.
 _IN_A_FINALIZER = """
 import gc, os, signal
-from precision_convert import interrupts
+from precision_convert.core import interrupts
 interrupts.watch()
 
 class Finalized:

@@ -45,9 +45,9 @@ from precision_convert.conversion.analysis.activations import (
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
-from precision_convert.dtypes import Target
-from precision_convert.names import module_of
-from precision_convert.progress import expect, stage
+from precision_convert.core.dtypes import Target
+from precision_convert.core.names import module_of
+from precision_convert.core.progress import expect, stage
 from precision_convert.validation.calibration.search import PlanWith, _Search
 from precision_convert.validation.calibration.watch import (
     Watched,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +30,8 @@ from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.output import write_model
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.loader import load
-from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.names import module_of
+from precision_convert.conversion.runtime.memory import freed
+from precision_convert.core.names import module_of
 from precision_convert.validation.calibration.watch import (
     CARRIED,
     STILL_LOW,
@@ -94,7 +93,8 @@ class _Search:
         """``added`` with the islands that make the candidate carry every near-limit tensor
         in fp32, then those the search over the other ``free`` units finds."""
         frozen = self.swept.resolved
-        baselines: dict[str | None, Any] = {None: self.swept.outputs, **self.swept.by_attention}
+        baselines: dict[str | None, Any] = {None: self.swept.outputs}
+        baselines.update(self.swept.by_attention.items())
         with tempfile.TemporaryDirectory(prefix="pc-candidate-") as scratch:
             if near:
                 fixes, self.carried = _carry_in_fp32(
@@ -247,22 +247,29 @@ def _candidate_carriage(
     candidate does not run)."""
     import torch
 
-    directory = scratch / "candidate"
+    directory = _write_candidate(model, plan, scratch)
+    with freed(load(directory, trust_remote_code=trust_remote_code)) as candidate:
+        try:
+            with carriage(candidate.model) as seen, torch.no_grad():
+                run_probes(candidate.model, inputs, "cpu", plan.compute.torch)
+            return seen
+        except RUN_ERRORS as exc:
+            logger.info("candidate failed to run: %s", exc)
+            return None
+
+
+def _write_candidate(model: ModelSource, plan: ModelPlan, scratch: Path) -> Path:
+    """Write ``plan`` under ``scratch`` where it loads as the source does: a pipeline
+    component in a folder of its name beside the pipeline's ``model_index.json``, whose class
+    for it is the one users get (a safety checker's config alone reads as a ``CLIPModel``)."""
+    index = model.root.parent / "model_index.json"
+    directory = scratch / model.root.name if index.is_file() else scratch / "candidate"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir()
+    if index.is_file():
+        shutil.copyfile(index, scratch / index.name)
     write_model(model, plan, directory)
-    candidate = load(directory, trust_remote_code=trust_remote_code)
-    try:
-        with carriage(candidate) as seen, torch.no_grad():
-            run_probes(candidate, inputs, "cpu", plan.compute.torch)
-        return seen
-    except RUN_ERRORS as exc:
-        logger.info("candidate failed to run: %s", exc)
-        return None
-    finally:
-        gone = weakref.ref(candidate)
-        del candidate
-        free_model(gone)
+    return directory
 
 
 def _searched(units: Iterable[str]) -> list[Island]:
@@ -291,44 +298,36 @@ def _candidate_passes(
     bisection's failing candidates mostly fail where the last one did), so a failing candidate
     costs a few forwards and only a passing one runs every probe.
     """
-    directory = scratch / "candidate"
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir()
-    write_model(model, plan, directory)
-    candidate: Any = None
-    try:
-        candidate = load(directory, trust_remote_code=trust_remote_code)
-        by_attention: dict[str | None, Any] = {}
-        for implementation in _failed_first(list(baselines), failed):
-            first = [name for impl, name in reversed(failed) if impl == implementation]
-            with attention(candidate, implementation):
-                outputs, failure = _run_until_failure(
-                    candidate,
-                    _probes_first(inputs, first),
-                    baselines[implementation],
-                    thresholds,
-                    plan.compute.torch,
-                )
-            if failure is not None:
-                failed.pop((implementation, failure), None)
-                failed[(implementation, failure)] = None
-                return False
-            by_attention[implementation] = outputs
-        passing.update(
-            plan=plan.sha256,
-            weights=weights_digest(directory),
-            outputs=by_attention.pop(None),
-            by_attention=by_attention,
-        )
-        return True
-    except RUN_ERRORS as exc:
-        logger.info("candidate failed to run: %s", exc)
-        return False
-    finally:
-        if candidate is not None:
-            gone = weakref.ref(candidate)
-            del candidate
-            free_model(gone)
+    directory = _write_candidate(model, plan, scratch)
+    with freed() as candidate:
+        try:
+            candidate.model = load(directory, trust_remote_code=trust_remote_code)
+            by_attention: dict[str | None, Any] = {}
+            for implementation in _failed_first(list(baselines), failed):
+                first = [name for impl, name in reversed(failed) if impl == implementation]
+                with attention(candidate.model, implementation):
+                    outputs, failure = _run_until_failure(
+                        candidate.model,
+                        _probes_first(inputs, first),
+                        baselines[implementation],
+                        thresholds,
+                        plan.compute.torch,
+                    )
+                if failure is not None:
+                    failed.pop((implementation, failure), None)
+                    failed[(implementation, failure)] = None
+                    return False
+                by_attention[implementation] = outputs
+            passing.update(
+                plan=plan.sha256,
+                weights=weights_digest(directory),
+                outputs=by_attention.pop(None),
+                by_attention=by_attention,
+            )
+            return True
+        except RUN_ERRORS as exc:
+            logger.info("candidate failed to run: %s", exc)
+            return False
 
 
 def _run_until_failure(

@@ -19,7 +19,7 @@ from precision_convert.conversion.analysis.activations import (
     NearLimit,
 )
 from precision_convert.conversion.plan import ModelPlan
-from precision_convert.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FP16_MAX
 
 #: Near-limit tensors named one by one in the warnings; the rest are counted.
 WATCH_WARNINGS = 12

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from precision_convert._version import __version__
+from precision_convert.conversion.io.finite import SourceRead
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
     Source,
 )
-from precision_convert.errors import CannotValidateError
+from precision_convert.core._version import __version__
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import (
     FAIL,
     PASS,
@@ -38,8 +39,10 @@ from precision_convert.validation.certify.components import (
     ComponentResult,
 )
 from precision_convert.validation.certify.load_paths import failure_lines
+from precision_convert.validation.certify.load_ways import stored_dtypes
 from precision_convert.validation.certify.reference import (
     SourceInfo,
+    models_of,
     without_local_paths,
 )
 from precision_convert.validation.certify.verify import hash_files
@@ -53,7 +56,8 @@ class _Run:
     root: Path
     opened: Source
     source: SourceInfo
-    weights: dict[str, str]  # the source's weight files and their digests
+    read: SourceRead  # the baseline's weight files: their digests, their non-finite tensors
+    reference: Source  # the baseline's files, opened (the converted ones for a smoke check)
     device: torch.device
     memory: int  # bytes: past them, a model is validated block by block
     max_memory: str | int | None  # as the user gave it, for the certificate
@@ -108,16 +112,34 @@ def _certificate(
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]
-    records = {c.record.target for c in components} - {None}
-    compute = {c.record.compute_dtype for c in components} - {None}
+    broken = run.read.broken_line()
+    if broken is not None:  # allowed to go on (--allow-nonfinite-source), never to pass
+        failures = [f"{broken}: the baseline is not a reference there", *failures]
+    records = {c.record.target for c in components if c.record.target is not None}
+    compute = {c.record.compute_dtype for c in components if c.record.compute_dtype is not None}
     notes = [r.record.inputs["skipped"] for r in results if "skipped" in r.record.inputs]
     notes += [note for r in results for note in r.notes]
+    for r in results:  # probes the fp32 baseline could not answer: named, not dropped
+        if unjudged := r.record.inputs.get("unjudged"):
+            notes.append(
+                f"{r.record.name or 'model'}: {len(unjudged)} probe(s) not judged, the fp32 "
+                f"baseline's own output is not finite there (counted against coverage): "
+                f"{', '.join(unjudged)}"
+            )
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
         tokenizer = r.record.inputs.get("tokenizer") or {}
         if tokenizer.get("usable") is False:
             notes.append(
                 f"{r.record.name}: {tokenizer['note']}" if r.record.name else tokenizer["note"]
             )
+    masks = [
+        f"{c}/{t.describe()}" if c else t.describe()
+        for c, found in run.read.nonfinite.items()
+        for t in found
+        if t.by_design
+    ]
+    if masks:
+        notes.append(f"attention masks stored as ±inf by design: {', '.join(masks)}")
     if source.kind == SELF_BASELINE:
         notes.append(
             "a smoke check, not a certification: the baseline is the converted weights "
@@ -135,8 +157,12 @@ def _certificate(
             "id": source.id,
             "revision": source.revision,
             "path": source.id,
-            "files": run.weights,
+            "files": run.read.files,
             "card": source_card_data(source.path),
+            # What the baseline's weights were before the upcast: a bf16-stored source's
+            # baseline holds bf16 values, not an fp32 checkpoint's.
+            "stored_dtypes": stored_dtypes_of(run.reference),
+            "nonfinite": _nonfinite(run.read),
             # A --variant output: its files are added to the source repo under this variant.
             "variant": next((c.converted.variant for c in components if c.converted.variant), None),
         },
@@ -198,6 +224,18 @@ def _cannot_validate_lines(exc: CannotValidateError) -> list[str]:
     if "trust-remote-code" in str(exc):
         how += ", or trust the model's own code (--trust-remote-code) so it can be built"
     return [str(exc), how]
+
+
+def _nonfinite(read: SourceRead) -> dict[str, list[dict[str, object]]]:
+    """The baseline's tensors holding NaN or ±inf, per component, each with its counts and
+    whether it is a mask stored so by design (reported, never refused)."""
+    return {c: [t.to_json() for t in found] for c, found in read.nonfinite.items()}
+
+
+def stored_dtypes_of(reference: Source) -> dict[str, dict[str, int]]:
+    """Floating elements per stored dtype of the baseline's weight files, per component (""
+    for a single model), from the headers already read: no pass over the data."""
+    return {name: stored_dtypes([model]) for name, model in models_of(reference).items()}
 
 
 #: Fields of the source's own model card that a converted copy inherits (Hub metadata).

@@ -40,8 +40,8 @@ from precision_convert.conversion.runtime.streaming import (
     install_placeholders,
     stored_dtype,
 )
-from precision_convert.errors import CannotValidateError, WeightsDoNotMap
-from precision_convert.nested import map_tensors, tensors_in
+from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap, one_line
+from precision_convert.core.nested import map_tensors, tensors_in
 from precision_convert.validation.certify.components import (
     Component,
     ComponentResult,
@@ -321,21 +321,19 @@ def validate_blockwise(
             component, task, swept, "blockwise", blocks=len(blocks)
         )
         block_thresholds = thresholds_for("block", recipe_validation(record.recipe))
-        metrics = measure(
-            component.name, "forward", "*", {"coverage": coverage.fraction}, thresholds
-        )
+        covered = coverage.fraction * swept.judged_share  # unanswered probes: not covered
+        metrics = measure(component.name, "forward", "*", {"coverage": covered}, thresholds)
         try:
             cand_out, block_metrics = _candidate_pass(
                 component, blocks, store, frozen, device, block_thresholds
             )
         except RUN_ERRORS as exc:
-            text = str(exc).strip().splitlines()
             return ComponentResult(
                 record,
                 metrics,
                 [
                     f"{component.name or 'model'}: the converted model failed to run: "
-                    f"{type(exc).__name__}: {text[0] if text else ''}"
+                    f"{one_line(exc)}"
                 ],
             )
         metrics += block_metrics

@@ -18,13 +18,13 @@ it, and the repo it is pushed to), so it can be checked by regenerating it.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.chart import CHART_NAME
-from precision_convert.dtypes import BY_TORCH_NAME, Target
+from precision_convert.core.dtypes import BY_TORCH_NAME, Target
+from precision_convert.core.patterns import REPO_ID
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -48,13 +48,12 @@ WAY_NAMES = {
     "resave:auto": 're-saved, `"auto"` dtype',
     "resave:pc.load": "re-saved, precision-convert",
 }
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def base_model_id(certificate: Certificate) -> str | None:
     """The Hub id to declare as ``base_model``: the source's repo id when it has one."""
     source_id = certificate.source.get("id")
-    if isinstance(source_id, str) and _REPO_ID.match(source_id) and not Path(source_id).exists():
+    if isinstance(source_id, str) and REPO_ID.fullmatch(source_id) and not Path(source_id).exists():
         return source_id
     return None
 
@@ -70,10 +69,39 @@ def source_name(certificate: Certificate) -> str | None:
 
 
 def compared_with(certificate: Certificate) -> str:
-    """What the baseline was, in words."""
+    """What the baseline was, in words: which weights, the dtypes they were stored in, and
+    that they were upcast to fp32."""
+    stored = stored_in(certificate)
+    as_stored = f", {stored}," if stored else ""
     if certificate.against_source:
-        return f"the source ({source_name(certificate) or 'not named'}) upcast to fp32"
-    return "the converted weights themselves upcast to fp32"
+        name = source_name(certificate) or "not named"
+        return f"the source ({name}){as_stored} upcast to fp32"
+    return f"the converted weights themselves{as_stored} upcast to fp32"
+
+
+def stored_in(certificate: Certificate) -> str | None:
+    """The dtypes the baseline's floating weights were stored in, in words ("stored in
+    bfloat16"; a mix with each dtype's share; a pipeline per component where they differ);
+    None for a certificate that does not record them."""
+    stored = certificate.source.get("stored_dtypes")
+    if not isinstance(stored, dict) or not stored:
+        return None
+    mixes = {name: _mix(counts) for name, counts in stored.items() if counts}
+    if not mixes:
+        return None
+    if len(set(mixes.values())) == 1:
+        return f"stored in {next(iter(mixes.values()))}"
+    return "stored in " + "; ".join(f"{mix} ({name})" for name, mix in mixes.items())
+
+
+def _mix(counts: dict[str, int]) -> str:
+    """``bfloat16``, or ``float32 (97.5%) and bfloat16 (2.5%)``: shares of floating values."""
+    if len(counts) == 1:
+        return next(iter(counts))
+    total = sum(counts.values())
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+    shares = [f"{dtype} ({100 * n / total:.3g}%)" for dtype, n in ordered]
+    return ", ".join(shares[:-1]) + " and " + shares[-1]
 
 
 def tags(certificate: Certificate) -> list[str]:
@@ -167,12 +195,15 @@ def render(
             "(`precision-convert validate DIR --baseline SOURCE`).",
             "",
         ]
+    # What a Hub visitor needs first (how to load it, what was and was not judged), then
+    # the detail tables.
     lines += _why_failed(certificate)
+    lines += _loading(certificate, repo_id)
+    lines += _limitations(certificate)
     lines += _parity(certificate)
-    lines += _reach(certificate)
     lines += _components(certificate)
     lines += _charts(charts)
-    lines += _loading(certificate, repo_id)
+    lines += _ways_of_loading(certificate)
     lines += [
         f"Every file's sha256 is listed in `{certificate.file_name}`; "
         "`precision-convert push` refuses files that differ from it.",
@@ -185,6 +216,7 @@ def _metadata(certificate: Certificate) -> str:
     """The card's YAML header: the Hub's metadata (base model, tags, library, the source's
     own pipeline tag and license) and the certificate's summary."""
     from huggingface_hub import ModelCardData
+    from huggingface_hub.utils import yaml_dump
 
     inherited = certificate.source.get("card") or {}
     library = next((c.library for c in certificate.components if c.library != "pipeline"), None)
@@ -202,7 +234,9 @@ def _metadata(certificate: Certificate) -> str:
         license=inherited.get("license"),
         precision_convert=summary(certificate),
     )
-    return data.to_yaml()
+    # Collections of plain values on one line each (tags, each component's ways of
+    # loading): a pipeline's header would otherwise push the card's text off the first screen.
+    return yaml_dump(data.to_dict(), sort_keys=False, default_flow_style=None).strip()
 
 
 def _verdict(certificate: Certificate) -> str:
@@ -274,10 +308,38 @@ def _charts(charts: Sequence[str]) -> list[str]:
     ]
 
 
+#: What each probe origin (``ModelInputs.origin``) means to a reader of the card.
+ORIGINS = {
+    "builder": "synthetic inputs built from the config",
+    "tokenizer": "text and token ids through the model's own tokenizer",
+    "file": "user-given inputs (--inputs)",
+}
+
+
+def _limitations(certificate: Certificate) -> list[str]:
+    """What the verdict covers and what it does not: the device, where the probes came from,
+    and the sizes, positions and contexts they reached."""
+    device = certificate.device.get("type") or "an unrecorded device"
+    lines = [
+        "## Limitations",
+        "",
+        f"- Judged on {device} only: other devices and kernels round differently and were not run.",
+    ]
+    for c in certificate.components:
+        origin = c.inputs.get("origin")
+        if origin is None:
+            continue
+        who = f"`{c.name}`: " if c.name else ""
+        what = ORIGINS.get(origin, f"inputs of origin {origin!r}")
+        made = "" if origin == "file" else f" (seed {c.inputs.get('seed')}), not real data"
+        lines.append(f"- {who}probes are {what}{made}.")
+    return [*lines, *_reach(certificate), ""]
+
+
 def _reach(certificate: Certificate) -> list[str]:
-    """The card's coverage section: per component, the positions, context length and token
-    ids its probes reached (every range left untested named), or the timesteps they ran at,
-    and the image side and frames run against those the model declares."""
+    """Per component, the positions, context length and token ids its probes reached (every
+    range left untested named), or the timesteps they ran at, and the image side and frames
+    run against those the model declares: one list item each."""
     lines = []
     for c in certificate.components:
         reach = c.inputs.get("reach") or {}
@@ -305,9 +367,7 @@ def _reach(certificate: Certificate) -> list[str]:
             who = f"`{c.name}`: " if c.name else ""
             level = c.inputs.get("coverage") or "no sweep"
             lines.append(f"- {who}{'; '.join(parts)}. Coverage `{level}`, {c.mode} validation.")
-    if not lines:
-        return []
-    return ["## Inputs reached", "", *lines, ""]
+    return lines
 
 
 #: How the card names each size of an ``inputs.sizes`` record.
@@ -356,7 +416,8 @@ def _cast_warning(certificate: Certificate) -> list[str]:
 
 def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
     """The loading section: the recommended call (from ``repo_id`` when the card is pushed
-    there), then what every way of loading gives."""
+    there), and which of the calls judged match fp32 and which do not (the table of every
+    way comes after the metrics)."""
     variant = certificate.source.get("variant")
     where = f'"{repo_id or "<this repo or dir>"}"'
     if variant:
@@ -370,6 +431,29 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
         "```",
         "",
     ]
+    calls = {v: list(dict.fromkeys(p.call for p in certificate.load_paths if p.verdict == v))
+             for v in ("pass", "fail")}  # fmt: skip
+    if calls["pass"]:
+        lines.append(f"Match fp32, islands kept: {_calls(calls['pass'])}.")
+    if calls["fail"]:
+        lines.append(f"Do not match fp32: {_calls(calls['fail'])}.")
+    if calls["pass"] or calls["fail"]:
+        lines += ["(Every way of loading, in detail: the last section.)", ""]
+    return lines
+
+
+#: Calls named in the loading summary before the rest are counted.
+MAX_CALLS = 6
+
+
+def _calls(calls: Sequence[str]) -> str:
+    shown = ", ".join(f"`{c}`" for c in calls[:MAX_CALLS])
+    return shown + (f" and {len(calls) - MAX_CALLS} more" if len(calls) > MAX_CALLS else "")
+
+
+def _ways_of_loading(certificate: Certificate) -> list[str]:
+    """What every way of loading these files gives, judged like the model itself."""
+    lines = ["## Ways of loading", ""]
     if not certificate.load_paths:
         checked = (
             "Only `precision_convert.load` was checked"
@@ -502,7 +586,7 @@ def write_card(certificate: Certificate, directory: str | Path) -> Path:
     (``precision_activations.png`` at the top or in a pipeline component's folder)."""
     directory = Path(directory)
     path = directory / CARD_NAME
-    write_atomically(path, render_card(certificate, directory))
+    write_atomically({path: render_card(certificate, directory)})
     return path
 
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from precision_convert.folding import fold
+from precision_convert.core.folding import fold
 from precision_convert.validation.probe.run.metrics import Measurement
 
 #: Most metric rows in the card; the certificate keeps all of them.

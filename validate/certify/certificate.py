@@ -13,9 +13,9 @@ the files on disk are the ones that were certified (the one verifier,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -24,12 +24,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from precision_convert.core.errors import CertificateError, FileSystemError
+from precision_convert.core.patterns import CERTIFICATE_FILE, CERTIFICATE_NAME, certificate_name
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
-CERTIFICATE_NAME = "precision_certificate.json"
-#: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
-#: written with ``--variant`` (it sits beside the source repo's files, under its own name).
-CERTIFICATE_FILE = re.compile(r"precision_certificate(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json")
 CARD_NAME = "README.md"
 #: The JSON Schema certificates are read back against (docs/schema/, installed as
 #: ``precision_convert.schema``).
@@ -210,16 +208,20 @@ class Certificate:
 
     @classmethod
     def read(cls, directory: str | Path) -> Certificate:
-        """The certificate stored in ``directory`` (FileNotFoundError when there is none)."""
+        """The certificate stored in ``directory``.
+
+        Raises:
+            FileNotFoundError: there is none.
+            CertificateError: there are several (the verifier refuses them too: which one
+                speaks for the files cannot be told), or the one is not in this version's format.
+        """
         found = certificate_files(directory)
         if not found:
             raise FileNotFoundError(Path(directory) / CERTIFICATE_NAME)
+        if len(found) > 1:
+            raise CertificateError(f"more than one certificate ({', '.join(found)})", directory)
         path = Path(directory) / found[0]
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
-
-
-class CertificateError(ValueError):
-    """A certificate that does not follow the format this version reads."""
 
 
 @cache
@@ -263,8 +265,10 @@ def failure_line(m: Measurement) -> str:
         return f"{m.where}: {what}"
     if m.metric == "coverage":
         return (
-            f"{m.component or 'model'}: the inputs exercised {m.value or 0:.0%} of the "
-            f"parameters (must be >= {m.threshold:.0%}); pass --inputs that reach the rest"
+            f"{m.component or 'model'}: coverage {m.value or 0:.0%} (parameters exercised, "
+            f"times the share of probes the fp32 baseline answered; must be >= "
+            f"{m.threshold:.0%}); pass --inputs that reach the rest (probes not judged are "
+            "named in the notes)"
         )
     if m.metric == "constant_frames":
         return f"{m.where}: {int(m.value or 0)} constant (black) frame planes"
@@ -286,10 +290,6 @@ def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def certificate_name(variant: str | None) -> str:
-    return f"precision_certificate.{variant}.json" if variant else CERTIFICATE_NAME
-
-
 def certificate_files(directory: str | Path) -> list[str]:
     """The certificates in ``directory`` (normally one), sorted."""
     root = Path(directory)
@@ -298,20 +298,42 @@ def certificate_files(directory: str | Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if CERTIFICATE_FILE.fullmatch(p.name))
 
 
-def write(certificate: Certificate, directory: str | Path) -> Path:
-    """Write the certificate atomically (a crash never leaves half a file), replacing any
-    other certificate in ``directory`` (a re-validation under another variant name)."""
-    path = Path(directory) / certificate.file_name
-    for stale in certificate_files(directory):
+def write(
+    certificate: Certificate, directory: str | Path, with_files: Mapping[str, str] | None = None
+) -> Path:
+    """Write the certificate, and ``with_files`` (name: text; the card), all or none of them
+    (see :func:`write_atomically`), replacing any other certificate in ``directory`` (a
+    re-validation under another variant name)."""
+    root = Path(directory)
+    path = root / certificate.file_name
+    files = {path: json.dumps(certificate.to_dict(), indent=2) + "\n"}
+    files.update((root / name, text) for name, text in (with_files or {}).items())
+    write_atomically(files)
+    for stale in certificate_files(root):
         if stale != path.name:
-            (Path(directory) / stale).unlink()
-    write_atomically(path, json.dumps(certificate.to_dict(), indent=2) + "\n")
+            (root / stale).unlink()
     return path
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: through a hidden temporary file (hidden,
-    so a run killed mid-write leaves nothing a hash check would count as an extra file)."""
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def write_atomically(files: Mapping[Path, str]) -> None:
+    """Write every file whole, or none of them: each through a hidden temporary file (hidden,
+    so a run killed mid-write leaves nothing a hash check would count as an extra file), all
+    written before any is moved into place, so a full disk leaves the files that were there
+    (never a new certificate beside an old card).
+
+    Raises:
+        FileSystemError: the file system refused a write, naming the file.
+    """
+    temporary: dict[Path, Path] = {}
+    path = next(iter(files), Path())
+    try:
+        for path, text in files.items():
+            temporary[path] = path.parent / f".{path.name}.tmp"
+            temporary[path].write_text(text, encoding="utf-8")
+    except OSError as exc:
+        for tmp in temporary.values():
+            with contextlib.suppress(OSError):  # a folder made read-only keeps it: hidden
+                tmp.unlink(missing_ok=True)
+        raise FileSystemError(exc).at(path) from None  # the file, not its hidden temporary
+    for path, tmp in temporary.items():
+        os.replace(tmp, path)

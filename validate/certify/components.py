@@ -11,7 +11,7 @@ import torch
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import PlanRecord
-from precision_convert.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.positions import reach

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -56,9 +55,9 @@ import torch
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source
 from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load
-from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.errors import InputError
-from precision_convert.progress import stage
+from precision_convert.conversion.runtime.memory import freed
+from precision_convert.core.errors import InputError, one_line
+from precision_convert.core.progress import stage
 from precision_convert.validation.certify.certificate import LoadPath, failure_line
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.certify.load_ways import (
@@ -330,47 +329,37 @@ def _run(
     ``seen`` (a subset's verdict is no other way's)."""
     record = LoadPath(component, way.key, way.call, "fail", way.decides, attention=way.attention)
     outputs: Outputs | None = None
-    model: Any = None
     step = "load"
-    try:
-        model = way.build()  # type: ignore[misc]
-        if hasattr(model, "eval"):
-            model.eval()
-        record.dtypes = parameter_dtypes(model)
-        signature = _signature(model)
-        same = seen.get(signature)
-        if same is not None:
-            record.verdict, record.metrics, record.failures = (
-                same.verdict,
-                same.metrics,
-                same.failures,
-            )
-            record.detail = f"loads the same tensors in the same dtypes as `{same.call}`"
-            if same.detail and same.verdict == "fail":
-                record.detail += f"; {same.detail}"
-            return record
-        if every_probe:
-            seen[signature] = record
-        step = "run"
-        model = move(model, device)
-        dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(model)
-        with stage(record.label):  # ways under another attention run apart
-            outputs = run_probes(model, inputs, device, dtype)
-    except LOAD_ERRORS as exc:
-        record.detail = f"fails to {step}: {_error_line(exc)}"
-    finally:
-        if model is not None:
-            gone = weakref.ref(model)
-            del model
-            free_model(gone, device)
+    with freed(device=device) as loaded:
+        try:
+            loaded.model = way.build()  # type: ignore[misc]
+            if hasattr(loaded.model, "eval"):
+                loaded.model.eval()
+            record.dtypes = parameter_dtypes(loaded.model)
+            signature = _signature(loaded.model)
+            same = seen.get(signature)
+            if same is not None:
+                record.verdict, record.metrics, record.failures = (
+                    same.verdict,
+                    same.metrics,
+                    same.failures,
+                )
+                record.detail = f"loads the same tensors in the same dtypes as `{same.call}`"
+                if same.detail and same.verdict == "fail":
+                    record.detail += f"; {same.detail}"
+                return record
+            if every_probe:
+                seen[signature] = record
+            step = "run"
+            loaded.model = move(loaded.model, device)
+            dtype = way.input_dtype if way.input_dtype is not None else _input_dtype(loaded.model)
+            with stage(record.label):  # ways under another attention run apart
+                outputs = run_probes(loaded.model, inputs, device, dtype)
+        except LOAD_ERRORS as exc:
+            record.detail = f"fails to {step}: {one_line(exc)}"
     if outputs is not None:
         _judge(record, compare_outputs(component, inputs, baseline, outputs, thresholds))
     return record
-
-
-def _error_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _pc_load(
@@ -477,17 +466,12 @@ def _save_again(
 ) -> tuple[ModelSource | PipelineSource | None, str | None]:
     """``pc.load`` the converted files, ``save_pretrained`` them into ``directory`` and open
     what was written; else None and the error's first line."""
-    model: Any = None
     root = loaded.root if isinstance(loaded, PipelineSource) else loaded.converted.root
     trusted = not isinstance(loaded, PipelineSource) and loaded.trust_remote_code
-    try:
-        model = load(root, trust_remote_code=trusted)
-        model.save_pretrained(directory)
-        return open_source(directory), None
-    except LOAD_ERRORS as exc:
-        return None, _error_line(exc)
-    finally:
-        if model is not None:
-            gone = weakref.ref(model)
-            del model
-            free_model(gone)
+    with freed() as held:
+        try:
+            held.model = load(root, trust_remote_code=trusted)
+            held.model.save_pretrained(directory)
+            return open_source(directory), None
+        except LOAD_ERRORS as exc:
+            return None, one_line(exc)

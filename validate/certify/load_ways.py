@@ -24,6 +24,7 @@ from precision_convert.conversion.runtime.builders import (
     variant_keyword,
 )
 from precision_convert.conversion.runtime.loader import load, read_record
+from precision_convert.core.dtypes import from_torch
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.probe.run.attention import switch
 
@@ -38,7 +39,6 @@ DECIDING = frozenset({PC_LOAD, PLAIN})
 #: The re-save ways: ``pc.load(dir).save_pretrained(new)``, then ``new`` loaded each of these
 #: ways. Shown, never deciding.
 RESAVED = {PLAIN: "resave:plain", AUTO: "resave:auto", PC_LOAD: "resave:pc.load"}
-_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Way:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return from_torch(dtype).torch_name
 
 
 def _literal(dtype: torch.dtype) -> str:
@@ -151,7 +151,7 @@ def _from_pretrained(source: ModelSource, trusted: bool, **kwargs: Any) -> Calla
 
 
 def _open_clip_ways(root: Path, compute: torch.dtype) -> list[Way]:
-    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(compute, "fp32")
+    precision = from_torch(compute).short  # open_clip's names are the table's short ones
 
     def create(**kwargs: Any) -> Callable[[], Any]:
         def build() -> Any:

@@ -7,8 +7,6 @@ fits in memory block by block.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from precision_convert.conversion.io.source import (
@@ -16,8 +14,8 @@ from precision_convert.conversion.io.source import (
 )
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
-from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.errors import CannotValidateError
+from precision_convert.conversion.runtime.memory import freed
+from precision_convert.core.errors import CannotValidateError, one_line
 from precision_convert.validation.certify.certificate import (
     ComponentRecord,
 )
@@ -29,7 +27,7 @@ from precision_convert.validation.certify.load_paths import check_pipeline, skip
 from precision_convert.validation.certify.reference import (
     SourceInfo,
 )
-from precision_convert.validation.certify.whole import _compare_candidate, _first_line
+from precision_convert.validation.certify.whole import _compare_candidate
 from precision_convert.validation.probe.inputs.pipelines import pipeline_inputs
 from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
@@ -60,19 +58,16 @@ def _validate_pipeline(
         note = "end-to-end run skipped: a component only fits in memory block by block"
         record.inputs = {"skipped": note}
         return ComponentResult(record, [], [], skipped_pipeline(opened, note))
-    baseline = load_fp32(source.path).to(device)
-    inputs = pipeline_inputs(baseline, seed=SEED, latent_side=latent_side)
-    record.inputs = inputs.describe()
-    try:
-        base_out = run_probes(baseline, inputs, device)
-    except RUN_ERRORS as exc:
-        raise CannotValidateError(
-            f"cannot run the {record.class_name} pipeline end to end "
-            f"({_first_line(exc)}); pass --inputs"
-        ) from None
-    gone = weakref.ref(baseline)
-    del baseline
-    free_model(gone, device)
+    with freed(load_fp32(source.path).to(device), device) as baseline:
+        inputs = pipeline_inputs(baseline.model, seed=SEED, latent_side=latent_side)
+        record.inputs = inputs.describe()
+        try:
+            base_out = run_probes(baseline.model, inputs, device)
+        except RUN_ERRORS as exc:
+            raise CannotValidateError(
+                f"cannot run the {record.class_name} pipeline end to end "
+                f"({one_line(exc)}); pass --inputs"
+            ) from None
     metrics, errors = _compare_candidate(
         lambda: load(opened.root, device=device), "pipeline", inputs, base_out, thresholds, device
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from precision_convert.conversion.io.finite import SourceRead, read_source
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -25,22 +26,21 @@ from precision_convert.conversion.io.source import (
 )
 from precision_convert.conversion.io.staging import written_here
 from precision_convert.conversion.runtime.loader import read_record
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     SELF_BASELINE,
     SOURCE_BASELINE,
     Certificate,
 )
-from precision_convert.validation.certify.verify import sha256_files
 
 __all__ = [
     "SourceInfo",
     "check_replaceable",
     "check_same_architecture",
     "models_of",
+    "read_baseline",
     "same_conversion",
-    "source_files",
     "source_info",
     "without_local_paths",
 ]
@@ -210,7 +210,7 @@ def without_local_paths(certificate: Certificate, names: Mapping[Path, str]) -> 
     return Certificate.from_dict(scrub(certificate.to_dict()), check=False)
 
 
-def source_files(root: Path, opened: Source) -> dict[str, str]:
-    """sha256 of the weight files the baseline is built from."""
-    models = models_of(opened).values()
-    return sha256_files(root, [f.path for model in models for f in model.files])
+def read_baseline(root: Path, opened: Source) -> SourceRead:
+    """The weight files the baseline is built from, read once: their sha256, and the tensors
+    among them that hold NaN or ±inf."""
+    return read_source(root, models_of(opened))

@@ -16,7 +16,7 @@ the certificate in place, is settled before anything runs (:mod:`.reference`).
 
 The certificate and the model card are written into the converted directory whatever the
 verdict, so a user can see why a conversion failed; a model that cannot be fed at all
-(:class:`~precision_convert.errors.CannotValidateError`) still gets a failing certificate that
+(:class:`~precision_convert.core.errors.CannotValidateError`) still gets a failing certificate that
 says what is missing, and the error is raised as before.
 """
 
@@ -25,12 +25,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from precision_convert.conversion.io.finite import SourceRead
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -41,12 +42,13 @@ from precision_convert.conversion.io.staging import check_apart
 from precision_convert.conversion.plan import PlanRecord
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import read_record
-from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import diffusers_bars_off, forecasting, stage
+from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.progress import diffusers_bars_off, forecasting, stage
 from precision_convert.validation.certify.assembly import _certificate, _not_run, _Run
 from precision_convert.validation.certify.blockwise import validate_blockwise
-from precision_convert.validation.certify.card import write_card
+from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
+    CARD_NAME,
     SELF_BASELINE,
     SOURCE_BASELINE,
     Certificate,
@@ -63,8 +65,8 @@ from precision_convert.validation.certify.reference import (
     check_replaceable,
     check_same_architecture,
     models_of,
+    read_baseline,
     same_conversion,
-    source_files,
     source_info,
 )
 from precision_convert.validation.certify.whole import _validate_whole
@@ -104,7 +106,9 @@ def validate(
     coverage: str = DEFAULT_LEVEL,
     calibration_data: str | Path | CalibrationData | None = None,
     trust_remote_code: bool = False,
+    allow_nonfinite_source: bool = False,
     prior: Mapping[str, PriorRuns] | None = None,
+    source_read: SourceRead | None = None,
 ) -> Certificate:
     """Certify ``converted`` against its fp32 baseline and write the certificate and card.
 
@@ -129,11 +133,16 @@ def validate(
         trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
             baseline, ``pc.load`` and the library's loads alike. Off: such a model cannot be
             validated (the certificate says so).
+        allow_nonfinite_source: go on when the baseline's own weights hold NaN or ±inf
+            (beyond masks stored as ±inf by design); the verdict is then ``fail``, and the
+            certificate names the tensors. Off: such a baseline is refused.
         prior: by component name, what the conversion that wrote ``converted`` already ran
             (``convert`` passes its calibration's): its fp32 sweep stands in for the baseline
             when it was made from the same source with the same probes on the same device, and
             its last candidate's outputs for ``pc.load``'s when the output's weight files are
             byte for byte that candidate's.
+        source_read: the baseline's weight files as ``convert`` already read them (digests
+            and non-finite tensors), so they are not read twice; read here otherwise.
 
     Returns:
         The :class:`Certificate` (also written to ``precision_certificate.json``).
@@ -142,7 +151,9 @@ def validate(
         InputError: ``converted`` or ``baseline`` is not a usable directory; a baseline of
             another architecture; a certificate in ``converted`` that this run would replace
             with a weaker or unrelated one (made against the source, or against another
-            source); an unknown coverage level; unreadable or malformed calibration data.
+            source); a baseline whose own weights are not finite (without
+            ``allow_nonfinite_source``); an unknown coverage level; unreadable or malformed
+            calibration data.
         CannotValidateError: no inputs could be built for a model; pass ``inputs``. A failing
             certificate and card saying so are written first.
     """
@@ -151,7 +162,10 @@ def validate(
         raise InputError("no such directory: validate takes a converted model directory", root)
     budget_for(coverage)  # an unknown level fails before anything runs
     data = _calibration_data(calibration_data)
-    run = _set_up(root, baseline, device, inputs, max_memory, data, trust_remote_code)
+    run = _set_up(
+        root, baseline, device, inputs, max_memory, data, trust_remote_code,
+        _Baseline(allow_nonfinite_source, source_read),
+    )  # fmt: skip
     results: list[ComponentResult] = []
     try:
         _validate_all(run, SweepSettings(coverage, data), prior or {}, results)
@@ -179,6 +193,7 @@ def _set_up(
     max_memory: str | int | None,
     data: CalibrationData | None,
     trust_remote_code: bool,
+    given: _Baseline,
 ) -> _Run:
     """The converted model and its baseline opened, the device, memory budget and supplied
     inputs resolved: everything that can be refused is refused here, before anything runs."""
@@ -190,8 +205,14 @@ def _set_up(
     check_same_architecture(opened, reference, root, source)
     if source.kind == SOURCE_BASELINE and same_conversion(opened, reference):
         source = replace(source, kind=SELF_BASELINE)  # a copy of the output is not its source
-    weights = source_files(source.path, reference)
-    check_replaceable(root, source, weights)
+    # Read once: hashed for the certificate, and refused here when its weights are broken.
+    if source.kind == SELF_BASELINE:
+        # The converted weights are no source: what they got wrong is what the check finds.
+        read = replace(read_baseline(source.path, reference), nonfinite={})
+    else:
+        read = given.read or read_baseline(source.path, reference)
+        read.refuse_broken(source.path, given.allow_nonfinite)
+    check_replaceable(root, source, read.files)
     target_device = resolve_device(device)
     budget = parse_memory(max_memory) if max_memory is not None else available_memory(target_device)
     supplied = read_inputs(inputs)
@@ -201,8 +222,18 @@ def _set_up(
     )  # fmt: skip
     components = _components(opened, source, trust_remote_code)
     return _Run(
-        root, opened, source, weights, target_device, budget, max_memory, supplied, components
-    )
+        root, opened, source, read, reference, target_device, budget, max_memory, supplied,
+        components,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    """What the caller says of the baseline's weights: whether broken ones may go on, and
+    their read when it was done already."""
+
+    allow_nonfinite: bool
+    read: SourceRead | None
 
 
 def _validate_all(
@@ -232,8 +263,7 @@ def _write_certificate(
 ) -> Certificate:
     """:func:`_certificate`, written with its card into the converted directory."""
     certificate = _certificate(run, results, cannot=cannot)
-    write(certificate, run.root)
-    write_card(certificate, run.root)
+    write(certificate, run.root, {CARD_NAME: render_card(certificate, run.root)})
     return certificate
 
 

@@ -9,22 +9,20 @@ one of them would count as changed, missing or extra, every one of them does.
 
 What is hashed is always the bytes, read here, never a name (a Hub-cache blob is named by its
 sha256, but a link there can be repointed): only the source's weight files, which live in that
-cache, are hashed by name (:func:`sha256_files`).
+cache, are hashed by name (:mod:`precision_convert.conversion.io.finite`, which reads them).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
-from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from precision_convert.conversion.io.hashing import HASH_THREADS, HashedFile, hash_paths
-from precision_convert.errors import InputError, NotAsCertified
+from precision_convert.conversion.io.hashing import HashedFile, hash_paths
+from precision_convert.core.errors import InputError, NotAsCertified, one_line
+from precision_convert.core.patterns import is_variant_file
 from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -32,9 +30,6 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
-
-#: Hub cache blobs of LFS files are named by their sha256.
-_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -99,17 +94,6 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
     return Verified(root, certificate, certificate_name, variant, files, card)
 
 
-def is_variant_file(path: str, variant: str) -> bool:
-    """``model.<v>.safetensors``, ``model.<v>-00001-of-00002.safetensors``,
-    ``model.safetensors.index.<v>.json`` (and the same for diffusers' names, in any folder)."""
-    name = path.rsplit("/", 1)[-1]
-    v = re.escape(variant)
-    return bool(
-        re.fullmatch(rf".+\.{v}(-\d+-of-\d+)?\.safetensors", name)
-        or re.fullmatch(rf".+\.safetensors\.index\.{v}\.json", name)
-    )
-
-
 def verify_files(directory: str | Path, certificate: Certificate) -> list[str]:
     """What differs between the files in ``directory`` and those ``certificate`` covers, one
     line per file (empty: the same); the comparison :func:`verify` makes, without the
@@ -154,24 +138,6 @@ def listing(directory: Path) -> list[str]:
     return found
 
 
-def sha256_files(root: Path, paths: Iterable[Path]) -> dict[str, str]:
-    """sha256 of a source's weight files under ``root``, keyed by relative POSIX path, hashed in
-    parallel; a file in the Hub cache is a link to a blob named by its sha256, which is taken
-    as it is (the source is recorded, not verified)."""
-    ordered = sorted(paths)
-    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        digests = list(pool.map(_sha256_source_file, ordered))
-    return {p.relative_to(root).as_posix(): d for p, d in zip(ordered, digests, strict=True)}
-
-
-def _sha256_source_file(path: Path) -> str:
-    resolved = path.resolve()
-    if resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name):
-        return resolved.name
-    with resolved.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
     """The one certificate at the top of ``root``, read."""
     names = [p for p in paths if "/" not in p and CERTIFICATE_FILE.fullmatch(p)]
@@ -189,8 +155,7 @@ def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
         data = json.loads((root / names[0]).read_text(encoding="utf-8"))
         return names[0], Certificate.from_dict(data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise NotAsCertified(root, [f"{names[0]}: unreadable ({detail})"]) from None
+        raise NotAsCertified(root, [f"{names[0]}: unreadable ({one_line(exc)})"]) from None
 
 
 def _uncovered(path: str) -> bool:

@@ -7,7 +7,6 @@ resident together; a candidate that fails to run is an error of the certificate,
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,8 +14,9 @@ import torch
 
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
-from precision_convert.conversion.runtime.memory import free_model
-from precision_convert.progress import expect, stage
+from precision_convert.conversion.runtime.memory import freed
+from precision_convert.core.errors import one_line
+from precision_convert.core.progress import expect, stage
 from precision_convert.validation.certify.components import (
     Component,
     ComponentResult,
@@ -181,22 +181,12 @@ def _compare_candidate(
     """The converted model (or pipeline) through ``pc.load``, run on ``inputs`` and compared
     with the baseline's outputs; freed before returning, so the library's own loads that
     follow come in one at a time. A candidate that fails to run is an error, not a crash."""
-    candidate: Any = None
-    try:
-        candidate = load_candidate()
-        with stage("pc.load"):
-            outputs = run_probes(candidate, inputs, device, dtype)
-        return compare_outputs(name, inputs, baseline, outputs, thresholds), []
-    except RUN_ERRORS as exc:
-        what = "pipeline" if name == "pipeline" else "model"
-        return [], [f"{name or 'model'}: the converted {what} failed to run: {_first_line(exc)}"]
-    finally:
-        if candidate is not None:
-            gone = weakref.ref(candidate)
-            candidate = None
-            free_model(gone, device)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    with freed(device=device) as candidate:
+        try:
+            candidate.model = load_candidate()
+            with stage("pc.load"):
+                outputs = run_probes(candidate.model, inputs, device, dtype)
+            return compare_outputs(name, inputs, baseline, outputs, thresholds), []
+        except RUN_ERRORS as exc:
+            what = "pipeline" if name == "pipeline" else "model"
+            return [], [f"{name or 'model'}: the converted {what} failed to run: {one_line(exc)}"]

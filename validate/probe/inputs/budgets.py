@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.probe.inputs.model_inputs import config_value
 
 LEVELS = ("quick", "standard", "thorough")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,
@@ -483,7 +483,7 @@ def input_candidates(
     """
     tok = probe_tokenizer(tokenizer)
     ctx = _Ctx(model, seed, tok)
-    if ctx.tokenizer is not None and not _fits_vocabulary(ctx):
+    if tok is not None and ctx.tokenizer is not None and not _fits_vocabulary(ctx):
         vocab = ctx.cfg("vocab_size", prefer=("text_config",))
         tok = ProbeTokenizer.unusable(
             tok.where, f"gives ids past the model's vocabulary of {vocab} (another model's?)"

@@ -124,7 +124,7 @@ def image_size_probes(chosen: ModelInputs, budget: Budget) -> list[Probe]:
     name, image = next(
         ((k, v) for k, v in encode.kwargs.items() if isinstance(v, torch.Tensor)), (None, None)
     )
-    if image is None or decode is None:
+    if name is None or image is None or decode is None:
         return []
     probes: list[Probe] = []
     *lead, h, w = image.shape

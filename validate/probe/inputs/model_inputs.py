@@ -85,6 +85,15 @@ class ModelInputs:
     #: The sizes the model declares and those run (:func:`~.sizes.declared_size_probes`):
     #: image side, latent side and frames, each ``declared``, ``run`` and why ``not_run``.
     sizes: Mapping[str, Any] | None = None
+    #: Sweep probes the fp32 model answered with NaN or ±inf: with nothing to compare with,
+    #: they are not run on the candidate, and count against coverage instead of vanishing.
+    unjudged: tuple[str, ...] = ()
+
+    @property
+    def judged_share(self) -> float:
+        """The share of the probes made that the fp32 baseline could answer."""
+        made = len(self.probes) + len(self.unjudged)
+        return len(self.probes) / made if made else 1.0
 
     def describe(self) -> dict[str, Any]:
         """Every probe precisely enough to replay it, as the certificate records it.
@@ -104,6 +113,7 @@ class ModelInputs:
             "probes": {p.name: _describe_probe(p) for p in self.probes},
             **({"sizes": dict(self.sizes)} if self.sizes else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
+            **({"unjudged": list(self.unjudged)} if self.unjudged else {}),
         }
 
 

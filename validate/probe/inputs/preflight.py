@@ -27,7 +27,7 @@ import torch
 
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, Source
 from precision_convert.conversion.runtime.builders import build_skeleton
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.probe.inputs.model_inputs import Probe
 from precision_convert.validation.probe.inputs.token_probes import (
     UNKNOWN_POSITION_LIMIT,
@@ -101,7 +101,9 @@ def _calls(
         )
         if mine:
             yield "--inputs", Path(inputs_path) if inputs_path is not None else None, mine
-    for line, record in data.records if data is not None else ():
+    if data is None:
+        return
+    for line, record in data.records:
         mine = addressed(record, component)
         if mine:
             yield f"--calibration-data: line {line}", data.path, mine
@@ -164,9 +166,10 @@ def _warn_of_cut_lines(skeleton: Any, tokenizer: ProbeTokenizer, data: Calibrati
     specials included)."""
     ids = torch.zeros(1, 1, dtype=torch.long)
     spec = token_spec(skeleton, Probe("preflight", "forward", {"input_ids": ids}), tokenizer, "")
-    if spec is None:
+    encode = tokenizer.tokenizer
+    if spec is None or encode is None:
         return
-    lengths = [len(tokenizer.tokenizer(text, verbose=False)["input_ids"]) for text in data.texts]
+    lengths = [len(encode(text, verbose=False)["input_ids"]) for text in data.texts]
     lines = data.text_lines or tuple(range(1, len(data.texts) + 1))
     cut = [(line, n) for line, n in zip(lines, lengths, strict=True) if n > spec.limit]
     if cut:

@@ -119,7 +119,7 @@ def _autoencoder(
         ((k, v) for k, v in encode.kwargs.items() if isinstance(v, torch.Tensor)), (None, None)
     )
     declared = declared_side(config)
-    if image is None or image.dim() != 4 or declared is None:
+    if name is None or image is None or image.dim() != 4 or declared is None:
         return [], {}
     built = int(image.shape[-1])
     if declared <= built or not _fits(autoencoder_bytes(config, declared), budget):

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.errors import CannotValidateError
+from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.probe.inputs.budgets import (
     DEFAULT_LEVEL,
     Budget,

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from precision_convert.core.errors import one_line
+
 #: A ``model_max_length`` at or past this is no limit: transformers stores int(1e30) for a
 #: tokenizer that never set one, and real context lengths stay far below a trillion tokens.
 UNBOUNDED = 10**12
@@ -64,7 +66,7 @@ class ProbeTokenizer:
                 raise ValueError("it encodes a sentence to no token ids")
         # Tokenizers' Rust backend raises plain Exception; any failure here means "unusable".
         except Exception as exc:
-            return cls.unusable(where, f"cannot encode text ({_first_line(exc)})")
+            return cls.unusable(where, f"cannot encode text ({one_line(exc)})")
         return cls(tokenizer, where)
 
     @classmethod
@@ -79,6 +81,7 @@ class ProbeTokenizer:
     def encode(self, text: str, limit: int) -> list[int]:
         """``text``'s ids as a user's call gets them (bos/eos added by the tokenizer's own
         rules), at most ``limit`` of them."""
+        assert self.tokenizer is not None, "encode() is for a usable tokenizer"
         ids = self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=limit)
         return list(ids["input_ids"])[:limit]
 
@@ -125,7 +128,7 @@ class ProbeTokenizer:
     def chat(self, turns: Sequence[str], limit: int) -> list[int] | None:
         """``turns`` (user, assistant, ...) through the tokenizer's chat template; None when
         it has none or the template refuses them."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             return None
         roles = ("user", "assistant")
         messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
@@ -171,11 +174,6 @@ def _backend(tokenizer: Any) -> str:
     if getattr(tokenizer, "sp_model", None) is not None:
         return "sentencepiece"
     return "python"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def pad_rows(
@@ -229,9 +227,7 @@ def tokenizer_for(directory: Path) -> ProbeTokenizer | None:
         # Loading runs the library's converters and the Rust parser, which raise plain
         # Exception on a malformed tokenizer.json: every failure is a note, never a crash.
         except Exception as exc:
-            failed = failed or ProbeTokenizer.unusable(
-                where, f"cannot be loaded ({_first_line(exc)})"
-            )
+            failed = failed or ProbeTokenizer.unusable(where, f"cannot be loaded ({one_line(exc)})")
             continue
         found = ProbeTokenizer.wrap(loaded, where)
         if found.usable:

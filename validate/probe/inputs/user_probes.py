@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.validation.probe.inputs.budgets import Budget
 from precision_convert.validation.probe.inputs.media_probes import encode_decode
 from precision_convert.validation.probe.inputs.model_inputs import (
@@ -68,7 +68,7 @@ def _text_probes(
     name = type(model).__name__
     first = chosen.probes[0] if chosen.probes else None
     spec = token_spec(model, first, tokenizer, chosen.task) if first is not None else None
-    if spec is None or tokenizer is None:
+    if first is None or spec is None or tokenizer is None:
         if component:  # a pipeline component that takes no text: the data is for another
             return []
         why = (

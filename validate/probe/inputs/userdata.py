@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 
 #: Files larger than this are refused: calibration data is a handful of samples, not a corpus.
 MAX_BYTES = 64 << 20

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from precision_convert.core.errors import one_line
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe, config_value
 from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs
 
@@ -178,8 +179,7 @@ def outputs_by_attention(
             with attention(model, name):
                 outputs[name], large = _fp32_under(model, name, inputs, default, run, allowance)
         except RUN_ERRORS as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            skipped[name] = f"the fp32 model fails under it: {type(exc).__name__}: {first}"
+            skipped[name] = f"the fp32 model fails under it: {one_line(exc)}"
             continue
         if large:
             stand_in[name] = {

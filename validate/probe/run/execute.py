@@ -8,7 +8,9 @@ that produced them can be freed before the next one is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -24,9 +26,9 @@ from torch.utils._pytree import tree_leaves
 
 from precision_convert.conversion.runtime.memory import release_freed_memory
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
-from precision_convert.dtypes import from_torch
-from precision_convert.errors import CannotValidateError, InputError
-from precision_convert.progress import forward_ran, record_forwards, report
+from precision_convert.core.dtypes import from_torch
+from precision_convert.core.errors import CannotValidateError, InputError, one_line
+from precision_convert.core.progress import forward_ran, record_forwards, report
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
@@ -250,7 +252,10 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
     """
 
     def __init__(self, directory: Path) -> None:
-        self._directory = Path(tempfile.mkdtemp(prefix="outputs-", dir=directory))
+        try:
+            self._directory = Path(tempfile.mkdtemp(prefix="outputs-", dir=directory))
+        except OSError as exc:
+            raise _no_room(directory, exc.strerror or str(exc)) from None
         self._files: dict[str, Path] = {}
 
     def __setitem__(self, probe: str, outputs: dict[str, torch.Tensor]) -> None:
@@ -258,7 +263,14 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
         # torch.save writes each storage straight from memory; safetensors' save_file needed a
         # clone of every output and copied each again into Python bytes: three copies of a
         # probe's outputs at once.
-        torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
+        try:
+            torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
+        except (OSError, RuntimeError) as exc:
+            # A full TMPDIR: torch reports it as a RuntimeError ("unexpected pos …"), which
+            # would otherwise pass for the model rejecting its inputs.
+            path.unlink(missing_ok=True)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "write failed"
+            raise _no_room(self._directory.parent, why) from None
         self._files[probe] = path
 
     def __getitem__(self, probe: str) -> dict[str, torch.Tensor]:
@@ -272,6 +284,19 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _no_room(directory: Path, why: str) -> CannotValidateError:
+    """Validation cannot keep its probe outputs in the temporary folder: said as such (what is
+    left free there included), never blamed on the model; the output gets a failing
+    certificate that says so, as for any validation that cannot run."""
+    with contextlib.suppress(OSError):
+        why += f"; {shutil.disk_usage(directory).free / 2**20:.0f} MiB free there"
+    return CannotValidateError(
+        f"cannot validate: the probe outputs cannot be written to the temporary folder "
+        f"{directory} ({why}): free space there, or set TMPDIR to a folder with room, then "
+        "run validate again"
+    )
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -298,10 +323,11 @@ def spilled_outputs(directory: Path) -> Iterator[None]:
 def outputs_on_disk() -> Iterator[None]:
     """Inside, probe outputs are kept in a temporary directory of their own, removed on exit
     (:func:`spilled_outputs`): a sweep's kept outputs are not small next to a mid-size model."""
-    with (
-        tempfile.TemporaryDirectory(prefix="precision-convert-outputs-") as spill,
-        spilled_outputs(Path(spill)),
-    ):
+    try:
+        folder = tempfile.TemporaryDirectory(prefix="precision-convert-outputs-")
+    except OSError as exc:
+        raise _no_room(Path(tempfile.gettempdir()), exc.strerror or str(exc)) from None
+    with folder as spill, spilled_outputs(Path(spill)):
         yield
 
 
@@ -346,7 +372,8 @@ def run_sweep(
 
     One call, so whatever ``run`` records (parameter coverage, block activations, calibration
     statistics) spans every probe. A sweep probe the model rejects, or on which the fp32 model
-    itself is not finite (nothing to compare against), is dropped with a note, and the kept
+    itself is not finite (nothing to compare against), is dropped with a note (and, for the
+    latter, recorded in ``unjudged``: it counts against coverage), and the kept
     probes run again; the chosen probes are never dropped (a non-finite baseline there is the
     caller's to report). ``outputs``: the chosen probes' outputs from the last ``run``, reused
     when the sweep adds nothing.
@@ -362,23 +389,30 @@ def run_sweep(
         return full, found
     kept: list[Probe] = []
     notes: list[str] = []
+    unjudged: list[str] = []
     for group in _groups(full, chosen_names):
         trial = replace(full, probes=(*chosen.probes, *group))
         try:
             tried = run(model, trial)
         except RUN_ERRORS as exc:
-            text = str(exc).strip()
-            why = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            why = one_line(exc)
             _refuse_user_data(group[0], why)
             notes.append(f"probe {group[0].name} skipped: the fp32 model rejects it ({why})")
             continue
         if _nonfinite(tried, chosen_names):
             notes.append(
-                f"probe {group[0].name} skipped: the fp32 model's own output is not finite there"
+                f"probe {group[0].name} not judged: the fp32 model's own output is not finite "
+                "there (it counts against coverage)"
             )
+            unjudged += [p.name for p in group]
             continue
         kept.extend(group)
-    inputs = replace(full, probes=(*chosen.probes, *kept), notes=(*full.notes, *notes))
+    inputs = replace(
+        full,
+        probes=(*chosen.probes, *kept),
+        notes=(*full.notes, *notes),
+        unjudged=(*full.unjudged, *unjudged),
+    )
     return inputs, run(model, inputs)
 
 
@@ -422,15 +456,15 @@ def _groups(inputs: ModelInputs, chosen: set[str]) -> list[list[Probe]]:
 def select_inputs(
     model: Any,
     candidates: Iterator[ModelInputs],
-    run: Callable[[Any, ModelInputs], dict[str, dict[str, torch.Tensor]]],
-) -> tuple[ModelInputs, dict[str, dict[str, torch.Tensor]]]:
+    run: Callable[[Any, ModelInputs], Outputs],
+) -> tuple[ModelInputs, Outputs]:
     """Run candidates until one works; return it with its outputs (so nothing runs twice)."""
     errors: list[str] = []
     for candidate in candidates:
         try:
             return candidate, run(model, candidate)
         except RUN_ERRORS as e:
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            errors.append(one_line(e))
     detail = errors[-1] if errors else "no candidate inputs"
     raise CannotValidateError(
         f"cannot validate {type(model).__name__}: the model rejected every built input "

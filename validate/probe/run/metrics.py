@@ -58,7 +58,11 @@ METRICS: dict[str, MetricSpec] = {
     "token_kl": MetricSpec(Bound.MAX, "worst token's KL(baseline || candidate), in nats"),
     "psnr": MetricSpec(Bound.MIN, "PSNR in dB over the baseline's value range"),
     "constant_frames": MetricSpec(Bound.MAX, "image planes that are constant (black)", 0.0),
-    "coverage": MetricSpec(Bound.MIN, "fraction of parameters the inputs exercised"),
+    "coverage": MetricSpec(
+        Bound.MIN,
+        "fraction of parameters the inputs exercised, times the share of probes the fp32 "
+        "baseline could answer",
+    ),
 }
 
 #: Values at or below this (relative to the baseline's range) count as no variation at all.

@@ -12,7 +12,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from precision_convert.errors import InputError
+from precision_convert.core.errors import InputError
 from precision_convert.recipes import get as get_recipe
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.run.execute import Outputs

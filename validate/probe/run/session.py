@@ -16,7 +16,6 @@ baseline (:meth:`Swept.matches` says when it may stand in for it).
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from precision_convert.conversion.io.hashing import hash_paths
-from precision_convert.conversion.runtime.memory import free_model
+from precision_convert.conversion.runtime.memory import freed
 from precision_convert.validation.probe.inputs.budgets import activation_allowance
 from precision_convert.validation.probe.inputs.layouts import input_candidates, inputs_from_tensors
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
@@ -61,7 +60,9 @@ class Swept:
     source: Path  # the weights the fp32 model was built from
     device: str  # where it ran ("cpu", "cuda:0")
     settings: SweepSettings
-    coverage: float = 1.0  # share of the parameters the run computed with
+    #: Share of the parameters the run computed with, times the share of probes the fp32
+    #: model could answer.
+    coverage: float = 1.0
     #: The implementations judged, when the session ran the other ones a user can pick.
     attention: AttentionChoices | None = None
     #: The fp32 outputs under each other implementation, on the resolved probes.
@@ -161,13 +162,12 @@ def fp32_session(
     (``before`` is told the probes and how many other implementations will run them),
     ``check`` its outputs, and free it before returning, so that the next model to load is
     the only one resident."""
-    model = build()
-    choices = attention_choices(model) if attention else None
-    others = len(choices.others) if choices is not None else 0
     by_attention: dict[str, Outputs] = {}
-    try:
+    with freed(build(), device) as fp32:
+        choices = attention_choices(fp32.model) if attention else None
+        others = len(choices.others) if choices is not None else 0
         task, inputs, outputs = sweep_model(
-            model,
+            fp32.model,
             run,
             settings,
             tokenizer=tokenizer,
@@ -178,17 +178,13 @@ def fp32_session(
         )
         if choices is not None:
             choices, by_attention = outputs_by_attention(
-                model,
+                fp32.model,
                 choices,
                 resolve(inputs, outputs),
                 outputs,
-                lambda fp32, probes: run_probes(fp32, probes, device, torch.float32),
-                allowance=activation_allowance(model),
+                lambda model, probes: run_probes(model, probes, device, torch.float32),
+                allowance=activation_allowance(fp32.model),
             )
-    finally:
-        gone = weakref.ref(model)
-        del model
-        free_model(gone, device)
     if check is not None:
         check(outputs)
     return Swept(
@@ -198,7 +194,8 @@ def fp32_session(
         Path(source),
         str(device),
         settings,
-        coverage() if coverage is not None else 1.0,
+        # Probes the fp32 model could not answer judged nothing: they count as not covered.
+        (coverage() if coverage is not None else 1.0) * inputs.judged_share,
         choices,
         by_attention,
     )

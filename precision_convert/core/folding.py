@@ -60,8 +60,8 @@ def blocks(indices: Iterable[tuple[int, ...]]) -> list[Block]:
     for outer, rest in inner.items():
         shared.setdefault(frozenset(rest), []).append(outer)
     out: list[Block] = []
-    for rest, outers in sorted(shared.items(), key=lambda item: item[1][0]):
-        out += [(tuple(outers), *tail) for tail in blocks(rest)]
+    for inners, outers in sorted(shared.items(), key=lambda item: item[1][0]):
+        out += [(tuple(outers), *tail) for tail in blocks(inners)]
     return out
 
 

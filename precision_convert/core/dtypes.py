@@ -34,7 +34,8 @@ class DType:
     def torch(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.torch_name)
+        found: torch.dtype = getattr(torch, self.torch_name)
+        return found
 
 
 _TABLE: tuple[DType, ...] = (
@@ -59,6 +60,9 @@ _TABLE: tuple[DType, ...] = (
 BY_CODE: dict[str, DType] = {d.code: d for d in _TABLE}
 BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in _TABLE}
 BY_SHORT: dict[str, DType] = {d.short: d for d in _TABLE}
+
+#: The floating dtypes a conversion may cast (fp8 stays as stored).
+FLOATS: tuple[DType, ...] = tuple(d for d in _TABLE if d.is_float)
 
 FP32 = BY_CODE["F32"]
 FP16 = BY_CODE["F16"]
@@ -108,7 +112,7 @@ class Target(StrEnum):
     def lookup(cls, name: object) -> Target | None:
         """The target named ``name`` (as a certificate or record spells it); None if none is."""
         try:
-            return cls(name)
+            return cls(name) if isinstance(name, str) else None
         except ValueError:
             return None
 

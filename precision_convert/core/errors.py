@@ -6,7 +6,16 @@ line that names the file or thing at fault and, where there is one, the fix.
 
 from __future__ import annotations
 
+import difflib
+import errno
+from collections.abc import Iterable
 from pathlib import Path
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known word closest to a misspelled one, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class PrecisionConvertError(Exception):
@@ -23,6 +32,25 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def first_line(text: str) -> str:
+    """The first line of ``text`` that is not blank, stripped; with the next one when it only
+    introduces it (ends in ``:``). ``""`` when there is none."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
+    return lines[0] if lines else ""
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line for a message or a report: the :func:`first_line` of its text, after
+    its class name unless it is one of ours (their messages already say what and where); the
+    class name alone when it has no text. Every exception shown in one line goes through here."""
+    text = first_line(str(exc))
+    if isinstance(exc, PrecisionConvertError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class InputError(PrecisionConvertError, ValueError):
     """The source, a flag or a file given by the user is unusable. Nothing was written.
 
@@ -32,6 +60,36 @@ class InputError(PrecisionConvertError, ValueError):
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = str(path) if path is not None else None
         super().__init__(f"{printable(self.path)}: {message}" if self.path else message)
+
+
+class FileSystemError(InputError):
+    """The file system refused a read or write (no space, read-only, permission, a name or
+    path too long): one line naming the path and what to do. ``path``: the file the error
+    names, else ``fallback`` (``write()`` on a full disk names no file). ``cause`` keeps the
+    error, so a caller may name another path for it (:meth:`at`)."""
+
+    def __init__(self, exc: OSError, fallback: str | Path | None = None) -> None:
+        self.cause = exc
+        path = exc.filename if exc.filename is not None else fallback
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        advice = _ADVICE.get(exc.errno or 0)
+        super().__init__(f"{reason}: {advice}" if advice else reason, path)
+
+    def at(self, path: str | Path) -> FileSystemError:
+        """The same error, naming ``path`` (the output a staging directory stood for)."""
+        return FileSystemError(OSError(self.cause.errno, self.cause.strerror), path)
+
+
+#: What to do about each file-system error a run may meet, by errno.
+_ADVICE = {
+    errno.ENOSPC: "free space on that file system, or write elsewhere, then run again",
+    errno.EDQUOT: "your disk quota is used up: free space, or write elsewhere, then run again",
+    errno.EFBIG: "a file size limit was reached: raise it (ulimit -f), or write elsewhere",
+    errno.EROFS: "the file system is read-only: choose an output on a writable one",
+    errno.EACCES: "check its permissions (and its folder's), or choose another output",
+    errno.EPERM: "check its permissions (and its folder's), or choose another output",
+    errno.ENAMETOOLONG: "a name or path is too long for this file system: choose a shorter -o",
+}
 
 
 class UnsafeCheckpointError(InputError):
@@ -59,6 +117,12 @@ class WeightsDoNotMap(InputError):
     renames them on load): the model must be built by the library's ``from_pretrained``."""
 
 
+class CertificateError(InputError):
+    """A certificate that this version cannot take as its own: another format version, a field
+    missing, unknown or mistyped, or several certificates where one belongs. The verifier
+    (push, ``batch --resume``, ``validate --verify``) reports it as :class:`NotAsCertified`."""
+
+
 class CheckFailed(PrecisionConvertError):
     """A check did not pass: parity not met, push refused. The CLI exits 1."""
 
@@ -80,6 +144,16 @@ class NotAsCertified(CheckFailed):
         self.path = str(directory)
         self.problems = list(problems)
         super().__init__(f"{self.path}: {self.prefix}: " + "; ".join(problems))
+
+
+class ChangedSinceCertified(CheckFailed):
+    """A file's bytes changed between the push's gate and their upload: raised inside the Hub
+    client by the upload stream, and turned into :class:`PushRefused` by ``push``. ``path`` is
+    the file's path in the repo."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: changed since certification")
 
 
 class PushRefused(NotAsCertified):
