@@ -21,7 +21,7 @@ import torch
 
 import precision_convert as pc
 from precision_convert.api.conversion import convert
-from precision_convert.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FP16_MAX
 from precision_convert.validation.probe.inputs.budgets import budget_for
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.sizes import declared_size_probes
