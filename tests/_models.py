@@ -343,9 +343,12 @@ def sdxl_vae(*, planted: bool = False) -> Any:
     return vae
 
 
-def cogvideox_transformer() -> Any:
+def cogvideox_transformer(*, sample_frames: int = 9, learned_positions: bool = False) -> Any:
+    """A CogVideoX-shaped transformer: 8x8 latents, 2x2 patches, two blocks; ``sample_frames``
+    and ``learned_positions`` as CogVideoX-5B-I2V declares them where asked."""
     from diffusers import CogVideoXTransformer3DModel
 
+    learned = {"use_rotary_positional_embeddings": True, "use_learned_positional_embeddings": True}
     return CogVideoXTransformer3DModel(
         num_attention_heads=2,
         attention_head_dim=16,
@@ -356,10 +359,11 @@ def cogvideox_transformer() -> Any:
         num_layers=2,
         sample_width=8,
         sample_height=8,
-        sample_frames=9,
+        sample_frames=sample_frames,
         patch_size=2,
         temporal_compression_ratio=4,
         max_text_seq_length=8,
+        **(learned if learned_positions else {}),
     )
 
 
@@ -379,26 +383,8 @@ def cogvideox_i2v_transformer(*, planted: bool = False) -> Any:
     function). diffusers uses the learned table only at the declared frame count (sincos
     positions otherwise), which is why probes of 2 frames never see it.
     """
-    from diffusers import CogVideoXTransformer3DModel
-
     torch.manual_seed(0)
-    model = CogVideoXTransformer3DModel(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=16,
-        text_embed_dim=32,
-        num_layers=2,
-        sample_width=8,
-        sample_height=8,
-        sample_frames=49,
-        patch_size=2,
-        temporal_compression_ratio=4,
-        max_text_seq_length=8,
-        use_rotary_positional_embeddings=True,
-        use_learned_positional_embeddings=True,
-    ).eval()
+    model = cogvideox_transformer(sample_frames=49, learned_positions=True).eval()
     if planted:
         text, per_frame = 8, (8 // 2) ** 2  # text tokens, then 4x4 patches a latent frame
         ff = model.transformer_blocks[0].ff.net

@@ -396,6 +396,15 @@ class ReportLevel(StrEnum):
     full = "full"
 
 
+AllowNonfiniteSourceOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-nonfinite-source",
+        help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
+        "the certificate then fails, naming the tensors.",
+    ),
+]
+
 ReportOption = Annotated[
     ReportLevel,
     typer.Option(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from precision_convert.cli._common import (
+    AllowNonfiniteSourceOption,
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
@@ -62,14 +63,7 @@ def validate_command(
         bool,
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
-    allow_nonfinite_source: Annotated[
-        bool,
-        typer.Option(
-            "--allow-nonfinite-source",
-            help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
-            "the certificate then fails, naming the tensors.",
-        ),
-    ] = False,
+    allow_nonfinite_source: AllowNonfiniteSourceOption = False,
     verify: Annotated[
         bool,
         typer.Option(
