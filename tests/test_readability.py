@@ -517,9 +517,8 @@ def test_a_failed_plain_cast_says_it_once_and_points_at_the_safe_target(
     probe and metric after it), the bars say what they measure, and the error line says which
     target would have kept what fp16 cannot hold."""
     out = tmp_path / "t5-fp16"
-    done = CliRunner().invoke(
-        app, ["model", str(hot_t5), "--to", "fp16", "-o", str(out), "--coverage", "quick"]
-    )
+    args = ["model", str(hot_t5), "--to", "fp16", "-o", str(out), "--coverage", "quick"]
+    done = CliRunner().invoke(app, [*args, "--report", "full"])  # the bars are the full report's
     assert done.exit_code == 1, done.output
     crosses = [line for line in done.stdout.splitlines() if line.startswith("✗")]
     bounds = [line for line in crosses if "measurements outside their bounds" in line]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -80,7 +79,6 @@ def validate_command(
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
         from precision_convert.cli._reports import note_unvalidated, print_certificate
-        from precision_convert.conversion.io.staging import TargetLock, real_path
         from precision_convert.core.errors import CannotValidateError
         from precision_convert.validation.certify.runner import validate
         from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
@@ -95,12 +93,9 @@ def validate_command(
     with reported_errors(on_disk):
         try:
             # The certificate and card go into CONVERTED: under the lock every writer of an
-            # output takes, so neither this run nor a `model --overwrite` (or a batch job)
-            # replaces what the other is writing; the later one stops at once, naming the other.
-            lock: AbstractContextManager[object] = nullcontext()
-            if converted.is_dir():  # else validate says what is wrong with it
-                lock = TargetLock(real_path(converted))
-            with lock, step_progress("validating against fp32", True):
+            # output takes (locked=True), so neither this run nor a `model --overwrite` (or a
+            # batch job) replaces what the other is writing; the later one stops at once.
+            with step_progress("validating against fp32", True):
                 certificate = validate(
                     converted,
                     baseline,
@@ -111,6 +106,7 @@ def validate_command(
                     calibration_data=calibration_data,
                     trust_remote_code=trust_remote_code,
                     allow_nonfinite_source=allow_nonfinite_source,
+                    locked=True,
                 )
         except CannotValidateError:
             note_unvalidated(converted)

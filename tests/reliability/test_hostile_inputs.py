@@ -358,11 +358,13 @@ def test_hostile_manifest(text: str, fragment: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_nonfinite_weights_convert_but_fail_validation(
+def test_nonfinite_weights_are_refused_or_converted_and_failed_when_allowed(
     value: float, tmp_path: Path, tiny_model: Callable[[str], Path]
 ) -> None:
-    """Conversion copies what it is given (a cast of NaN is NaN); validation then refuses to
-    certify: exit 1, a last line naming the NaN/Inf, a failing certificate on disk."""
+    """A source holding NaN/Inf is refused before anything is written (exit 2, the tensor
+    named); with --allow-nonfinite-source conversion copies what it is given (a cast of NaN is
+    NaN) and validation refuses to certify: exit 1, a last line naming the NaN/Inf, a failing
+    certificate on disk."""
     from safetensors.torch import load_file
 
     src = tmp_path / "src"
@@ -372,10 +374,14 @@ def test_nonfinite_weights_convert_but_fail_validation(
     state[name] = torch.full_like(state[name], value)
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out"
+    args = ["model", str(src), "--to", "bf16", "--coverage", "quick", "-o", str(out)]
 
-    code, stdout, stderr = _invoke(
-        ["model", str(src), "--to", "bf16", "--coverage", "quick", "-o", str(out)]
-    )
+    code, stdout, stderr = _invoke(args)
+    assert code == 2, stderr
+    assert_one_error_line(stderr, f"{src}: ", "not finite", name)
+    assert not out.exists()
+
+    code, stdout, stderr = _invoke([*args, "--allow-nonfinite-source"])
 
     assert code == 1, stderr
     assert "Traceback" not in stdout + stderr
@@ -383,6 +389,6 @@ def test_nonfinite_weights_convert_but_fail_validation(
     assert converted.dtype == torch.bfloat16 and not torch.isfinite(converted).any()
     certificate = json.loads((out / "precision_certificate.json").read_text())
     assert certificate["verdict"] == "fail"
-    assert any("NaN/Inf" in line for line in certificate["failures"])
+    assert any(name in line for line in certificate["failures"])
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("precision-convert: ") and "NaN/Inf" in last, stderr

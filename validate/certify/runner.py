@@ -38,7 +38,7 @@ from precision_convert.conversion.io.source import (
     Source,
     open_source,
 )
-from precision_convert.conversion.io.staging import check_apart
+from precision_convert.conversion.io.staging import TargetLock, check_apart, real_path
 from precision_convert.conversion.plan import PlanRecord
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import read_record
@@ -109,6 +109,7 @@ def validate(
     allow_nonfinite_source: bool = False,
     prior: Mapping[str, PriorRuns] | None = None,
     source_read: SourceRead | None = None,
+    locked: bool = False,
 ) -> Certificate:
     """Certify ``converted`` against its fp32 baseline and write the certificate and card.
 
@@ -143,6 +144,9 @@ def validate(
             byte for byte that candidate's.
         source_read: the baseline's weight files as ``convert`` already read them (digests
             and non-finite tensors), so they are not read twice; read here otherwise.
+        locked: hold the output's lock (the one every writer of an output takes) from the end
+            of the checks until the certificate is written, so no other run replaces
+            ``converted`` meanwhile; the command asks for it, ``convert`` holds its own.
 
     Returns:
         The :class:`Certificate` (also written to ``precision_certificate.json``).
@@ -166,16 +170,21 @@ def validate(
         root, baseline, device, inputs, max_memory, data, trust_remote_code,
         _Baseline(allow_nonfinite_source, source_read),
     )  # fmt: skip
-    results: list[ComponentResult] = []
-    try:
-        _validate_all(run, SweepSettings(coverage, data), prior or {}, results)
-    except CannotValidateError as exc:
-        # Nothing is left half-explained: the output still gets a failing certificate and card
-        # that say what is missing and how to supply it; the error still reaches the caller.
-        results += _not_run(run.opened, run.components, results)
-        _write_certificate(run, results, cannot=exc)
-        raise
-    return _write_certificate(run, results)
+    # Taken only once everything that can be refused was (a refused run touches nothing, not
+    # even the folder the lock file would go in).
+    lock: AbstractContextManager[object] = TargetLock(real_path(root)) if locked else nullcontext()
+    with lock:
+        results: list[ComponentResult] = []
+        try:
+            _validate_all(run, SweepSettings(coverage, data), prior or {}, results)
+        except CannotValidateError as exc:
+            # Nothing is left half-explained: the output still gets a failing certificate and
+            # card that say what is missing and how to supply it; the error still reaches the
+            # caller.
+            results += _not_run(run.opened, run.components, results)
+            _write_certificate(run, results, cannot=exc)
+            raise
+        return _write_certificate(run, results)
 
 
 def _calibration_data(given: str | Path | CalibrationData | None) -> CalibrationData | None:
