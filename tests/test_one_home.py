@@ -37,6 +37,8 @@ def _hits(pattern: str) -> list[str]:
         ("certificate file name", r"precision_certificate\(", "core/patterns.py"),
         ("variant file name", r"-\\d\+-of-\\d\+\)\?\\\.", "core/patterns.py"),
         ("Hub id", r"\[A-Za-z0-9\]\[\\w\.-\]\*", "core/patterns.py"),
+        # A duration in a message: core.units.duration.
+        ("duration wording", r"def _?duration\(", "core/units.py"),
     ],
 )
 def test_one_definition(what: str, pattern: str, home: str) -> None:

@@ -21,6 +21,8 @@ from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from precision_convert.core.units import duration
+
 #: Seconds a Hub request may go without receiving a byte before it fails (default 60).
 HUB_TIMEOUT_VARIABLE = "PRECISION_CONVERT_HUB_TIMEOUT"
 #: Long enough for a slow Hub to answer a listing, short enough that a silent one is noticed.
@@ -97,15 +99,6 @@ def retry_after(value: str | None) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
-
-
-def duration(seconds: float) -> str:
-    """``seconds`` as a reader takes it in: ``40 s``, ``5 min``, ``24 h``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.0f} h"
 
 
 def clock(seconds: float) -> str:

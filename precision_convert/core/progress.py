@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from precision_convert.core.units import duration
+
 #: ``reporter(label, done, total, at_most)``: ``done`` of ``total`` steps of ``label`` are
 #: finished (``total`` None when unknown; with ``at_most`` an upper bound the work may stop
 #: short of, as the island search does).
@@ -145,18 +147,10 @@ class Forecast:
         self.paced.add(precision)
         estimate = seconds * left
         line = (
-            f"{self.what}: about {_duration(estimate)} left ({left} forwards, "
+            f"{self.what}: about {duration(estimate)} left ({left} forwards, "
             f"{seconds:.2f} s per {precision} probe)"
         )
         say(f"{line}; {self.hint}" if estimate > LONG_RUN and self.hint else line)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 @contextmanager

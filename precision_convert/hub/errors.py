@@ -21,10 +21,10 @@ from precision_convert.core.hub_client import (
     MAX_RETRY_WAIT_VARIABLE,
     WaitTooLong,
     clock,
-    duration,
     max_retry_wait,
     retry_after,
 )
+from precision_convert.core.units import duration
 
 
 def check_write_access(
