@@ -32,7 +32,7 @@ def _hits(pattern: str) -> list[str]:
         ("first line of a text", r"splitlines\(\)(\[0\]| if line\.strip)", "core/errors.py"),
         # A model dropped and its memory given back: runtime.memory.freed.
         ("freed", r"def freed\(", "convert/runtime/memory.py"),
-        ("the free sequence", r"free_model\(gone,", "convert/runtime/memory.py"),
+        ("the free sequence", r"_free_model\(gone,", "convert/runtime/memory.py"),
         # Names matched by pattern: core.patterns.
         ("certificate file name", r"precision_certificate\(", "core/patterns.py"),
         ("variant file name", r"-\\d\+-of-\\d\+\)\?\\\.", "core/patterns.py"),

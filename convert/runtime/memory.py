@@ -63,7 +63,7 @@ def map_large_allocations() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION)
 
 
-def free_model(gone: weakref.ref[Any], device: torch.device | None = None) -> None:
+def _free_model(gone: weakref.ref[Any], device: torch.device | None = None) -> None:
     """Make sure a deleted model's memory is back before the next one loads.
 
     Call after the last reference is dropped, with a weak reference to the model. Reference
@@ -92,7 +92,7 @@ class Held:
 @contextmanager
 def freed(model: Any = None, device: torch.device | None = None) -> Iterator[Held]:
     """Hold ``model`` (or the one the block loads into ``held.model``) for the block, and free
-    it at the block's end, whatever ends it: the reference dropped, then :func:`free_model`
+    it at the block's end, whatever ends it: the reference dropped, then :func:`_free_model`
     (``device``'s cache emptied too), so the next model to load is the only one resident.
 
     A context manager cannot drop its caller's variables, so the model lives in the yielded
@@ -110,4 +110,4 @@ def freed(model: Any = None, device: torch.device | None = None) -> Iterator[Hel
         if model is not None:
             gone = weakref.ref(model)
             del model
-            free_model(gone, device)
+            _free_model(gone, device)
