@@ -224,6 +224,35 @@ def test_a_runtime_name_no_module_has_is_refused(
     assert not (tmp_path / "o").exists()
 
 
+def test_experts_fused_from_mixed_dtypes_are_refused_in_one_line(
+    mixtrals: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """One fused parameter cannot hold two dtypes: a checkpoint storing one expert's ``w1`` in
+    fp32 beside bf16 ones is refused by name, with the source untouched."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from precision_convert.core.errors import InputError
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(mixtrals("hot"), mixed)
+    weights = load_file(mixed / "model.safetensors")
+    odd = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+    weights[odd] = weights[odd].float()
+    save_file(weights, mixed / "model.safetensors", metadata={"format": "pt"})
+    before = (mixed / "model.safetensors").read_bytes()
+    with pytest.raises(InputError) as refused:
+        pc.load(mixed)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "'model.layers.0.mlp.experts.gate_up_proj'" in message
+    assert "stored in different dtypes" in message
+    others = "model.layers.0.block_sparse_moe.experts.0.w1.weight bf16 and 14 more"
+    assert f"({odd} fp32, {others})" in message
+    assert (mixed / "model.safetensors").read_bytes() == before
+
+
 # --- acceptance: the search finds the island, the certificate says so -------------------------
 
 
@@ -267,6 +296,8 @@ def test_the_hot_expert_is_refused_in_fp16_and_certified_with_an_island(
     assert certificate["versions"]["transformers"] == TRANSFORMERS
     islands = {i.name: i for i in result.components[0].plan.islands}
     experts = sorted(n for n in islands if "experts" in n)
+    warnings = result.components[0].plan.warnings
+    assert not any("even with every module in fp32" in w for w in warnings), warnings
     if (name, target) == ("hot", "fp16-safe"):
         assert experts == LAYER_0_EXPERTS  # the whole fused module, found by the search
         assert {islands[n].reason for n in experts} == {"search"}

@@ -51,16 +51,21 @@ def restore_fused(
     """
     state = model.state_dict(keep_vars=True)
     for key, stored in merged.items():
-        dtypes = {t.dtype for t in stored}
-        if len(dtypes) > 1:
-            found = ", ".join(sorted(f"{t.name} {t.dtype.short}" for t in stored)[:4])
+        by_dtype: dict[DType, list[str]] = {}
+        for t in stored:
+            by_dtype.setdefault(t.dtype, []).append(t.name)
+        if len(by_dtype) > 1:
+            found = ", ".join(
+                f"{min(names)} {dtype.short}" + (f" and {len(names) - 1} more" if names[1:] else "")
+                for dtype, names in sorted(by_dtype.items(), key=lambda item: len(item[1]))
+            )
             raise InputError(
                 f"{type(model).__name__} fuses the stored tensors of {key!r} into one "
-                f"parameter, but they are stored in different dtypes ({found}, …), so their "
+                f"parameter, but they are stored in different dtypes ({found}), so their "
                 "dtypes cannot be kept",
                 source.root,
             )
-        dtype = next(iter(dtypes))
+        dtype = next(iter(by_dtype))
         target = state[key]
         if dtype != compute and target.dtype != dtype.torch:
             target.data = _merged(model, key, stored, dtype.torch, target, source)
@@ -79,7 +84,11 @@ def _merged(
     import torch
     from transformers.core_model_loading import revert_weight_conversion
 
-    index = torch.arange(target.numel()).reshape(target.shape)
+    # Element indices cost as much as the fp32 parameter while the merge runs (int32 up to
+    # 2**31 elements: a Mixtral-8x7B layer's gate_up_proj has 0.94e9).
+    wide = target.numel() >= 2**31
+    index = torch.arange(target.numel(), dtype=torch.int64 if wide else torch.int32)
+    index = index.reshape(target.shape)
     # Only transformers fuses stored tensors (builders.merged_key_map): a PreTrainedModel.
     places = revert_weight_conversion(cast("PreTrainedModel", model), {key: index})
     names = {t.name for t in stored}
@@ -102,7 +111,8 @@ def _merged(
                 f"fuses a {tuple(where.shape)} slice of it into {key!r}",
                 source.root,
             )
-        flat[where.reshape(-1).to(target.device)] = read_tensor(t, dtype, target.device).reshape(-1)
+        places_of = where.reshape(-1).to(device=target.device, dtype=torch.int64)
+        flat[places_of] = read_tensor(t, dtype, target.device).reshape(-1)
     return out
 
 
