@@ -22,6 +22,7 @@ from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import LazyTensor, read_tensor
 from precision_convert.core.dtypes import DType
 from precision_convert.core.errors import InputError
+from precision_convert.core.names import stored_spelling
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +93,12 @@ def _merged(
     # Only transformers fuses stored tensors (builders.merged_key_map): a PreTrainedModel.
     places = revert_weight_conversion(cast("PreTrainedModel", model), {key: index})
     names = {t.name for t in stored}
-    by_name = {_aligned(name, model, names): where for name, where in places.items()}
+    # The split names tensors as the whole model saves them; the checkpoint may lack or add
+    # the base-model prefix.
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    by_name = {
+        stored_spelling(name, prefix, names) or name: where for name, where in places.items()
+    }
     if set(by_name) != names:
         missing = sorted(names ^ set(by_name))[:3]
         raise InputError(
@@ -114,11 +120,3 @@ def _merged(
         places_of = where.reshape(-1).to(device=target.device, dtype=torch.int64)
         flat[places_of] = read_tensor(t, dtype, target.device).reshape(-1)
     return out
-
-
-def _aligned(name: str, model: nn.Module, stored: set[str]) -> str:
-    """``name`` as the checkpoint spells it: the library's split names tensors as the whole
-    model saves them, with or without the base-model prefix a checkpoint may lack or add."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    spellings = (name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}") if prefix else (name,)
-    return next((n for n in spellings if n in stored), name)
