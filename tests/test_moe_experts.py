@@ -12,6 +12,7 @@ records the transformers version it ran under (``record_property``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,11 @@ def test_the_record_names_the_stored_experts_and_the_summary_their_cost(kept: An
     with safe_open(out / "model.safetensors", "pt") as stored:
         names = stored.keys()
         dtypes = {name: stored.get_slice(name).get_dtype() for name in names}
+        fp32_bytes = sum(
+            4 * math.prod(stored.get_slice(name).get_shape())
+            for name in names
+            if dtypes[name] == "F32"
+        )
         record = json.loads(stored.metadata()["precision_convert"])
     for name in LAYER_0_EXPERTS:
         assert dtypes[f"{name}.weight"] == "F32"
@@ -105,13 +111,13 @@ def test_the_record_names_the_stored_experts_and_the_summary_their_cost(kept: An
     experts = [m for m in record["fp32_modules"] if "experts" in m]
     assert experts == LAYER_0_EXPERTS  # stored names, never the runtime one
     assert {record["islands"][m] for m in experts} == {"user"}
-    islands = summary["components"][0]["islands"]
-    one_expert = 3 * 112 * 32  # w1, w2, w3 of hidden 32 and intermediate 112
-    assert islands[LAYER_0_EXPERTS[0]]["parameters"] == 112 * 32
+    component = summary["components"][0]
+    islands = component["islands"]
+    assert islands[LAYER_0_EXPERTS[0]]["parameters"] == 112 * 32  # intermediate x hidden
     assert f"(run as {_moe.HOT_EXPERTS})" in islands[LAYER_0_EXPERTS[0]]["rule"]
-    kept_fp32 = summary["components"][0]["fp32_parameters"]
-    assert kept_fp32 >= 8 * one_expert
-    assert summary["components"][0]["fp32_bytes"] == 4 * kept_fp32
+    assert sum(islands[m]["parameters"] for m in LAYER_0_EXPERTS) == 8 * 3 * 112 * 32
+    assert component["fp32_bytes"] == fp32_bytes  # what the file holds in fp32
+    assert component["fp32_parameters"] == sum(i["parameters"] for i in islands.values())
 
 
 def _fp32(path: Path) -> torch.nn.Module:
