@@ -230,6 +230,30 @@ def test_a_runtime_name_no_module_has_is_refused(
     assert not (tmp_path / "o").exists()
 
 
+def test_a_weight_past_fp16s_range_in_one_expert_keeps_the_whole_fused_module(
+    mixtrals: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The weights' range island of one stored expert covers every tensor fused with it, in
+    what ``inspect`` plans and what ``model`` writes (both plan the same way)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    wide = tmp_path / "wide"
+    shutil.copytree(mixtrals("control"), wide)
+    weights = load_file(wide / "model.safetensors")
+    odd = "model.layers.1.block_sparse_moe.experts.6.w2.weight"
+    weights[odd] = weights[odd].float()
+    weights[odd][0, 0] = 1.0e5  # past 65504: fp16 would store inf
+    save_file(weights, wide / "model.safetensors", metadata={"format": "pt"})
+    done = CliRunner().invoke(app, ["inspect", str(wide), "--json"])
+    assert done.exit_code == 0, done.output
+    planned = json.loads(done.stdout)["components"][0]["islands"]["fp16-safe"]
+    experts = sorted(name for name in planned if "experts" in name)
+    assert experts == [name.replace("layers.0", "layers.1") for name in LAYER_0_EXPERTS]
+    assert {planned[name] for name in experts} == {"range"}
+
+
 def test_experts_fused_from_mixed_dtypes_are_refused_in_one_line(
     mixtrals: Callable[[str], Path], tmp_path: Path
 ) -> None:
