@@ -106,6 +106,15 @@ class ModelPlan:
         return kept / total if total else 0.0
 
     @property
+    def island_parameters(self) -> dict[str, int]:
+        """Floating-point parameters each island keeps in fp32 (its memory cost: 4 bytes each)."""
+        out = {island.name: 0 for island in self.islands}
+        for t in self.tensors:
+            if t.stored == FP32 and t.source.is_float and t.unit in out:
+                out[t.unit] += math.prod(t.shape)
+        return out
+
+    @property
     def sha256(self) -> str:
         payload = {
             "target": self.target.value,
@@ -212,6 +221,7 @@ def build_plan(
     ranges: Mapping[str, RangeStats] | None = None,
     extra_islands: Iterable[Island] = (),
     tied: Mapping[str, str] | None = None,
+    runtime: Mapping[str, str] | None = None,
 ) -> ModelPlan:
     """Decide the stored dtype of every tensor for ``target``.
 
@@ -220,6 +230,13 @@ def build_plan(
     :func:`~precision_convert.conversion.analysis.norms.tied_modules`). A recipe rule or a
     ``--keep-fp32`` pattern naming either keeps both in fp32: the weight is stored once, and a
     module holding it beside tensors of another dtype could not run.
+
+    ``runtime``: stored unit -> the module the model runs it as, where the library renames or
+    fuses it on load (see
+    :func:`~precision_convert.conversion.analysis.runtime_names.runtime_modules`). A pattern
+    naming the runtime module keeps its stored units, and the stored units fused into one
+    runtime module (Mixtral's experts) are kept in fp32 together or not at all: one fused
+    parameter holds one dtype. The plan and its record name stored units only.
     """
     decoded = check_target(target)
     safe = decoded.safe
@@ -228,10 +245,14 @@ def build_plan(
     islands: dict[str, Island] = {}
 
     unit_set = set(all_units)
+    run_names = dict(runtime or {})
 
     def named(pattern: str) -> dict[str, str]:
         """Unit -> how ``pattern`` names it: itself, or a module sharing its weights."""
         hits = {u: "" for u in all_units if matches_self_or_ancestor(pattern, u)}
+        for unit, run_as in sorted(run_names.items()):
+            if unit in unit_set and matches_self_or_ancestor(pattern, run_as):
+                hits.setdefault(unit, f" (run as {run_as})")
         for alias, holder in sorted((tied or {}).items()):
             if holder in unit_set and matches_self_or_ancestor(pattern, alias):
                 hits.setdefault(holder, f" ({alias} shares its weights)")
@@ -278,6 +299,8 @@ def build_plan(
             keep(unit_of[name], "range", f"weights {problem}")
         else:
             warnings.append(f"{name}: {problem}; stored in fp16 anyway (target {target})")
+    for island in _fused_with(islands, run_names):
+        keep(island.name, island.reason, island.rule)
 
     compute = decoded.compute
     planned = tuple(
@@ -301,6 +324,24 @@ def build_plan(
         dict(recipe.config_flags(target)),
         tuple(warnings),
     )
+
+
+def _fused_with(islands: Mapping[str, Island], runtime: Mapping[str, str]) -> list[Island]:
+    """Islands for the stored units fused at run time into one module with an island: the
+    fused parameter holds one dtype, so they follow the island whose fp32 output flows
+    furthest (its reason ranks first), and keep its rule (a measured one stays measured)."""
+    fused: dict[str, list[str]] = {}
+    for unit, run_as in sorted(runtime.items()):
+        fused.setdefault(run_as, []).append(unit)
+    out: list[Island] = []
+    for run_as, members in fused.items():
+        held = [islands[m] for m in members if m in islands]
+        if len(members) < 2 or not held:
+            continue
+        first = min(held, key=lambda i: (_REASON_RANK[i.reason], i.name))
+        rule = f"{first.rule} (fused with {first.name} into {run_as} at run time)"
+        out += [Island(m, first.reason, rule) for m in members if m != first.name]
+    return out
 
 
 def _range_problem(stats: RangeStats) -> str | None:

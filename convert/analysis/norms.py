@@ -23,7 +23,7 @@ from precision_convert.conversion.analysis.norm_cache import SkeletonNorms
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.runtime import builders
 from precision_convert.conversion.runtime.builders import build_skeleton
-from precision_convert.core.names import module_of
+from precision_convert.core.names import module_of, stored_spelling
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def tied_modules(source: ModelSource, *, trust_remote_code: bool = False) -> dic
     stored = {module_of(t.name) for t in source.tensors()}
     out: dict[str, str] = {}
     for group in found.tied:
-        named = [(_checkpoint_name(m, found.prefix, stored), m) for m in group]
+        named = [(stored_spelling(m, found.prefix, stored), m) for m in group]
         holder = next((name for name, _ in named if name is not None), None)
         if holder is None:
             continue
@@ -126,16 +126,8 @@ def _by_name(tensor_names: Iterable[str]) -> set[str]:
 
 def _align_names(found: SkeletonNorms, checkpoint_modules: set[str]) -> set[str]:
     """Map skeleton module names onto checkpoint names (base-model prefix added or dropped)."""
-    aligned = (_checkpoint_name(name, found.prefix, checkpoint_modules) for name in found.modules)
+    aligned = (stored_spelling(name, found.prefix, checkpoint_modules) for name in found.modules)
     return {name for name in aligned if name is not None}
-
-
-def _checkpoint_name(name: str, prefix: str, checkpoint_modules: set[str]) -> str | None:
-    """A skeleton module's name in the checkpoint (base-model prefix added or dropped)."""
-    for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
-        if candidate in checkpoint_modules:
-            return candidate
-    return None
 
 
 #: The code a cached answer depends on besides the libraries: this module and the builders.

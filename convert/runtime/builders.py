@@ -339,9 +339,50 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
     """Checkpoint key -> state-dict key, through transformers' own renaming rules.
 
     A key that transformers merges with others (a ``WeightConverter``: fused experts, fused
-    qkv) maps to None: its stored dtype cannot survive the merge.
+    qkv) maps to None: it lands in a parameter it shares (see :func:`merged_key_map`).
     """
     state = model.state_dict()
+    landing = _transformers_landing(model, state)
+    if landing is None:  # transformers 4.x: no renaming tables, only the base-model prefix
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        return lambda key: next(
+            (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in state),
+            None,
+        )
+
+    def key_of(key: str) -> str | None:
+        if key in state:
+            return key
+        renamed, merged = landing(key)
+        return renamed if not merged and renamed in state else None
+
+    return key_of
+
+
+def merged_key_map(model: nn.Module, source: ModelSource) -> KeyMap:
+    """Checkpoint key -> the state-dict key of the parameter the library builds from it and
+    other stored tensors together (transformers 5's ``WeightConverter``: Mixtral's per-expert
+    ``experts.3.w1.weight`` lands in the fused ``mlp.experts.gate_up_proj``); None for a key
+    that maps one-to-one or not at all, and for every key of other libraries."""
+    state: dict[str, Any] = model.state_dict() if source.library == "transformers" else {}
+    landing = _transformers_landing(model, state) if state else None
+    if landing is None:
+        return lambda key: None
+
+    def merged_into(key: str) -> str | None:
+        if key in state:
+            return None
+        renamed, merged = landing(key)
+        return renamed if merged and renamed in state else None
+
+    return merged_into
+
+
+def _transformers_landing(
+    model: nn.Module, state: dict[str, Any]
+) -> Callable[[str], tuple[str, bool]] | None:
+    """Checkpoint key -> (the key transformers loads it as, whether a ``WeightConverter``
+    merges it there with other keys); None under transformers 4.x, which has no such rules."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -350,23 +391,18 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
             WeightRenaming,
             rename_source_key,
         )
-    except ImportError:  # transformers 4.x: no renaming tables, only the base-model prefix
-        return lambda key: next(
-            (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in state),
-            None,
-        )
+    except ImportError:
+        return None
     # transformers' adapter builds only transformers models (PreTrainedModel subclasses).
     mapping = get_model_conversion_mapping(cast("PreTrainedModel", model))
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
 
-    def key_of(key: str) -> str | None:
-        if key in state:
-            return key
+    def landing(key: str) -> tuple[str, bool]:
         renamed, merged = rename_source_key(key, renamings, converters, prefix, state)
-        return renamed if merged is None and renamed in state else None
+        return renamed, merged is not None
 
-    return key_of
+    return landing
 
 
 # --- diffusers ---------------------------------------------------------------------------------

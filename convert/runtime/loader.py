@@ -34,8 +34,10 @@ from precision_convert.conversion.runtime.builders import (
     component_class,
     declared_classes_unquestioned,
     key_map,
+    merged_key_map,
 )
 from precision_convert.conversion.runtime.devices import move, resolve_device
+from precision_convert.conversion.runtime.fused import restore_fused
 from precision_convert.conversion.runtime.record import (
     check_record,
     read_record,
@@ -44,6 +46,7 @@ from precision_convert.conversion.runtime.record import (
 from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_save
 from precision_convert.core.dtypes import FP32, DType
 from precision_convert.core.errors import InputError
+from precision_convert.core.names import module_of
 
 if TYPE_CHECKING:
     import torch
@@ -143,9 +146,11 @@ def _load_model(source: ModelSource, trust_remote_code: bool, cls: type | None =
     if record is not None:
         check_record(record, tensors, source)
     model = build_pretrained(source, compute.torch, trust_remote_code=trust_remote_code, cls=cls)
-    key_of = key_map(model, source)
-    _restore_stored_dtypes(model, tensors, key_of, compute, source)
-    reasons = model_reasons(record.islands if record else {}, tensors, key_of)
+    key_of, merged_into = key_map(model, source), merged_key_map(model, source)
+    _restore_stored_dtypes(model, tensors, key_of, merged_into, compute, source)
+    reasons = model_reasons(
+        record.islands if record else {}, tensors, key_of, merged_into=merged_into
+    )
     install(model, find_boundaries(model, compute=compute.torch, reasons=reasons))
     if record is not None:  # a re-save writes back what the library's save drops
         keep_plan_on_save(model, SavedPlan.of(source, record))
@@ -175,12 +180,21 @@ def _compute_dtype(
 
 
 def model_reasons(
-    islands: Mapping[str, str], tensors: list[LazyTensor], key_of: KeyMap
+    islands: Mapping[str, str],
+    tensors: list[LazyTensor],
+    key_of: KeyMap,
+    *,
+    merged_into: KeyMap | None = None,
 ) -> dict[str, str]:
-    """Island reasons re-keyed from checkpoint names to the model's module names."""
+    """Island reasons re-keyed from checkpoint names to the model's module names; an island
+    of tensors the library fuses (``merged_into``) gives its reason to the fused module."""
     out: dict[str, str] = {}
     for name, reason in islands.items():
         for t in tensors_under(name, tensors):
+            fused = merged_into(t.name) if merged_into is not None else None
+            if fused is not None:
+                out[module_of(fused)] = str(reason)
+                break
             key, suffix = key_of(t.name), t.name[len(name) :]
             if key is not None and key.endswith(suffix):
                 out[key[: len(key) - len(suffix)]] = str(reason)
@@ -195,17 +209,25 @@ def _restore_stored_dtypes(
     model: nn.Module,
     tensors: list[LazyTensor],
     key_of: KeyMap,
+    merged_into: KeyMap,
     compute: DType,
     source: ModelSource,
 ) -> None:
-    """Give every model tensor the dtype its file stores it in, reading it again where needed.
+    """Give every model tensor the dtype its file stores it in, reading it again where needed;
+    a parameter the library fuses from several stored tensors (``merged_into``) takes the
+    dtype they share (:mod:`.fused`).
 
     ``.data`` is replaced rather than the Parameter, so tied weights stay tied and the
     Parameter objects other code holds stay valid.
     """
     state = model.state_dict(keep_vars=True)
+    merged: dict[str, list[LazyTensor]] = {}
     for t in tensors:
         if not t.dtype.is_float:
+            continue
+        fused = merged_into(t.name)
+        if fused is not None:
+            merged.setdefault(fused, []).append(t)
             continue
         key = key_of(t.name)
         if key is None or key not in state:
@@ -219,3 +241,4 @@ def _restore_stored_dtypes(
         target = state[key]
         if target.dtype != t.dtype.torch:
             target.data = read_tensor(t, t.dtype.torch, target.device)
+    restore_fused(model, merged, compute, source)

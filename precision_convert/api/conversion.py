@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from precision_convert.api.options import ConversionOptions, OptionKeywords
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
+from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.finite import SourceRead, read_source
 from precision_convert.conversion.io.source import (
@@ -62,6 +63,7 @@ class ConvertedComponent:
 
     def summary(self) -> dict[str, Any]:
         calibration = self.calibration
+        kept = self.plan.island_parameters
         return {
             "component": self.name,
             "library": self.library,
@@ -69,7 +71,12 @@ class ConvertedComponent:
             "recipe": self.plan.recipe,
             "fp32_modules": len(self.plan.islands),
             "fp32_share": round(self.plan.fp32_share, 6),
-            "islands": {i.name: {"reason": i.reason, "rule": i.rule} for i in self.plan.islands},
+            "fp32_parameters": sum(kept.values()),
+            "fp32_bytes": 4 * sum(kept.values()),
+            "islands": {
+                i.name: {"reason": i.reason, "rule": i.rule, "parameters": kept[i.name]}
+                for i in self.plan.islands
+            },
             "warnings": list(self.plan.warnings),
             "plan_sha256": self.plan.sha256,
             "calibration": None
@@ -174,6 +181,13 @@ def plan_model(
         if keep_fp32 or (decoded.safe and chosen.rules_for(decoded.value))
         else {}
     )
+    # The modules the model runs where they differ from the stored ones (fused MoE experts):
+    # what a pattern may name, and what islands must cover whole.
+    runtime = (
+        runtime_modules(model, trust_remote_code=trust_remote_code)
+        if keep_fp32 or decoded.safe
+        else {}
+    )
 
     def plan_with(extra: Iterable[Island]) -> ModelPlan:
         return build_plan(
@@ -185,6 +199,7 @@ def plan_model(
             ranges=ranges,
             extra_islands=extra,
             tied=tied,
+            runtime=runtime,
         )
 
     if not (calibrate and decoded.safe):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.conversion.analysis.norms import normalization_modules
+from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
 from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
 from precision_convert.core.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
@@ -231,11 +232,17 @@ def _inspect_model(
     hazards += _config_dtype_hazard(model, by_dtype)
     recipe = match_recipe(model.library, model.class_name, model.model_type)
     norms = normalization_modules(model, trust_remote_code=trust_remote_code)
+    runtime = runtime_modules(model, trust_remote_code=trust_remote_code)  # fused experts
     islands = {
         target: {
             i.name: i.reason
             for i in build_plan(
-                tensors, target=target, recipe=recipe, normalization=norms, ranges=ranges
+                tensors,
+                target=target,
+                recipe=recipe,
+                normalization=norms,
+                ranges=ranges,
+                runtime=runtime,
             ).islands
         }
         for target in SAFE_TARGETS

@@ -8,7 +8,7 @@ Names are compared component by component, never as substrings: ``wo`` must not 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from functools import lru_cache
 
 
@@ -77,6 +77,16 @@ def matches_self_or_ancestor(pattern: str, name: str) -> bool:
     """True when ``pattern`` matches ``name`` or one of its ancestors (``a.b`` covers ``a.b.c``)."""
     parts = name.split(".")
     return any(matches(pattern, ".".join(parts[:i])) for i in range(len(parts), 0, -1))
+
+
+def stored_spelling(name: str, prefix: str, stored: Container[str]) -> str | None:
+    """``name`` (a model's module or tensor) as a checkpoint spells it: as is, or with the
+    base-model ``prefix`` added or dropped (a checkpoint of the bare model lacks it, one of the
+    model with its head has it); None when ``stored`` holds no spelling of it."""
+    for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+        if candidate in stored:
+            return candidate
+    return None
 
 
 #: Where ``torch.nn.utils.parametrize`` keeps a parametrized tensor's originals:
