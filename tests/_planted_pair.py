@@ -37,7 +37,7 @@ FACTOR = 80.0
 #: Query/key weight on the slowest rotary pair: scores of 16 * 1.5**2 = 36 lock attention.
 LOCK = 1.5
 CONFIG: dict[str, Any] = {
-    "vocab_size": 4096,
+    "vocab_size": 1024,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,

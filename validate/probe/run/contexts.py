@@ -177,7 +177,9 @@ def _search_one(
     best_at = int(scores.argmax())
     ids, best = batch[best_at : best_at + 1], float(scores[best_at])
     start, steps, evaluations, stalled = best, 0, len(contexts), 0
-    while steps < steps_left and stalled < PATIENCE and time.perf_counter() < deadline:
+    last = 0.0  # the last step's seconds: a step that would end past the deadline is not begun
+    while steps < steps_left and stalled < PATIENCE and time.perf_counter() + last < deadline:
+        began = time.perf_counter()
         grad = objective.gradient(ids, embedding)
         top = grad.topk(min(TOP_IDS, vocab), dim=1).indices
         where = torch.randint(ids.shape[1], (SWAPS,), generator=generator)
@@ -191,6 +193,7 @@ def _search_one(
             ids, best, stalled = trial[at : at + 1], float(scores[at]), 0
         else:
             stalled += 1
+        last = time.perf_counter() - began
     return Found(bound, len(contexts), steps, evaluations, start, best, tuple(ids[0].tolist()))
 
 
