@@ -123,6 +123,62 @@ def test_the_search_finds_the_context_and_it_replays(ids: tuple[int, int]) -> No
     assert torch.equal(again.kwargs["input_ids"], probe.kwargs["input_ids"])
 
 
+def _phi3() -> Any:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return Phi3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5-encoder", "phi3"])
+def test_every_gated_form_is_bounded_per_channel(family: str) -> None:
+    """Separate gate and up projections (Llama), T5's gated feed-forward and Phi-3's fused
+    ``gate_up_proj`` each get a product bound, per channel: at least what the probes reached,
+    and exactly the largest product of the factors' per-channel peaks."""
+    import _models
+
+    torch.manual_seed(0)
+    model = (_phi3() if family == "phi3" else _models.ZOO[family][0]()).eval()
+    seeded = [torch.Generator().manual_seed(k) for k in range(3)]
+    prompts = [torch.randint(0, 128, (2, 12), generator=g) for g in seeded]
+    products = [r for r in _recorded(model, prompts).bounds(model) if r.kind == "product"]
+    assert products and all(r.bound >= r.observed * (1 - 1e-5) for r in products)
+    down = dict(model.named_modules())[products[0].module]
+    mlp = dict(model.named_modules())[products[0].module.rsplit(".", 1)[0]]
+    gates, ups = [], []
+
+    def take(module: Any, args: tuple[Any, ...]) -> None:
+        # What down receives is act(gate) * up: recompute both factors from the MLP's input.
+        x = mlp_inputs[-1]
+        if family == "phi3":
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            gates.append(mlp.activation_fn(gate).abs().amax((0, 1)))
+        else:
+            gate_proj, up_proj, act = (
+                (mlp.wi_0, mlp.wi_1, mlp.act) if family == "t5-encoder"
+                else (mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+            )  # fmt: skip
+            up = up_proj(x)
+            gates.append(act(gate_proj(x)).abs().amax((0, 1)))
+        ups.append(up.abs().amax((0, 1)))
+
+    mlp_inputs: list[torch.Tensor] = []
+    handles = [
+        mlp.register_forward_pre_hook(lambda m, args: mlp_inputs.append(args[0])),
+        down.register_forward_pre_hook(take),
+    ]
+    with torch.no_grad():
+        for prompt in prompts:
+            model(input_ids=prompt)
+    for handle in handles:
+        handle.remove()
+    expected = (torch.stack(gates).amax(0) * torch.stack(ups).amax(0)).max()
+    assert products[0].bound == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_quick_records_bounds_and_no_search(zoo_converted: Callable[[str, str], Any]) -> None:
     """At ``quick`` the certificate carries the bound table and says the search did not run."""
     result = zoo_converted("llama", "fp16-safe")

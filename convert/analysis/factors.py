@@ -23,6 +23,7 @@ block ends, even on error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,11 +32,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from precision_convert.conversion.analysis.activations import CHUNK, _peak
+
+
+def _observed(tensor: torch.Tensor) -> float:
+    """The largest |x| of an activation, reduced chunk by chunk as calibration's own are (a
+    non-finite value counts as none: such a probe is not judged)."""
+    peak = float(_peak(tensor)) if tensor.numel() else 0.0
+    return peak if math.isfinite(peak) else 0.0
+
+
 #: Ids kept per channel and factor: the token where the factor peaked and those before it.
 WINDOW = 4
 #: (gate, up, down, activation) child names of a gated MLP: Llama, Mistral, Qwen, Gemma
-#: (``act_fn``) and T5's gated feed-forward (``act``).
-GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+#: (``act_fn``), T5's gated feed-forward (``act``), and Phi-3's, whose one ``gate_up_proj``
+#: hands on both factors (gate first, up second, along its last dimension).
+GATED_NAMES = (
+    ("gate_proj", "up_proj", "down_proj", "act_fn"),
+    ("wi_0", "wi_1", "wo", "act"),
+    ("gate_up_proj", "gate_up_proj", "down_proj", "activation_fn"),
+)
 #: (value, output) child names of an attention block.
 VALUE_NAMES = (("v_proj", "o_proj"), ("v_proj", "out_proj"), ("v", "o"))
 #: Sides of a bound (:attr:`Bound.kind`).
@@ -80,16 +96,34 @@ class _ChannelPeaks:
         self.peak: torch.Tensor | None = None
         self.windows: torch.Tensor | None = None  # (channels, WINDOW), -1 where unknown
 
-    def add(self, tensor: torch.Tensor, ids: torch.Tensor | None) -> None:
-        values = tensor.detach().float().abs()
-        values = torch.where(values.isfinite(), values, 0).reshape(-1, values.shape[-1])
-        top, where = values.max(0)
+    def add(
+        self,
+        tensor: torch.Tensor,
+        ids: torch.Tensor | None,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        columns: slice = slice(None),
+    ) -> None:
+        """Take the peaks of ``transform(tensor[..., columns])``, a few rows at a time (a
+        long probe's MLP activations are hundreds of MB; the copies stay :data:`CHUNK`
+        elements)."""
+        rows = tensor.detach().reshape(-1, tensor.shape[-1])
+        step = max(1, CHUNK // rows.shape[1])
+        tops, wheres = [], []
+        for start in range(0, rows.shape[0], step):
+            part = rows[start : start + step, columns]
+            part = (transform(part) if transform is not None else part).float().abs()
+            top, where = torch.where(part.isfinite(), part, 0).max(0)
+            tops.append(top)
+            wheres.append(where + start)
+        best = torch.stack(tops).argmax(0, keepdim=True)
+        top = torch.stack(tops).gather(0, best)[0]
+        where = torch.stack(wheres).gather(0, best)[0]
         if self.peak is None or self.peak.shape != top.shape:
             self.peak = torch.zeros_like(top)
             self.windows = torch.full((top.numel(), WINDOW), -1, dtype=torch.int32)
         better = top > self.peak
         self.peak = torch.maximum(self.peak, top)
-        if ids is not None and ids.numel() == values.shape[0] and bool(better.any()):
+        if ids is not None and ids.numel() == rows.shape[0] and bool(better.any()):
             assert self.windows is not None
             self.windows[better] = _windows(ids)[where[better]]
 
@@ -139,12 +173,20 @@ def _sites(model: nn.Module) -> tuple[list[_Gated], list[_Values]]:
     values: list[_Values] = []
     for name, module in model.named_modules():
         for gate, up, down, act in GATED_NAMES:
-            found = [_child(module, n) for n in (gate, up, down, act)]
-            if all(isinstance(m, nn.Linear) for m in found[:3]) and found[3] is not None:
-                gated.append(
-                    _Gated(name, _join(name, gate), _join(name, up), _join(name, down), found[3])
-                )
-                break
+            gate_m, up_m, down_m = (_child(module, n) for n in (gate, up, down))
+            act_m = _child(module, act)
+            if not (
+                isinstance(gate_m, nn.Linear)
+                and isinstance(up_m, nn.Linear)
+                and isinstance(down_m, nn.Linear)
+                and act_m is not None
+            ):
+                continue
+            # A fused projection hands on (gate, up): twice what down receives.
+            if gate == up and gate_m.out_features != 2 * down_m.in_features:
+                continue
+            gated.append(_Gated(name, _join(name, gate), _join(name, up), _join(name, down), act_m))
+            break
         for value, out in VALUE_NAMES:
             v, o = _child(module, value), _child(module, out)
             if isinstance(v, nn.Linear) and isinstance(o, nn.Linear):
@@ -183,19 +225,27 @@ class FactorRecorder:
         yield model.register_forward_pre_hook(take_ids, with_kwargs=True)
         for site in self.gated:
             yield modules[site.gate].register_forward_hook(self._gate(site))
-            yield modules[site.up].register_forward_hook(self._factor(site.ups))
+            if site.up != site.gate:
+                yield modules[site.up].register_forward_hook(self._factor(site.ups))
             yield modules[site.down].register_forward_pre_hook(self._down(site))
         for values in self.values:
             yield modules[values.value].register_forward_hook(self._factor(values.values))
             yield modules[values.out].register_forward_hook(self._out(values))
 
     def _ids_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The running forward's ids when ``tensor`` has one row per id."""
         ids = self.ids
         return ids if ids is not None and ids.numel() * tensor.shape[-1] == tensor.numel() else None
 
     def _gate(self, site: _Gated) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            site.gates.add(site.act(output.detach()), self._ids_for(output))
+            ids = self._ids_for(output)
+            if site.up == site.gate:  # fused: the gate's half, then the up factor's
+                half = output.shape[-1] // 2
+                site.ups.add(output, ids, columns=slice(half, None))
+                site.gates.add(output, ids, site.act, slice(None, half))
+            else:
+                site.gates.add(output, ids, site.act)
 
         return hook
 
@@ -208,15 +258,15 @@ class FactorRecorder:
     def _down(self, site: _Gated) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if args and isinstance(args[0], torch.Tensor):
-                site.observed = max(site.observed, _finite_peak(args[0]))
+                site.observed = max(site.observed, _observed(args[0]))
 
         return hook
 
     def _out(self, values: _Values) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
             if args and isinstance(args[0], torch.Tensor):
-                values.observed_in = max(values.observed_in, _finite_peak(args[0]))
-            values.observed_out = max(values.observed_out, _finite_peak(output))
+                values.observed_in = max(values.observed_in, _observed(args[0]))
+            values.observed_out = max(values.observed_out, _observed(output))
 
         return hook
 
@@ -318,11 +368,6 @@ def _seeds(
     if len(found) == 2:
         seeds = [found[0] + found[1], found[1] + found[0], *found]
     return tuple(dict.fromkeys(seeds))
-
-
-def _finite_peak(tensor: torch.Tensor) -> float:
-    values = tensor.detach().abs()
-    return float(torch.where(values.isfinite(), values, 0).amax()) if values.numel() else 0.0
 
 
 def _last(name: str) -> str:
