@@ -34,14 +34,6 @@ from torch import nn
 
 from precision_convert.conversion.analysis.activations import CHUNK, _peak
 
-
-def _observed(tensor: torch.Tensor) -> float:
-    """The largest |x| of an activation, reduced chunk by chunk as calibration's own are (a
-    non-finite value counts as none: such a probe is not judged)."""
-    peak = float(_peak(tensor)) if tensor.numel() else 0.0
-    return peak if math.isfinite(peak) else 0.0
-
-
 #: Ids kept per channel and factor: the token where the factor peaked and those before it.
 WINDOW = 4
 #: (gate, up, down, activation) child names of a gated MLP: Llama, Mistral, Qwen, Gemma
@@ -368,6 +360,13 @@ def _seeds(
     if len(found) == 2:
         seeds = [found[0] + found[1], found[1] + found[0], *found]
     return tuple(dict.fromkeys(seeds))
+
+
+def _observed(tensor: torch.Tensor) -> float:
+    """The largest |x| of an activation, reduced chunk by chunk as calibration's own are (a
+    non-finite value counts as none: such a probe is not judged)."""
+    peak = float(_peak(tensor)) if tensor.numel() else 0.0
+    return peak if math.isfinite(peak) else 0.0
 
 
 def _last(name: str) -> str:
