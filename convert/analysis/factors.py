@@ -103,8 +103,10 @@ class _ChannelPeaks:
         tops, wheres = [], []
         for start in range(0, rows.shape[0], step):
             part = rows[start : start + step, columns]
-            part = (transform(part) if transform is not None else part).float().abs()
-            top, where = torch.where(part.isfinite(), part, 0).max(0)
+            part = (transform(part) if transform is not None else part).float()
+            top, where = _abs_max(part)
+            if not bool(top.isfinite().all()):  # rare: a non-finite value counts as none
+                top, where = _abs_max(torch.where(part.isfinite(), part, 0))
             tops.append(top)
             wheres.append(where + start)
         best = torch.stack(tops).argmax(0, keepdim=True)
@@ -118,6 +120,14 @@ class _ChannelPeaks:
         if ids is not None and ids.numel() == rows.shape[0] and bool(better.any()):
             assert self.windows is not None
             self.windows[better] = _windows(ids)[where[better]]
+
+
+def _abs_max(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column, the largest |x| and its row, from the max and the min (no |x| copy)."""
+    high, high_at = part.max(0)
+    low, low_at = part.min(0)
+    below = -low > high
+    return torch.where(below, -low, high), torch.where(below, low_at, high_at)
 
 
 def _windows(ids: torch.Tensor) -> torch.Tensor:
