@@ -10,6 +10,11 @@ and what each weighted module receives. Near fp16's limit (within the activation
   the loader would cast that fp32 output back to fp16, recreating the overflow;
 * a compute-dtype weighted module's input makes it a ``range`` island: the loader casts what a
   module receives to the module's own dtype;
+* a bound (:mod:`~precision_convert.conversion.analysis.factors`) on what a gated MLP's down
+  projection or an attention's output projection could receive or hand on, if the largest
+  factors the sweep saw met in one context, makes that projection a ``range`` island, and
+  with it the factor projection (a gated MLP's ``up``) whose fp32 output makes the product be
+  formed in fp32;
 * any other tensor (a container's stream, what a norm receives) must be carried in fp32 by the
   candidate as loaded. The candidate runs under dtype hooks; while one such tensor is still
   carried in fp16, the latest weighted module that ran before it in its scope becomes a
@@ -42,6 +47,7 @@ from precision_convert.conversion.analysis.activations import (
     near_limit,
     overflowing,
 )
+from precision_convert.conversion.analysis.factors import Bound
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
@@ -57,12 +63,14 @@ from precision_convert.validation.calibration.watch import (
     _watched,
 )
 from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
+from precision_convert.validation.probe.inputs.context_probes import CONTEXT_KIND
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
 from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
 from precision_convert.validation.probe.inputs.userdata import (
     CalibrationData,
     read_calibration_data,
 )
+from precision_convert.validation.probe.run.contexts import near_bounds
 from precision_convert.validation.probe.run.execute import Coverage, run_probes
 from precision_convert.validation.probe.run.parity import (
     recipe_validation,
@@ -128,6 +136,8 @@ def calibrated_plan(
     free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
     near = near_limit(stats) if target.range_limited else []
     added = _analysis_islands(stats, base, target, free, near)
+    if target.range_limited:
+        added += _bound_islands(swept.bounds, existing, set(free), {i.name for i in added})
     validation = recipe_validation(base.recipe)
     task = str(validation.get("task", swept.task))
     candidates = _Search(
@@ -209,7 +219,9 @@ def _fp32_sweep(
             stats, outputs = calibrate(
                 fp32, lambda: run_probes(fp32, inputs, "cpu", torch.float32), simulate
             )
-        recorded["stats"] = stats
+        contexts = all(p.sweep.get("kind") == CONTEXT_KIND for p in inputs.probes)
+        # The worst contexts run after the sweep: their peaks join the sweep's.
+        recorded["stats"] = _joined(recorded["stats"], stats) if contexts else stats
         return outputs
 
     # The chosen layout, then the coverage sweep and user data: one run records them all.
@@ -226,6 +238,45 @@ def _fp32_sweep(
         attention=searching,
     )
     return swept, recorded["stats"]
+
+
+def _joined(
+    first: dict[str, ActivationStats], then: dict[str, ActivationStats]
+) -> dict[str, ActivationStats]:
+    """``first``'s statistics with the peaks ``then`` reached beyond them."""
+    out = dict(first)
+    for name, seen in then.items():
+        had = out.get(name)
+        out[name] = (
+            seen
+            if had is None
+            else replace(
+                had,
+                max_in=max(had.max_in, seen.max_in),
+                max_out=max(had.max_out, seen.max_out),
+                main_out=max(had.main_out, seen.main_out),
+                low_precision_error=max(had.low_precision_error, seen.low_precision_error),
+            )
+        )
+    return out
+
+
+def _bound_islands(
+    bounds: Sequence[Bound], existing: dict[str, Island], free: set[str], taken: set[str]
+) -> list[Island]:
+    """Range islands for the bounds near fp16's limit: the bounded projection, so it receives
+    and hands on fp32, and its factor projections, so the product or sum is formed in fp32.
+    Units already islands (or not free) are left as they are."""
+    out: dict[str, Island] = {}
+    for bound in near_bounds(bounds):
+        rule = (
+            f"{MEASURED}{bound.side} bound {bound.bound:.4g} ({_near(bound.bound)}; observed "
+            f"{bound.observed:.4g}) if {bound.conditional_on}"
+        )
+        for unit in (bound.module, *bound.factors):
+            if unit in free and unit not in taken and unit not in existing:
+                out.setdefault(unit, Island(unit, "range", rule))
+    return list(out.values())
 
 
 def _expect(probes: int, attention: int, search: bool) -> None:

@@ -65,6 +65,9 @@ class ComponentRecord:
     #: The attention implementations judged (``{"default", "judged", "not_judged"}``); None
     #: for a model without a choice of attention, or a certificate from before it was recorded.
     attention: dict[str, Any] | None = None
+    #: What the fp32 sweep bounds and the search for the worst context found
+    #: (``{"bounds": [...], "context_search": {...}}``); None where no fp32 session ran whole.
+    calibration: dict[str, Any] | None = None
 
 
 #: Verdicts of one way of loading (see :mod:`.load_paths`).

@@ -74,6 +74,7 @@ def _validate_whole(
     record, thresholds = component_record(component, swept.task, swept.inputs, "whole")
     choices = swept.attention
     record.attention = choices.to_json() if choices is not None and choices.default else None
+    record.calibration = swept.calibration_record()
     metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
     if shared is not None and shared.candidate is not None:
         compared = compare_outputs(component.name, frozen, base_out, shared.candidate, thresholds)

@@ -16,6 +16,8 @@ from precision_convert.validation.probe.inputs.model_inputs import config_value
 
 LEVELS = ("quick", "standard", "thorough")
 DEFAULT_LEVEL = "standard"
+#: The context search's share of the certificate's floor at ``standard``: at most a quarter.
+CONTEXT_SEARCH_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,12 @@ class Budget:
     declared_activation_bytes: int = 2 << 30
     #: Whether declared image and latent sides run at all (declared frame counts always do).
     declared_sides: bool = True
+    #: Share of the certificate's floor (comparing by hand: the fp32 sweep and the candidate's
+    #: sweep of the same probes, estimated as twice the fp32 sweep's time) the search for the
+    #: worst context (:mod:`~.run.contexts`) may take, and its most steps per bounded module.
+    #: The seeds are always tried: a search cut short still judges where the factors peaked.
+    context_search: float = CONTEXT_SEARCH_SHARE
+    context_steps: int = 50
 
 
 BUDGETS: dict[str, Budget] = {
@@ -88,6 +96,9 @@ BUDGETS: dict[str, Budget] = {
         # A 1024 px fp16 pass of even an 8-channel VAE takes most of a minute on a CPU, and a
         # certificate makes a dozen: the sides are the default level's; quick says so.
         declared_sides=False,
+        # No search for contexts: bounds are still recorded.
+        context_search=0.0,
+        context_steps=0,
     ),
     # The default. Every vocabulary id once (a 32k vocabulary is 8 probes of 4096 tokens;
     # 128k+ ones are capped at 32 probes of bigger chunks: tens of seconds on one GPU for an
@@ -121,6 +132,9 @@ BUDGETS: dict[str, Budget] = {
         max_output=1 << 22,
         blockwise_vocabulary_probes=16,
         declared_activation_bytes=8 << 30,
+        # As long again as the floor: release-grade conversions can afford the search.
+        context_search=1.0,
+        context_steps=200,
     ),
 }
 

@@ -42,6 +42,7 @@ from precision_convert.validation.probe.inputs.budgets import (
     fit_budget,
     fit_model,
 )
+from precision_convert.validation.probe.inputs.context_probes import rebuilt_contexts
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.media_probes import (
     contrast_probes,
@@ -235,7 +236,7 @@ def replay(
             memory=description.get("memory_budget"),
         )
     recorded: Mapping[str, Any] = description.get("probes", {})
-    probes = {p.name: p for p in inputs.probes}
+    probes = {p.name: p for p in (*inputs.probes, *rebuilt_contexts(model, inputs, recorded))}
     missing = [name for name in recorded if name not in probes]
     if missing:
         raise CannotValidateError(f"cannot rebuild probes {', '.join(missing)}")

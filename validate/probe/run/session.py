@@ -16,16 +16,18 @@ baseline (:meth:`Swept.matches` says when it may stand in for it).
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from precision_convert.conversion.analysis.factors import Bound, FactorRecorder, recording_factors
 from precision_convert.conversion.io.hashing import hash_paths
 from precision_convert.conversion.runtime.memory import freed
-from precision_convert.validation.probe.inputs.budgets import activation_allowance
+from precision_convert.validation.probe.inputs.budgets import activation_allowance, budget_for
 from precision_convert.validation.probe.inputs.layouts import input_candidates, inputs_from_tensors
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
@@ -34,6 +36,7 @@ from precision_convert.validation.probe.run.attention import (
     attention_choices,
     outputs_by_attention,
 )
+from precision_convert.validation.probe.run.contexts import search_contexts
 from precision_convert.validation.probe.run.execute import (
     Outputs,
     resolve,
@@ -67,6 +70,18 @@ class Swept:
     attention: AttentionChoices | None = None
     #: The fp32 outputs under each other implementation, on the resolved probes.
     by_attention: Mapping[str, Outputs] = field(default_factory=dict)
+    #: What the factor peaks bound (:mod:`~precision_convert.conversion.analysis.factors`),
+    #: the context probes included, and the record of the search for the worst context.
+    bounds: tuple[Bound, ...] = ()
+    context_search: Mapping[str, Any] | None = None
+
+    def calibration_record(self) -> dict[str, Any]:
+        """The certificate's ``calibration`` record of this session: the bound table and
+        the context search."""
+        return {
+            "bounds": [b.to_json() for b in self.bounds],
+            "context_search": dict(self.context_search) if self.context_search else None,
+        }
 
     @property
     def resolved(self) -> ModelInputs:
@@ -166,9 +181,16 @@ def fp32_session(
     with freed(build(), device) as fp32:
         choices = attention_choices(fp32.model) if attention else None
         others = len(choices.others) if choices is not None else 0
+        factors = FactorRecorder(fp32.model)
+
+        def recorded(model: Any, probes: ModelInputs) -> Outputs:
+            with recording_factors(model, factors):
+                return run(model, probes)
+
+        began = time.perf_counter()
         task, inputs, outputs = sweep_model(
             fp32.model,
-            run,
+            recorded,
             settings,
             tokenizer=tokenizer,
             component=component,
@@ -176,6 +198,17 @@ def fp32_session(
             supplied=supplied,
             before=(lambda swept: before(swept, others)) if before is not None else None,
         )
+        inputs, outputs, searched = _worst_contexts(
+            fp32.model,
+            recorded,
+            inputs,
+            outputs,
+            factors.bounds(fp32.model),
+            settings,
+            time.perf_counter() - began,
+            device,
+        )
+        bounds = tuple(factors.bounds(fp32.model))  # the contexts' peaks included
         if choices is not None:
             choices, by_attention = outputs_by_attention(
                 fp32.model,
@@ -198,4 +231,46 @@ def fp32_session(
         (coverage() if coverage is not None else 1.0) * inputs.judged_share,
         choices,
         by_attention,
+        bounds,
+        searched,
     )
+
+
+def _worst_contexts(
+    model: Any,
+    run: Run,
+    inputs: ModelInputs,
+    outputs: Outputs,
+    bounds: list[Bound],
+    settings: SweepSettings,
+    swept_seconds: float,
+    device: torch.device,
+) -> tuple[ModelInputs, Outputs, dict[str, Any]]:
+    """The sweep's probes and outputs with the worst contexts the search finds for the
+    bounds near fp16's limit (run with ``run``, so what it records sees them too), and the
+    search's record. Its budget is the level's share of the floor, estimated as twice the fp32
+    sweep's ``swept_seconds`` (the fp32 sweep, and the candidate's of the same probes)."""
+    budget = budget_for(settings.level)
+    if inputs.origin == "file":
+        return inputs, outputs, {"not_searched": "the probes came from --inputs"}
+    if not budget.context_steps:
+        return inputs, outputs, {"not_searched": f"no context search at {budget.level}"}
+    probes, record = search_contexts(
+        model,
+        inputs,
+        bounds,
+        seconds=budget.context_search * 2 * swept_seconds,
+        steps=budget.context_steps,
+        device=device,
+        seed=inputs.seed,
+    )
+    if not probes:
+        return inputs, outputs, record
+    found = run(model, replace(inputs, probes=tuple(probes)))
+    kept = [p for p in probes if all(torch.isfinite(t).all() for t in found[p.name].values())]
+    for probe in kept:
+        outputs[probe.name] = found[probe.name]
+    record["probes"] = [p.name for p in kept]
+    if len(kept) < len(probes):
+        record["not_judged"] = "the fp32 model's own output is not finite on the other contexts"
+    return replace(inputs, probes=(*inputs.probes, *kept)), outputs, record

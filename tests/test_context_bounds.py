@@ -1,0 +1,267 @@
+"""An overflow only a context triggers is bounded, searched for, and judged: the token pair.
+
+The fast tests run the bound and the search on the planted model in memory (tests/
+_planted_pair.py: ``down_proj``'s input passes 65504 only when B precedes A); the slow one
+converts it to every target at ``standard`` coverage, as a user would, with an unplanted
+control of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import _planted_pair as pair
+import pytest
+import torch
+from safetensors import safe_open
+
+from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN
+from precision_convert.conversion.analysis.factors import FactorRecorder, recording_factors
+from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.validation.probe.inputs.context_probes import CONTEXT_KIND, context_probe
+from precision_convert.validation.probe.inputs.layouts import input_candidates
+from precision_convert.validation.probe.inputs.sweep import replay
+from precision_convert.validation.probe.inputs.token_probes import token_spec
+from precision_convert.validation.probe.run.contexts import search_contexts
+
+DOWN = "model.layers.0.mlp.down_proj"
+NEAR = FP16_MAX / ACTIVATION_MARGIN
+
+
+@pytest.fixture(scope="module")
+def ids() -> tuple[int, int]:
+    """The pair (A, B): outside every row the quick and standard sweeps feed the model."""
+    rows = pair.sweep_rows(pair.model(planted=False), "quick")
+    rows += pair.sweep_rows(pair.model(planted=False), "standard")
+    return pair.pair_outside(rows)
+
+
+def _recorded(model: Any, prompts: list[torch.Tensor]) -> FactorRecorder:
+    recorder = FactorRecorder(model)
+    with recording_factors(model, recorder), torch.no_grad():
+        for prompt in prompts:
+            model(input_ids=prompt)
+    return recorder
+
+
+def test_the_pair_overflows_only_in_order(ids: tuple[int, int]) -> None:
+    """The planted model is what the issue describes: finite in fp32, non-finite in a plain
+    fp16 cast on "… B … A …", and far from the limit on every other order."""
+    a, b = ids
+    model = pair.model(pair=ids)
+    assert pair.down_input_peak(model, pair.prompt(a, b)) > FP16_MAX
+    for order in ("AB", "A", "B"):
+        assert pair.down_input_peak(model, pair.prompt(a, b, order=order)) < 1e3
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=pair.prompt(a, b)).logits).all()
+        half = pair.model(pair=ids).half()
+        assert not torch.isfinite(half(input_ids=pair.prompt(a, b)).logits).all()
+        assert torch.isfinite(half(input_ids=pair.prompt(a, b, order="AB")).logits).all()
+
+
+def test_the_bound_reaches_the_limit_the_samples_never_did(ids: tuple[int, int]) -> None:
+    """A alone and B alone each peak one factor of channel 0: the per-channel bound on
+    ``down_proj``'s input is past the limit while every sample stayed below 1e3; the
+    unplanted control's bounds stay far from it."""
+    a, b = ids
+    prompts = [pair.prompt(a, b, order="A"), pair.prompt(a, b, order="B")]
+    bounds = {
+        (r.module, r.side): r
+        for r in _recorded(pair.model(pair=ids), prompts).bounds(pair.model(pair=ids))
+    }
+    row = bounds[DOWN, "input"]
+    assert row.observed < 1e3
+    assert row.bound >= NEAR
+    assert row.channel == 0
+    assert row.factors == ("model.layers.0.mlp.up_proj",)
+    assert "act(gate_proj)" in row.conditional_on and "one context" in row.conditional_on
+    # The seeds hold where each factor peaked: B's window, then A's.
+    assert any(b in seed and a in seed and seed.index(b) < seed.index(a) for seed in row.seeds)
+    # Attention's output projection is fed convex combinations of values: its input bound is
+    # the value peak, which B's value (8 after the norm) sets in layer 0.
+    convex = bounds["model.layers.0.self_attn.o_proj", "input"]
+    assert convex.kind == "convex" and convex.observed <= convex.bound + 1e-3
+    control = pair.model(planted=False)
+    assert all(r.bound < NEAR for r in _recorded(control, prompts).bounds(control))
+
+
+def test_the_search_finds_the_context_and_it_replays(ids: tuple[int, int]) -> None:
+    """Seeded where the factors peaked, the search reaches past fp16's limit even with no
+    time to climb (the seeds are always tried); the context probe it returns drives the
+    fp32 model past the limit, and a certificate's record of it replays to the same ids."""
+    a, b = ids
+    model = pair.model(pair=ids)
+    recorder = _recorded(model, [pair.prompt(a, b, order="A"), pair.prompt(a, b, order="B")])
+    chosen = next(iter(input_candidates(model, seed=0)))
+    probes, record = search_contexts(
+        model, chosen, recorder.bounds(model), seconds=0.0, steps=5, device=torch.device("cpu"),
+        seed=0,
+    )  # fmt: skip
+    assert record["near_limit"] == 1 and record["highest_peak"] > FP16_MAX
+    (searched,) = record["searched"]
+    assert searched["module"] == DOWN and searched["steps"] == 0 and searched["peak"] > FP16_MAX
+    (probe,) = probes
+    assert probe.sweep["kind"] == CONTEXT_KIND and probe.sweep["ids"] == searched["context"]
+    assert pair.down_input_peak(model, probe.kwargs["input_ids"]) == pytest.approx(
+        searched["peak"], rel=1e-4
+    )
+    replayed = replay(model, replace(chosen, probes=(*chosen.probes, probe)).describe())
+    assert torch.equal(replayed.probes[-1].kwargs["input_ids"], probe.kwargs["input_ids"])
+    # With steps, the climb only goes up.
+    probes, record = search_contexts(
+        model, chosen, recorder.bounds(model), seconds=5.0, steps=3, device=torch.device("cpu"),
+        seed=0,
+    )  # fmt: skip
+    assert record["searched"][0]["peak"] >= record["searched"][0]["start_peak"]
+    spec = token_spec(model, chosen.probes[0], None, chosen.task)
+    assert spec is not None
+    again = context_probe(spec, chosen.probes[0].kwargs, probe.sweep["ids"], 0, DOWN)
+    assert torch.equal(again.kwargs["input_ids"], probe.kwargs["input_ids"])
+
+
+def _phi3() -> Any:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return Phi3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5-encoder", "phi3"])
+def test_every_gated_form_is_bounded_per_channel(family: str) -> None:
+    """Separate gate and up projections (Llama), T5's gated feed-forward and Phi-3's fused
+    ``gate_up_proj`` each get a product bound, per channel: at least what the probes reached,
+    and exactly the largest product of the factors' per-channel peaks."""
+    import _models
+
+    torch.manual_seed(0)
+    model = (_phi3() if family == "phi3" else _models.ZOO[family][0]()).eval()
+    seeded = [torch.Generator().manual_seed(k) for k in range(3)]
+    prompts = [torch.randint(0, 128, (2, 12), generator=g) for g in seeded]
+    products = [r for r in _recorded(model, prompts).bounds(model) if r.kind == "product"]
+    assert products and all(r.bound >= r.observed * (1 - 1e-5) for r in products)
+    down = dict(model.named_modules())[products[0].module]
+    mlp = dict(model.named_modules())[products[0].module.rsplit(".", 1)[0]]
+    gates, ups = [], []
+
+    def take(module: Any, args: tuple[Any, ...]) -> None:
+        # What down receives is act(gate) * up: recompute both factors from the MLP's input.
+        x = mlp_inputs[-1]
+        if family == "phi3":
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            gates.append(mlp.activation_fn(gate).abs().amax((0, 1)))
+        else:
+            gate_proj, up_proj, act = (
+                (mlp.wi_0, mlp.wi_1, mlp.act) if family == "t5-encoder"
+                else (mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+            )  # fmt: skip
+            up = up_proj(x)
+            gates.append(act(gate_proj(x)).abs().amax((0, 1)))
+        ups.append(up.abs().amax((0, 1)))
+
+    mlp_inputs: list[torch.Tensor] = []
+    handles = [
+        mlp.register_forward_pre_hook(lambda m, args: mlp_inputs.append(args[0])),
+        down.register_forward_pre_hook(take),
+    ]
+    with torch.no_grad():
+        for prompt in prompts:
+            model(input_ids=prompt)
+    for handle in handles:
+        handle.remove()
+    expected = (torch.stack(gates).amax(0) * torch.stack(ups).amax(0)).max()
+    assert products[0].bound == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_quick_records_bounds_and_no_search(zoo_converted: Callable[[str, str], Any]) -> None:
+    """At ``quick`` the certificate carries the bound table and says the search did not run."""
+    result = zoo_converted("llama", "fp16-safe")
+    cert = json.loads((result.output / "precision_certificate.json").read_text())
+    calibration = cert["components"][0]["calibration"]
+    modules = {row["module"] for row in calibration["bounds"]}
+    assert "model.layers.0.mlp.down_proj" in modules
+    assert "model.layers.0.self_attn.o_proj" in modules
+    assert all(row["bound"] >= row["observed_peak"] * (1 - 1e-5) for row in calibration["bounds"])
+    assert calibration["context_search"] == {"not_searched": "no context search at quick"}
+
+
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(x.flatten(), y.flatten(), dim=0))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool, str], Any]:
+    """``converted(planted, target)`` → (the source, its pair, the certificate as JSON) at
+    ``standard`` coverage, once per module."""
+    import precision_convert as pc
+
+    root = tmp_path_factory.mktemp("pair")
+    sources: dict[bool, tuple[Path, tuple[int, int]]] = {}
+    done: dict[tuple[bool, str], Any] = {}
+
+    def get(planted: bool, target: str) -> Any:
+        if planted not in sources:
+            sources[planted] = pair.save(root / f"source-{planted}", planted=planted)
+        if (planted, target) not in done:
+            out = root / f"{planted}-{target}"
+            pc.convert(sources[planted][0], to=target, output=out, coverage="standard")
+            cert = json.loads((out / "precision_certificate.json").read_text())
+            done[planted, target] = (*sources[planted], out, cert)
+        return done[planted, target]
+
+    return get
+
+
+@pytest.mark.slow
+def test_the_pair_is_refused_in_fp16_and_certified_safe(converted: Callable[..., Any]) -> None:
+    """fp16 is refused on the context the search found; fp16-safe is certified with the
+    product formed and received in fp32, and is finite and close to fp32 on the triggering
+    prompt through ``pc.load`` and the plain default load; bf16-safe is certified."""
+    from transformers import AutoModelForCausalLM
+
+    import precision_convert as pc
+
+    source, (a, b), out, cert = converted(True, "fp16")
+    assert cert["verdict"] == "fail"
+    assert any(f.startswith("forward:context-1/logits: ") for f in cert["failures"])
+    source, _, out, cert = converted(True, "fp16-safe")
+    assert cert["verdict"] == "pass"
+    calibration = cert["components"][0]["calibration"]
+    row = next(r for r in calibration["bounds"] if r["module"] == DOWN and r["side"] == "input")
+    assert row["bound"] >= NEAR and row["bound"] >= row["observed_peak"]
+    search = calibration["context_search"]
+    assert search["highest_peak"] > FP16_MAX and search["probes"] == ["forward:context-1"]
+    assert search["seconds"] <= search["budget_seconds"] + 1.0  # one step's overrun at most
+    assert "forward:context-1" in cert["components"][0]["inputs"]["probes"]
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        kept = json.loads(weights.metadata()["precision_convert"])["fp32_modules"]
+    assert {DOWN, "model.layers.0.mlp.up_proj"} <= set(kept)
+    assert "model.layers.1.mlp.down_proj" not in kept  # the bound is per module, not every MLP
+    trigger = pair.prompt(a, b)
+    reference = _logits(AutoModelForCausalLM.from_pretrained(source), trigger)
+    for model in (pc.load(out), AutoModelForCausalLM.from_pretrained(out)):
+        got = _logits(model, trigger)
+        assert torch.isfinite(got).all()
+        assert _cosine(got, reference) >= 0.99
+    assert converted(True, "bf16-safe")[3]["verdict"] == "pass"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["fp16", "fp16-safe", "bf16-safe"])
+def test_the_unplanted_control_is_certified(converted: Callable[..., Any], target: str) -> None:
+    """The same shape without the planting passes every target, with nothing to search."""
+    cert = converted(False, target)[3]
+    assert cert["verdict"] == "pass", cert["failures"]
+    search = cert["components"][0]["calibration"]["context_search"]
+    assert search["near_limit"] == 0 and search["searched"] == []
