@@ -4,7 +4,8 @@
 each on a pseudo-terminal of their own (``terminal=True``: the command sees a terminal and
 draws its progress display) or each into a pipe, and timestamps every line as it arrives. A
 terminal's display is redrawn in place: a "line" there is each new text between carriage
-returns and newlines, escape codes stripped, so a display that does not change adds nothing.
+returns and newlines, escape codes stripped, never seen before: a display redrawn unchanged
+adds nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Stream:
     lines: list[tuple[float, str]] = field(default_factory=list)
     raw: bytearray = field(default_factory=bytearray)
     _partial: str = ""
-    _seen: str = ""
+    _seen: set[str] = field(default_factory=set)
 
     def take(self, at: float, data: bytes) -> None:
         self.raw += data
@@ -44,9 +45,9 @@ class Stream:
         *complete, self._partial = re.split(r"[\r\n]", text)
         for piece in complete:
             line = ANSI.sub("", piece).rstrip()
-            if line and line != self._seen:  # a redraw of the same text is no news
+            if line and line not in self._seen:  # a redraw of a display is no news
                 self.lines.append((at, line))
-                self._seen = line
+                self._seen.add(line)
 
     def finish(self, at: float) -> None:
         self.take(at, b"\n")

@@ -217,7 +217,8 @@ def _progress_display(description: str) -> Iterator[Callable[[str, int], None]]:
         steps = _StepDisplay(progress)
 
         def advance(label: str, n: int) -> None:
-            progress.update(task, advance=n, description=f"{description} {label}")
+            shown = shorten(f"{description} {label}", max(20, console.width - LABEL_MARGIN))
+            progress.update(task, advance=n, description=shown)
 
         with reporting(steps.report, progress.console.print):
             yield advance
@@ -281,6 +282,11 @@ class _PlainSteps:
             self.write(f"{label}: {done} of {bound}{total}")
 
 
+#: Columns a stage line's label leaves for the bar, counts, speed, ETA and clock: a line
+#: never wraps (a wrapped row would be redrawn as two).
+LABEL_MARGIN = 56
+
+
 class _StepDisplay:
     """The library's stage reports as rich tasks: one line per label, gone when finished.
 
@@ -299,7 +305,7 @@ class _StepDisplay:
             if task is not None:
                 self.progress.remove_task(task)
             # The stages before the model go first, then the words after its class name.
-            short = shorten(label, max(20, console.width - 42))
+            short = shorten(label, max(20, console.width - LABEL_MARGIN))
             task = self.tasks[label] = self.progress.add_task(short, total=total, count="")
         self.last[label] = done
         if total is not None and done >= total:
