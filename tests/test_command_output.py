@@ -21,6 +21,7 @@ from _terminal import Run, run_command
 
 from precision_convert.cli import _common
 from precision_convert.core.progress import Heartbeat
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
 
 #: Lines the report may take on stdout: one screen.
 SCREEN = 40
@@ -30,6 +31,8 @@ SILENCE = 15.0
 OWN_PREFIXES = (_common.PROGRESS_PREFIX, "precision-convert: ")
 #: A row of the terminal's progress display: it ends in the elapsed-time clock.
 DISPLAY_ROW = re.compile(r"\d+:\d\d:\d\d$")
+#: A forecast printed above the display (off a terminal it is a ``progress:`` line).
+FORECAST = re.compile(r"(calibration|validation): (\d+ forwards to run|about .+ left) \(")
 #: The families a newcomer tries first.
 FIRST_FAMILIES = ("llama-3.2-1b", "gpt2", "flan-t5-base", "stable-diffusion-1.5")
 MODES = (True, False)
@@ -42,7 +45,7 @@ def foreign_lines(run: Run, terminal: bool) -> list[str]:
     def own(line: str) -> bool:
         if line.startswith(OWN_PREFIXES):
             return True
-        return terminal and bool(DISPLAY_ROW.search(line))
+        return terminal and bool(DISPLAY_ROW.search(line) or FORECAST.match(line))
 
     return [line for line in run.stderr.text if not own(line)]
 
@@ -59,21 +62,20 @@ def check_run(run: Run, terminal: bool) -> None:
     assert silence <= SILENCE, f"{silence:.1f} s without a line, ended by {ended_by!r}"
 
 
-def _convert(source: Path, target: str, work: Path, terminal: bool, *extra: str) -> Run:
+def _convert(
+    source: Path, target: str, work: Path, terminal: bool, *extra: str
+) -> tuple[Run, Path]:
+    """``model SOURCE --to TARGET`` run in ``work``; the run and its output directory."""
     out = work / f"{source.name}-{target}-{'tty' if terminal else 'pipe'}"
-    return run_command(
-        ["model", str(source), "--to", target, "-o", str(out), *extra], terminal=terminal, cwd=work
-    )
+    args = ["model", str(source), "--to", target, "-o", str(out), *extra]
+    return run_command(args, terminal=terminal, cwd=work), out
 
 
 @pytest.mark.parametrize("terminal", MODES, ids=MODE_IDS)
 def test_a_quick_conversion_reads_well(
     tiny_model: Callable[[str], Path], tmp_path: Path, terminal: bool
 ) -> None:
-    run = _convert(tiny_model("gpt2"), "bf16-safe", tmp_path, terminal, "--coverage", "quick")
-    print(f"{run.seconds:.0f} s; longest silence {run.longest_silence()}")  # for -s
-    for at, line in run.stderr.lines:
-        print(f"{at:6.1f} {line}")
+    run, _ = _convert(tiny_model("gpt2"), "bf16-safe", tmp_path, terminal, "--coverage", "quick")
     check_run(run, terminal)
     if not terminal:
         assert "\x1b" not in run.stderr.raw.decode() + run.stdout.raw.decode()
@@ -86,8 +88,10 @@ def test_a_first_conversion_at_default_settings_reads_well(
     tiny_model: Callable[[str], Path], tmp_path: Path, family: str, terminal: bool
 ) -> None:
     """README's first command on each family a newcomer tries: ``model DIR --to fp16-safe``
-    (calibration, then validation at standard coverage)."""
-    check_run(_convert(tiny_model(family), "fp16-safe", tmp_path, terminal), terminal)
+    (calibration, then validation at standard coverage); its certificate under a megabyte."""
+    run, out = _convert(tiny_model(family), "fp16-safe", tmp_path, terminal)
+    check_run(run, terminal)
+    assert (out / CERTIFICATE_NAME).stat().st_size < 1_000_000
 
 
 def test_the_command_own_and_foreign_lines_are_told_apart() -> None:
@@ -99,11 +103,13 @@ def test_the_command_own_and_foreign_lines_are_told_apart() -> None:
     stderr.take(2.0, b"Writing model shards: 100%|##| 1/1 [00:00<00:00]\n")
     stderr.take(3.0, b"\x1b[2Kconverting \xe2\x94\x81\xe2\x94\x81 1.2 MB 0:00:03\r")
     stderr.take(4.0, b"precision-convert: unet: 2 fp32 islands\n")
+    stderr.take(4.5, b"validation: 61 forwards to run (fp32 baseline 14)\n")
     run = Run(0, 5.0, Stream(), stderr)
     assert foreign_lines(run, terminal=True) == ["Writing model shards: 100%|##| 1/1 [00:00<00:00]"]
     assert foreign_lines(run, terminal=False) == [
         "Writing model shards: 100%|##| 1/1 [00:00<00:00]",
         "converting ━━ 1.2 MB 0:00:03",
+        "validation: 61 forwards to run (fp32 baseline 14)",
     ]
     assert run.longest_silence()[0] == 1.0
 
