@@ -284,7 +284,7 @@ class _PlainSteps:
 
 #: Columns a stage line's label leaves for the bar, counts, speed, ETA and clock: a line
 #: never wraps (a wrapped row would be redrawn as two).
-LABEL_MARGIN = 56
+LABEL_MARGIN = 50
 
 
 class _StepDisplay:
