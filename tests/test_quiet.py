@@ -165,3 +165,22 @@ def test_nested_and_concurrent_stages_restore_once_the_last_one_leaves(bars_on: 
     release.set()
     thread.join(10)
     assert _switches() == before
+
+
+def test_verbose_shows_the_held_messages_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--verbose``: the command prints what the libraries said, each as it comes, on stderr
+    (nothing on stdout, where the report goes); without it, nothing."""
+    from rich.console import Console
+
+    from precision_convert.cli import _common
+
+    monkeypatch.setattr(_common, "console", Console(stderr=True, width=200))
+    for verbose in (True, False):
+        with _common.byte_progress("converting", False, verbose), quiet_libraries():
+            logging.getLogger("transformers.modeling_utils").warning("UNEXPECTED: concept_embeds")
+        said = capsys.readouterr()
+        assert said.out == ""
+        shown = "transformers.modeling_utils: UNEXPECTED: concept_embeds\n"
+        assert said.err == (shown if verbose else "")
