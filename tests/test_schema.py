@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator, ValidationError
 
 from precision_convert.api.conversion import convert
 from precision_convert.api.inspection import inspect_source
-from precision_convert.core.errors import CheckFailed
+from precision_convert.core.errors import CertificateError, CheckFailed
 from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "docs" / "schema"
@@ -54,12 +54,37 @@ def test_model_json_matches_its_schema(converted: Any) -> None:
 
 def test_certificate_matches_its_schema(converted: Any) -> None:
     payload = json.loads((converted.output / CERTIFICATE_NAME).read_text(encoding="utf-8"))
-    assert payload["schema"] == "precision-convert/certificate/2"
+    assert payload["schema"] == "precision-convert/certificate/3"
     assert payload["load_paths"] and payload["metrics"]
     _assert_valid("certificate", payload)
     broken = {**payload, "verdict": "maybe"}
     with pytest.raises(ValidationError):
         _validator("certificate").validate(broken)
+
+
+def test_a_version_2_certificate_reads_as_it_did(converted: Any, tmp_path: Path) -> None:
+    """Schema 2 wrote ``metrics`` as a flat list of measurements: such a certificate is read
+    (its measurements the same, in the order schema 3 stores them) and verifies its files."""
+    import shutil
+
+    from precision_convert.validation.certify.certificate import Certificate
+    from precision_convert.validation.certify.verify import verify
+
+    copy = tmp_path / "old"
+    shutil.copytree(converted.output, copy)
+    current = Certificate.read(copy)
+    payload = json.loads((copy / CERTIFICATE_NAME).read_text(encoding="utf-8"))
+    flat = [m.to_dict() for m in current.metrics]
+    payload |= {"schema": "precision-convert/certificate/2", "metrics": flat}
+    (copy / CERTIFICATE_NAME).write_text(json.dumps(payload, indent=2) + "\n")
+    old = Certificate.read(copy)
+    assert old.metrics == current.metrics and len(flat) > 10
+    assert old.verdict == current.verdict == "pass"
+    verify(copy)  # the card regenerated from it is the card on disk
+    payload["metrics"][0] = {"value": 1}  # a malformed row is named, not a traceback
+    (copy / CERTIFICATE_NAME).write_text(json.dumps(payload))
+    with pytest.raises(CertificateError, match="metrics"):
+        Certificate.read(copy)
 
 
 def test_inspect_json_matches_its_schema(tiny_model: Any, tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """Library calls leave no process-wide side effects, so conversions can share a process.
 
 Two conversions run at once in two threads write exactly what they write one at a time; and
-afterwards torch's thread count, matplotlib's backend, other libraries' loggers and
-huggingface_hub's client factory are as they were, and no prefetch thread is left running,
-whether ``convert()`` returned or raised.
+afterwards torch's thread count, matplotlib's backend, other libraries' loggers, the warning
+filters and ``showwarning``, transformers' bar switch, the environment and huggingface_hub's
+client factory are as they were, and no prefetch thread is left running, whether ``convert()``
+returned or raised.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import errno
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,13 @@ def _hub_client_factory() -> object:
 
 
 def _process_state() -> dict[str, Any]:
+    from transformers.utils import logging as transformers_logging
+
     return {
+        "warning_filters": list(warnings.filters),
+        "showwarning": warnings.showwarning,
+        "transformers_bars": transformers_logging.is_progress_bar_enabled(),
+        "environment": dict(os.environ),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "matplotlib_backend": matplotlib.get_backend(),
@@ -91,10 +99,15 @@ def quiet_process() -> Iterator[None]:
     hub_logging.get_logger("huggingface_hub")
     previous = matplotlib.get_backend()
     matplotlib.use(SENTINEL_BACKEND)
+    # The bars on, as in a user's process: the stages turn them off and must hand them back.
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()
     try:
         yield
     finally:
         matplotlib.use(previous)
+        if not bars:
+            transformers_logging.disable_progress_bar()
 
 
 def _outputs(directory: Path) -> dict[str, bytes]:

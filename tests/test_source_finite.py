@@ -27,7 +27,7 @@ from precision_convert.api.conversion import convert
 from precision_convert.cli.main import app
 from precision_convert.conversion.io.source import open_source
 from precision_convert.errors import InputError
-from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME, measurements
 
 SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "schema" / "certificate.schema.json"
 #: The embedding row given a NaN: absent from the chosen probe's seeded ids, so only sweep
@@ -70,10 +70,11 @@ def _assert_failed_certificate(out: Path) -> dict[str, object]:
     [component] = on_disk["components"]
     unjudged = component["inputs"]["unjudged"]
     assert unjudged and not set(unjudged) & set(component["inputs"]["probes"])
-    [coverage] = [m for m in on_disk["metrics"] if m["metric"] == "coverage"]
+    [coverage] = [m for m in measurements(on_disk["metrics"]) if m.metric == "coverage"]
     judged = len(component["inputs"]["probes"])
-    assert coverage["value"] <= judged / (judged + len(unjudged)) + 1e-9
-    assert not coverage["passed"]
+    assert coverage.value is not None
+    assert coverage.value <= judged / (judged + len(unjudged)) + 1e-9
+    assert not coverage.passed
     assert any(all(p in n for p in unjudged) for n in on_disk["notes"])
     assert "not finite" in (out / "README.md").read_text()
     return on_disk

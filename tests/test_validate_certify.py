@@ -29,6 +29,7 @@ from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
+    measurements,
 )
 from precision_convert.validation.certify.runner import validate
 from precision_convert.validation.certify.verify import verify_files
@@ -100,8 +101,8 @@ def assert_certified(out: Path, certificate: Certificate, target: str) -> None:
     for component in on_disk["components"]:
         assert component["inputs"]["seed"] == 0 and component["inputs"]["probes"]
     reported = ("max_abs", "nonfinite_tokens")  # shown, never judged (nonfinite judges NaN)
-    judged = [m for m in on_disk["metrics"] if m["metric"] not in reported]
-    assert judged and all(m["passed"] and m["threshold"] is not None for m in judged)
+    judged = [m for m in measurements(on_disk["metrics"]) if m.metric not in reported]
+    assert judged and all(m.passed and m.threshold is not None for m in judged)
     card = ModelCard.load(out / "README.md")
     assert target.removesuffix("-safe") in card.data.tags
     assert card.data.to_dict()["precision_convert"]["verdict"] == "pass"

@@ -40,6 +40,7 @@ from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.source import ModelSource, open_source
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, PlanRecord
 from precision_convert.conversion.runtime.record import record_mismatch
+from precision_convert.core.quiet import PrecisionConvertWarning
 
 __all__ = ["SavedPlan", "keep_plan_on_save", "write_plan"]
 
@@ -110,6 +111,7 @@ def write_plan(directory: Path, plan: SavedPlan, variant: str | None = None) -> 
         warnings.warn(
             f"{directory} saved without its {RECORD_KEY} record: {mismatch}, so it loads as "
             "a model that was never converted",
+            PrecisionConvertWarning,
             stacklevel=3,
         )
         if any([config.pop(key, None) for key in (RECORD_KEY, DIFFUSERS_RECORD_KEY)]):

@@ -38,6 +38,7 @@ from precision_convert.conversion.plan import (
 from precision_convert.core.dtypes import Target
 from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.core.patterns import VARIANT_NAME
+from precision_convert.core.quiet import quiet_libraries
 from precision_convert.recipes import Recipe
 from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
@@ -283,6 +284,7 @@ class _Run:
     hub_timeout: float | None
 
 
+@quiet_libraries()
 def _convert(
     source: str | Path,
     target: Target,

@@ -20,6 +20,7 @@ from precision_convert.conversion.io.source import ModelSource, PipelineSource, 
 from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
 from precision_convert.core.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
 from precision_convert.core.names import units
+from precision_convert.core.quiet import quiet_libraries
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class InspectReport:
         }
 
 
+@quiet_libraries()
 def inspect_source(
     source: str | Path,
     *,

@@ -118,33 +118,66 @@ def emit_json(payload: Any) -> None:
 
 
 @contextmanager
-def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, int], None]]:
+def byte_progress(
+    description: str, enabled: bool, verbose: bool = False
+) -> Iterator[Callable[[str, int], None]]:
     """Progress on stderr for one command: a bar fed with (label, bytes) callbacks, plus one
     line per stage the library reports (probe k of n, candidate k of at most m) with an ETA.
 
     Off a terminal (a log, a pipe) the stages are plain lines instead (:class:`_PlainSteps`):
     no bar, nothing redrawn, no escape codes. A no-op when disabled.
+
+    ``verbose``: what transformers, diffusers and huggingface_hub say inside the stages (held
+    back otherwise, see :mod:`precision_convert.core.quiet`) is printed on stderr too, above
+    the progress display.
     """
     from precision_convert.core.progress import reporting
 
-    if not enabled:
-        yield lambda label, n: None
-        return
-    if not console.is_terminal:
-        plain = _PlainSteps()
-        with reporting(plain.report, plain.write):
+    with _library_lines(verbose):
+        if not enabled:
             yield lambda label, n: None
+            return
+        if not console.is_terminal:
+            plain = _PlainSteps(description)
+            with plain.heartbeat, reporting(plain.report, plain.write):
+                yield lambda label, n: None
+            return
+        with _progress_display(description) as advance:
+            yield advance
+
+
+@contextmanager
+def _library_lines(verbose: bool) -> Iterator[None]:
+    """With ``verbose``, the libraries' held-back messages as lines on stderr (through the
+    console, so a progress display on a terminal is redrawn below them)."""
+    if not verbose:
+        yield
         return
+    from precision_convert.core.quiet import library_messages
+
+    def show(text: str) -> None:
+        console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+    with library_messages(show):
+        yield
+
+
+@contextmanager
+def _progress_display(description: str) -> Iterator[Callable[[str, int], None]]:
+    """The terminal's display of :func:`byte_progress`: a byte bar and a line per stage."""
     from rich.filesize import decimal
     from rich.progress import (
         BarColumn,
         Progress,
         ProgressColumn,
         TextColumn,
+        TimeElapsedColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
     from rich.text import Text
+
+    from precision_convert.core.progress import reporting
 
     class Amount(ProgressColumn):
         """Bytes so far and speed on the byte bar (its total is not known: no "1.8/? MB");
@@ -176,22 +209,25 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[str, in
         BarColumn(bar_width=12),
         Amount(),
         Remaining(),
+        # A clock that moves while a stage reports nothing for a while: the run is alive.
+        TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(description, total=None)
         steps = _StepDisplay(progress)
 
         def advance(label: str, n: int) -> None:
-            progress.update(task, advance=n, description=f"{description} {label}")
+            shown = shorten(f"{description} {label}", max(20, console.width - LABEL_MARGIN))
+            progress.update(task, advance=n, description=shown)
 
         with reporting(steps.report, progress.console.print):
             yield advance
 
 
 @contextmanager
-def step_progress(description: str, enabled: bool) -> Iterator[None]:
+def step_progress(description: str, enabled: bool, verbose: bool = False) -> Iterator[None]:
     """:func:`byte_progress` for commands that move no bytes worth counting (validate)."""
-    with byte_progress(description, enabled):
+    with byte_progress(description, enabled, verbose):
         yield
 
 
@@ -203,15 +239,28 @@ PROGRESS_PREFIX = "progress: "
 class _PlainSteps:
     """The library's stage reports as plain lines on stderr: one when a stretch of work
     starts, one at each tenth of it, one when it ends, with its time. A log of a long run shows
-    where it is while it runs, not only at the end."""
+    where it is while it runs, not only at the end; where the work reports nothing for a while
+    (a model loaded, weights hashed) the heartbeat says what is still running."""
 
-    def __init__(self) -> None:
+    def __init__(self, description: str) -> None:
+        from precision_convert.core.progress import Heartbeat
+
+        self.description = description
+        self.began = time.monotonic()
         self.last: dict[str, int] = {}
         self.started: dict[str, float] = {}
+        self.heartbeat = Heartbeat(self._still)
+        self.write(f"{description}: started")
 
-    @staticmethod
-    def write(line: str) -> None:
-        print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
+    def write(self, line: str) -> None:
+        with contextlib.suppress(OSError):  # a closed stderr loses the line, not the run
+            print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
+        self.heartbeat.touch()
+
+    def _still(self, silent: float) -> None:
+        """The heartbeat: the stretch of work most recently started is still running."""
+        label, since = next(reversed(self.started.items()), (self.description, self.began))
+        self.write(f"{label}: still running ({time.monotonic() - since:.0f} s so far)")
 
     def report(self, label: str, done: int, total: int | None, at_most: bool) -> None:
         now = time.monotonic()
@@ -233,6 +282,11 @@ class _PlainSteps:
             self.write(f"{label}: {done} of {bound}{total}")
 
 
+#: Columns a stage line's label leaves for the bar, counts, speed, ETA and clock: a line
+#: never wraps (a wrapped row would be redrawn as two).
+LABEL_MARGIN = 50
+
+
 class _StepDisplay:
     """The library's stage reports as rich tasks: one line per label, gone when finished.
 
@@ -251,7 +305,7 @@ class _StepDisplay:
             if task is not None:
                 self.progress.remove_task(task)
             # The stages before the model go first, then the words after its class name.
-            short = shorten(label, max(20, console.width - 42))
+            short = shorten(label, max(20, console.width - LABEL_MARGIN))
             task = self.tasks[label] = self.progress.add_task(short, total=total, count="")
         self.last[label] = done
         if total is not None and done >= total:
@@ -402,6 +456,18 @@ AllowNonfiniteSourceOption = Annotated[
         "--allow-nonfinite-source",
         help="Go on when the source's own weights hold NaN or ±inf (refused otherwise); "
         "the certificate then fails, naming the tensors.",
+    ),
+]
+
+#: The libraries' own messages, held back inside the command's stages (see
+#: :mod:`precision_convert.core.quiet`), shown.
+VerboseOption = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        help="Also show what transformers, diffusers and huggingface_hub log and warn while "
+        "the command loads and saves models (hidden by default: it speaks of the command's "
+        "own internal loads).",
     ),
 ]
 

@@ -10,6 +10,7 @@ import typer
 from precision_convert.cli._common import (
     CalibrationDataOption,
     CoverageOption,
+    VerboseOption,
     emit_json,
     reported_errors,
     step_progress,
@@ -52,6 +53,7 @@ def inspect(
         bool,
         typer.Option("--full", help="List every module instead of one row per layer role."),
     ] = False,
+    verbose: VerboseOption = False,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print one JSON report (every module listed).")
     ] = False,
@@ -73,7 +75,7 @@ def inspect(
     with reported_errors():  # heavy imports: a Ctrl-C meanwhile still gets its line
         from precision_convert.api.inspection import inspect_source
 
-    with reported_errors(), step_progress("calibrating", calibrate):
+    with reported_errors(), step_progress("calibrating", calibrate, verbose):
         report = inspect_source(
             source,
             revision=revision,

@@ -14,6 +14,7 @@ from precision_convert.cli._common import (
     DeviceOption,
     ReportLevel,
     ReportOption,
+    VerboseOption,
     byte_progress,
     emit_json,
     reported_errors,
@@ -119,6 +120,7 @@ def model(
         bool, typer.Option("--private", help="With --push: create the repo private.")
     ] = False,
     report: ReportOption = ReportLevel.summary,
+    verbose: VerboseOption = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON result.")] = False,
 ) -> None:
     """Convert a checkpoint to TARGET and (by default) certify it against the fp32 baseline."""
@@ -147,7 +149,7 @@ def model(
     # One handler from the first write to the last line printed: a Ctrl-C while the report
     # prints still says what is on disk.
     with reported_errors(on_disk):
-        with byte_progress("converting", not json_output) as progress:
+        with byte_progress("converting", not json_output, verbose) as progress:
             try:
                 options = ConversionOptions(
                     revision=revision,

@@ -14,6 +14,7 @@ from precision_convert.cli._common import (
     DeviceOption,
     ReportLevel,
     ReportOption,
+    VerboseOption,
     emit_json,
     reported_errors,
     step_progress,
@@ -72,6 +73,7 @@ def validate_command(
         ),
     ] = False,
     report: ReportOption = ReportLevel.summary,
+    verbose: VerboseOption = False,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the certificate as one JSON object.")
     ] = False,
@@ -95,7 +97,7 @@ def validate_command(
             # The certificate and card go into CONVERTED: under the lock every writer of an
             # output takes (locked=True), so neither this run nor a `model --overwrite` (or a
             # batch job) replaces what the other is writing; the later one stops at once.
-            with step_progress("validating against fp32", True):
+            with step_progress("validating against fp32", True, verbose):
                 certificate = validate(
                     converted,
                     baseline,

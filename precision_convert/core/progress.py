@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -179,37 +180,46 @@ def forward_ran(precision: str, seconds: float, full: bool) -> None:
         ahead.ran(precision, seconds, full)
 
 
-_quiet_lock = threading.Lock()
-_quiet_depth = 0
-_quiet_restore = False
+#: Seconds of silence after which a command's progress says it is still working.
+HEARTBEAT_SECONDS = 10.0
 
 
-@contextmanager
-def diffusers_bars_off() -> Iterator[None]:
-    """Turn off the bars diffusers draws while it builds a pipeline ("Loading pipeline
-    components...") for the duration of our own loads: a validation builds a dozen, and their
-    bars would bury ours. (transformers' follow huggingface_hub's switch, which the command
-    sets; the bar of a pipeline's denoising loop is switched per pipeline.)
+class Heartbeat:
+    """Calls ``beat(seconds)`` from a thread of its own each time ``interval`` seconds pass
+    without :meth:`touch` (``seconds``: since the last touch), while it is entered.
 
-    The switch is diffusers' and process-wide, so it is counted: the first caller in turns the
-    bars off, the last one out puts back what was there, nested and concurrent calls included.
-    Without diffusers installed it does nothing.
+    Some stretches of work report nothing for long (a model built and loaded, a Hub client
+    resolving, the weights hashed): a command's progress display touches the heartbeat on every
+    line it writes, and the beat writes a line of its own, so a log or a person watching never
+    goes more than ``interval`` seconds without one.
     """
-    global _quiet_depth, _quiet_restore
-    try:
-        from diffusers.utils import logging
-    except ImportError:
-        yield
-        return
-    with _quiet_lock:
-        if _quiet_depth == 0:
-            _quiet_restore = logging.is_progress_bar_enabled()
-            logging.disable_progress_bar()
-        _quiet_depth += 1
-    try:
-        yield
-    finally:
-        with _quiet_lock:
-            _quiet_depth -= 1
-            if _quiet_depth == 0 and _quiet_restore:
-                logging.enable_progress_bar()
+
+    def __init__(self, beat: Callable[[float], None], interval: float = HEARTBEAT_SECONDS) -> None:
+        self.beat = beat
+        self.interval = interval
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def touch(self) -> None:
+        """A line was written: the silence starts again."""
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.05, self.last + self.interval - time.monotonic())):
+            silent = time.monotonic() - self.last
+            if silent >= self.interval:
+                self.beat(silent)
+                self.last = time.monotonic()
+
+    def __enter__(self) -> Heartbeat:
+        self.touch()
+        self._thread = threading.Thread(target=self._run, name="precision-convert-heartbeat")
+        self._thread.daemon = True  # never holds the process open past its command
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

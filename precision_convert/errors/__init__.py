@@ -25,6 +25,7 @@ from precision_convert.core.errors import (
     WeightsDoNotMap,
     printable,
 )
+from precision_convert.core.quiet import PrecisionConvertWarning
 
 __all__ = [
     "CannotBuildModel",
@@ -39,6 +40,7 @@ __all__ = [
     "NotAsCertified",
     "OutputExistsError",
     "PrecisionConvertError",
+    "PrecisionConvertWarning",
     "PushFailed",
     "PushRefused",
     "UnsafeCheckpointError",

@@ -60,7 +60,7 @@ def _certificate_covers_a_change(out: Path) -> str:
     weights.write_bytes(bytes(data))
     certificate = json.loads((out / CERTIFICATE_NAME).read_text())
     certificate["files"]["model.safetensors"] = hashlib.sha256(bytes(data)).hexdigest()
-    certificate["metrics"][0]["value"] = 0.0  # and a prettier number
+    certificate["metrics"]["series"][0]["value"][0] = 0.0  # and a prettier number
     (out / CERTIFICATE_NAME).write_text(json.dumps(certificate, indent=2) + "\n")
     return "README.md"
 

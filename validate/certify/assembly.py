@@ -32,6 +32,7 @@ from precision_convert.validation.certify.certificate import (
     SOURCE_BASELINE,
     Certificate,
     ComponentRecord,
+    in_series_order,
     metric_failures,
 )
 from precision_convert.validation.certify.components import (
@@ -170,7 +171,7 @@ def _certificate(
         device=_device_record(run.device, run.max_memory, {r.record.mode for r in results}),
         versions=_versions(),
         components=[r.record for r in results],
-        metrics=metrics,
+        metrics=in_series_order(metrics),  # as stored: the certificate read back is equal
         failures=failures,
         files=hash_files(root),
         notes=notes,

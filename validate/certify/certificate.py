@@ -35,9 +35,18 @@ SCHEMA_FILE = "certificate.schema.json"
 #: Bumped when a field changes meaning, so readers can refuse what they do not understand.
 #: 2: ``verdict`` gained ``smoke-pass`` (a self-comparison never reads ``pass``) and
 #: ``source.id``/``source.path`` name the source by its Hub id or directory name, never a path.
-SCHEMA = "precision-convert/certificate/2"
-#: The first version, still read: its self-comparisons were written with verdict ``pass``.
+#: 3: ``metrics`` is grouped into series (one per component, output, metric and bound, a row
+#: per probe): a row names only what changes from probe to probe.
+SCHEMA = "precision-convert/certificate/3"
+#: The earlier versions, still read. 1: self-comparisons were written with verdict ``pass``;
+#: 1 and 2: ``metrics`` a flat list of measurements.
 SCHEMA_1 = "precision-convert/certificate/1"
+SCHEMA_2 = "precision-convert/certificate/2"
+#: What every measurement of a metric series shares.
+SERIES_KEY = ("component", "output", "metric", "threshold", "bound")
+#: A series' columns, one entry per measurement: the probe (an index into ``metrics.probes``),
+#: the value (None for NaN/Inf) and whether it passed.
+SERIES_COLUMNS = ("probe", "value", "passed")
 #: What the baseline was: the source (or a baseline the user named), or the converted weights
 #: themselves upcast to fp32 (``validate DIR`` without ``--baseline``).
 SOURCE_BASELINE = "source"
@@ -167,7 +176,7 @@ class Certificate:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["metrics"] = [m.to_dict() for m in self.metrics]
+        data["metrics"] = metric_series(self.metrics)
         return data
 
     @classmethod
@@ -185,7 +194,7 @@ class Certificate:
         if check:
             check_schema(values)
         values["components"] = [ComponentRecord(**c) for c in values.get("components", [])]
-        values["metrics"] = [Measurement(**m) for m in values.get("metrics", [])]
+        values["metrics"] = measurements(values.get("metrics") or {})
         values["load_paths"] = [LoadPath.from_dict(p) for p in values.get("load_paths", [])]
         return cls(**values)
 
@@ -283,14 +292,69 @@ def failure_line(m: Measurement) -> str:
 
 def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
     """A certificate's fields in the current schema's meaning: a version-1 self-comparison
-    that passed reads ``smoke-pass``, as it would be written now."""
+    that passed reads ``smoke-pass``, as it would be written now; the flat ``metrics`` list of
+    versions 1 and 2 is grouped into series."""
     values = dict(data)
     if values.get("schema") == SCHEMA_1:
-        values["schema"] = SCHEMA
+        values["schema"] = SCHEMA_2
         baseline = values.get("baseline") or {}
         if values.get("verdict") == PASS and baseline.get("kind") == SELF_BASELINE:
             values["verdict"] = SMOKE_PASS
+    if values.get("schema") == SCHEMA_2:
+        values["schema"] = SCHEMA
+        flat = values.get("metrics")
+        if isinstance(flat, list) and all(isinstance(m, Mapping) for m in flat):
+            with contextlib.suppress(TypeError):  # malformed rows: the schema check names them
+                values["metrics"] = metric_series([Measurement(**m) for m in flat])
     return values
+
+
+def in_series_order(metrics: Iterable[Measurement]) -> list[Measurement]:
+    """``metrics`` in the order the certificate stores them: series by series (in the order
+    each first appears), each series' rows in their order. Assembled certificates are put in
+    this order, so one read back from its file equals the one written (its card too)."""
+    groups: dict[tuple[Any, ...], list[Measurement]] = {}
+    for m in metrics:
+        groups.setdefault(tuple(getattr(m, k) for k in SERIES_KEY), []).append(m)
+    return [m for group in groups.values() for m in group]
+
+
+def metric_series(metrics: Iterable[Measurement]) -> dict[str, Any]:
+    """The certificate's ``metrics``: every probe named once (``probes``), and a series per
+    component, output, metric, threshold and bound holding, per measurement, the probe's
+    index, the value and whether it passed (columns: a list each)."""
+    probes: dict[str, int] = {}
+    series: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for m in metrics:
+        key = tuple(getattr(m, k) for k in SERIES_KEY)
+        if key not in series:
+            series[key] = {**dict(zip(SERIES_KEY, key, strict=True))}
+            series[key].update((column, []) for column in SERIES_COLUMNS)
+        columns = series[key]
+        columns["probe"].append(probes.setdefault(m.probe, len(probes)))
+        columns["value"].append(m.value)
+        columns["passed"].append(m.passed)
+    return {"probes": list(probes), "series": list(series.values())}
+
+
+def measurements(data: Mapping[str, Any]) -> list[Measurement]:
+    """The measurements :func:`metric_series` stored, in the order it stores them.
+
+    Raises:
+        CertificateError: a series whose columns differ in length or name a probe not listed.
+    """
+    probes = data.get("probes", [])
+    found = []
+    for s in data.get("series", []):
+        columns = [s[c] for c in SERIES_COLUMNS]
+        if len({len(c) for c in columns}) != 1 or not all(0 <= i < len(probes) for i in s["probe"]):
+            raise CertificateError(f"metrics/series: {s['metric']} of {s['output']} is malformed")
+        shared = {k: s[k] for k in SERIES_KEY}
+        found += [
+            Measurement(**shared, probe=probes[i], value=value, passed=passed)
+            for i, value, passed in zip(*columns, strict=True)
+        ]
+    return found
 
 
 def certificate_files(directory: str | Path) -> list[str]:
@@ -309,13 +373,48 @@ def write(
     re-validation under another variant name)."""
     root = Path(directory)
     path = root / certificate.file_name
-    files = {path: json.dumps(certificate.to_dict(), indent=2) + "\n"}
+    files = {path: compact_json(certificate.to_dict()) + "\n"}
     files.update((root / name, text) for name, text in (with_files or {}).items())
     write_atomically(files)
     for stale in certificate_files(root):
         if stale != path.name:
             (root / stale).unlink()
     return path
+
+
+#: The longest object written on one line (when it holds only plain values and lists of them).
+ONE_LINE = 240
+
+
+def compact_json(value: Any, indent: int = 0) -> str:
+    """``value`` as indented JSON whose lists of plain values (a metric row, a probe's token
+    ids, a shape) and short objects of them (a tensor's shape, dtype and digest) stay on one
+    line: ``json.dumps(indent=2)`` gives every number a line of its own, and a sweep of
+    hundreds of probes repeats such records hundreds of times."""
+    if _flat(value):
+        text = json.dumps(value)
+        if not isinstance(value, Mapping) or len(text) <= ONE_LINE:
+            return text
+    pad = " " * (indent + 2)
+    if isinstance(value, Mapping):
+        items = (f"{pad}{json.dumps(k)}: {compact_json(v, indent + 2)}" for k, v in value.items())
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    items = (f"{pad}{compact_json(v, indent + 2)}" for v in value)
+    return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
+
+
+def _flat(value: Any) -> bool:
+    """Whether ``value`` is a plain value, or a list or object of plain values and lists of
+    them (nothing nested deeper): what :func:`compact_json` may write on one line."""
+    if isinstance(value, Mapping):
+        return all(_plain_or_list(v) for v in value.values())
+    return _plain_or_list(value)
+
+
+def _plain_or_list(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return not any(isinstance(v, Mapping | list | tuple) and v for v in value)
+    return not isinstance(value, Mapping) or not value
 
 
 def write_atomically(files: Mapping[Path, str]) -> None:

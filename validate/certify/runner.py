@@ -43,7 +43,8 @@ from precision_convert.conversion.plan import PlanRecord
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import read_record
 from precision_convert.core.errors import CannotValidateError, InputError
-from precision_convert.core.progress import diffusers_bars_off, forecasting, stage
+from precision_convert.core.progress import forecasting, stage
+from precision_convert.core.quiet import quiet_libraries
 from precision_convert.validation.certify.assembly import _certificate, _not_run, _Run
 from precision_convert.validation.certify.blockwise import validate_blockwise
 from precision_convert.validation.certify.card import render_card
@@ -96,6 +97,7 @@ WHOLE_MODEL_HEADROOM = 1.25
 
 
 @stage("validation")
+@quiet_libraries()
 def validate(
     converted: str | Path,
     baseline: str | Path | None = None,
@@ -280,10 +282,12 @@ def _write_certificate(
 
 
 def _library_bars_off(opened: Source) -> AbstractContextManager[None]:
-    """diffusers' own loading bars off while a diffusers model or pipeline is validated (their
-    switch costs diffusers' import, which nothing else here needs)."""
+    """diffusers' own loading bars off too while a diffusers model or pipeline is validated
+    (their switch costs diffusers' import, which nothing else here needs)."""
     uses = any(m.library == "diffusers" for m in models_of(opened).values())
-    return diffusers_bars_off() if uses or isinstance(opened, PipelineSource) else nullcontext()
+    if uses or isinstance(opened, PipelineSource):
+        return quiet_libraries("diffusers")
+    return nullcontext()
 
 
 _UNITS = {

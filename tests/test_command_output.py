@@ -1,0 +1,131 @@
+"""What a person sees running the command: counted on a terminal and in a pipe.
+
+Each run is the real command in a child process (see ``_terminal.py``), its lines timestamped
+as they arrive: at most a screen (40 lines) on stdout, nothing on stderr but the command's own
+lines (no load report, warning or bar of transformers, diffusers or tqdm), and never more than
+15 s without a new line on either stream, from the start to the exit.
+
+The zoo's first families at default settings run one conversion per family and mode: minutes
+on a CPU, so they are ``slow``; the same checks on GPT-2 at ``--coverage quick`` run always.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from _terminal import Run, run_command
+
+from precision_convert.cli import _common
+from precision_convert.core.progress import Heartbeat
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
+
+#: Lines the report may take on stdout: one screen.
+SCREEN = 40
+#: The longest stretch a person (or a log) may wait for a new line.
+SILENCE = 15.0
+#: What starts the command's own lines on stderr off a terminal.
+OWN_PREFIXES = (_common.PROGRESS_PREFIX, "precision-convert: ")
+#: A row of the terminal's progress display: it ends in the elapsed-time clock.
+DISPLAY_ROW = re.compile(r"\d+:\d\d:\d\d$")
+#: A forecast printed above the display (off a terminal it is a ``progress:`` line).
+FORECAST = re.compile(r"(calibration|validation): (\d+ forwards to run|about .+ left) \(")
+#: The families a newcomer tries first.
+FIRST_FAMILIES = ("llama-3.2-1b", "gpt2", "flan-t5-base", "stable-diffusion-1.5")
+MODES = (True, False)
+MODE_IDS = ("terminal", "piped")
+
+
+def foreign_lines(run: Run, terminal: bool) -> list[str]:
+    """stderr lines the command did not write itself."""
+
+    def own(line: str) -> bool:
+        if line.startswith(OWN_PREFIXES):
+            return True
+        return terminal and bool(DISPLAY_ROW.search(line) or FORECAST.match(line))
+
+    return [line for line in run.stderr.text if not own(line)]
+
+
+def check_run(run: Run, terminal: bool) -> None:
+    """The run passed and read as a person should read it."""
+    said = "\n".join(run.stderr.text[-20:])
+    assert run.returncode == 0, said
+    report = run.report_lines()
+    assert 0 < len(report) <= SCREEN, "\n".join(report)
+    assert [line for line in report if line.strip()][-1] == "verdict: pass"
+    assert foreign_lines(run, terminal) == []
+    silence, ended_by = run.longest_silence()
+    assert silence <= SILENCE, f"{silence:.1f} s without a line, ended by {ended_by!r}"
+
+
+def _convert(
+    source: Path, target: str, work: Path, terminal: bool, *extra: str
+) -> tuple[Run, Path]:
+    """``model SOURCE --to TARGET`` run in ``work``; the run and its output directory."""
+    out = work / f"{source.name}-{target}-{'tty' if terminal else 'pipe'}"
+    args = ["model", str(source), "--to", target, "-o", str(out), *extra]
+    return run_command(args, terminal=terminal, cwd=work), out
+
+
+@pytest.mark.parametrize("terminal", MODES, ids=MODE_IDS)
+def test_a_quick_conversion_reads_well(
+    tiny_model: Callable[[str], Path], tmp_path: Path, terminal: bool
+) -> None:
+    run, _ = _convert(tiny_model("gpt2"), "bf16-safe", tmp_path, terminal, "--coverage", "quick")
+    check_run(run, terminal)
+    if not terminal:
+        assert "\x1b" not in run.stderr.raw.decode() + run.stdout.raw.decode()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("terminal", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("family", FIRST_FAMILIES)
+def test_a_first_conversion_at_default_settings_reads_well(
+    tiny_model: Callable[[str], Path], tmp_path: Path, family: str, terminal: bool
+) -> None:
+    """README's first command on each family a newcomer tries: ``model DIR --to fp16-safe``
+    (calibration, then validation at standard coverage); its certificate under a megabyte."""
+    run, out = _convert(tiny_model(family), "fp16-safe", tmp_path, terminal)
+    check_run(run, terminal)
+    assert (out / CERTIFICATE_NAME).stat().st_size < 1_000_000
+
+
+def test_the_command_own_and_foreign_lines_are_told_apart() -> None:
+    """The check above would see a library's line: a load report or a tqdm bar."""
+    from _terminal import Stream
+
+    stderr = Stream()
+    stderr.take(1.0, b"progress: validation: started\n")
+    stderr.take(2.0, b"Writing model shards: 100%|##| 1/1 [00:00<00:00]\n")
+    stderr.take(3.0, b"\x1b[2Kconverting \xe2\x94\x81\xe2\x94\x81 1.2 MB 0:00:03\r")
+    stderr.take(4.0, b"precision-convert: unet: 2 fp32 islands\n")
+    stderr.take(4.5, b"validation: 61 forwards to run (fp32 baseline 14)\n")
+    run = Run(0, 5.0, Stream(), stderr)
+    assert foreign_lines(run, terminal=True) == ["Writing model shards: 100%|##| 1/1 [00:00<00:00]"]
+    assert foreign_lines(run, terminal=False) == [
+        "Writing model shards: 100%|##| 1/1 [00:00<00:00]",
+        "converting ━━ 1.2 MB 0:00:03",
+        "validation: 61 forwards to run (fp32 baseline 14)",
+    ]
+    assert run.longest_silence()[0] == 1.0
+
+
+def test_a_silent_stretch_gets_a_heartbeat_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal, a stage that reports nothing for a while is said to be running."""
+    steps = _common._PlainSteps("converting")
+    steps.heartbeat = Heartbeat(steps._still, interval=0.2)
+    with steps.heartbeat:
+        steps.report("validation › baseline", 0, None, False)
+        time.sleep(0.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "progress: converting: started"
+    assert lines[1] == "progress: validation › baseline: started"
+    beats = lines[2:]
+    assert beats and all(
+        re.fullmatch(r"progress: validation › baseline: still running \(\d+ s so far\)", b)
+        for b in beats
+    ), lines
