@@ -1,19 +1,22 @@
 """Benchmark a certified conversion end to end, against the floor of comparing by hand.
 
-    python bench/certify.py --size 55m --target bf16-safe [--keep DIR] [--device cpu]
+    python bench/certify.py --size 55m --target bf16-safe [--threads N] [--keep DIR] [--device cpu]
 
 Builds a Llama-shaped model with random weights (one of :data:`SIZES`), then runs the command a
-user runs, ``precision-convert model SRC --to TARGET``, as a child process, polling its RSS.
-Forwards by stage come from the child's forward ledger (``PRECISION_CONVERT_LEDGER``: a JSON
-line per probe run, labelled with its stage). Then, in this process, the floor: what a user
-comparing the two models by hand runs over the certificate's own recorded probes, with plain
-code: the fp32 source loaded and swept, the output loaded with ``precision_convert.load`` and
-swept, under every attention implementation the certificate judged ``pc.load`` under (eager
-attention's fp16 masking is a different computation, and a user checking it by hand runs both
-models under it too: the attention issue counts those sweeps in the floor). Wall time is
-reported as a ratio of that floor, and of its default-attention part alone, measured in the
-same run (the machine's load changes between runs; the ratio stays comparable), and absolute
-seconds beside it.
+user runs, ``precision-convert model SRC --to TARGET``, as a child process, polling its RSS,
+at the machine's default thread count (``--threads N``: pinned to N threads, the floor too).
+Its user and system CPU seconds come from the kernel's accounting of the child. Forwards by
+stage come from the child's ledger (``PRECISION_CONVERT_LEDGER``: a JSON line per probe run,
+labelled with its stage and the seconds in the forwards themselves, and one per stretch of
+work outside forwards: loading, hashing, writing, spilling outputs, re-saving); the time
+outside forwards is the wall time less the forwards'. Then, in this process, the floor: what
+a user comparing the two models by hand runs over the certificate's own recorded probes, with
+plain code: the fp32 source loaded and swept once under its default attention, the output
+loaded with ``precision_convert.load`` and swept under every attention implementation the
+certificate judged (eager attention's fp16 masking is a different computation from sdpa's;
+in fp32 the two compute one function). Wall time is reported as a ratio of that floor and of
+its default-attention part alone, measured in the same run (the machine's load changes
+between runs; the ratio stays comparable), with absolute seconds and the probes' tokens.
 
 Memory: the child's peak RSS, and the RSS a process holds after importing what the command
 imports (the import baseline, measured in a process of its own): the certificate should need
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -141,11 +145,18 @@ def import_baseline() -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
+def cpu_seconds(who: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``who`` (``resource.RUSAGE_SELF`` or ``_CHILDREN``)."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime, usage.ru_stime
+
+
 def run_command(
-    source: Path, output: Path, target: str, coverage: str, device: str
+    source: Path, output: Path, target: str, coverage: str, device: str, threads: int | None
 ) -> dict[str, Any]:
-    """``precision-convert model`` in a child process: wall seconds, peak RSS, its ledger and
-    the last lines it wrote on stderr."""
+    """``precision-convert model`` in a child process (``threads``: pinned to that many):
+    wall seconds, user and system CPU seconds, peak RSS, its ledger and the last lines it
+    wrote on stderr."""
     command = shutil.which("precision-convert", path=str(Path(sys.executable).parent))
     if command is None:
         raise SystemExit("bench: precision-convert is not installed next to this python")
@@ -153,7 +164,8 @@ def run_command(
     ledger.unlink(missing_ok=True)
     argv = [command, "model", str(source), "--to", target, "-o", str(output), "--overwrite"]
     argv += ["--coverage", coverage, "--device", device]
-    env = {**os.environ, LEDGER: str(ledger)}
+    env = {**os.environ, LEDGER: str(ledger), **pinned(threads)}
+    user, system = cpu_seconds(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, text=True)
@@ -162,31 +174,71 @@ def run_command(
         seconds = time.perf_counter() - start
         err.seek(0)
         stderr = err.read()
+    user_after, system_after = cpu_seconds(resource.RUSAGE_CHILDREN)
     rows = [json.loads(line) for line in ledger.read_text().splitlines()] if ledger.exists() else []
     return {
         "exit_code": code,
         "seconds": seconds,
+        "user_s": user_after - user,
+        "sys_s": system_after - system,
         "peak_rss": peak.stop(),
         "ledger": rows,
         "stderr_tail": stderr.strip().splitlines()[-12:],
     }
 
 
+def pinned(threads: int | None) -> dict[str, str]:
+    """The environment that pins a process's torch to ``threads`` (None: the default)."""
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+
+
 def forwards_by_stage(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """The ledger summed by stage label: forwards and seconds."""
+    """The ledger's probe runs summed by stage label: forwards, and seconds in the forwards
+    themselves (a run's seconds beside them also keep, spill and compare outputs)."""
     out: dict[str, dict[str, float]] = {}
     for row in rows:
+        if row.get("outside"):
+            continue
         label = re.sub(r" candidate \d+", " candidates", row["stage"]) or "(none)"
         entry = out.setdefault(label, {"forwards": 0, "seconds": 0.0})
         entry["forwards"] += row["forwards"]
-        entry["seconds"] = round(entry["seconds"] + row["seconds"], 2)
+        entry["seconds"] = round(entry["seconds"] + row.get("forward_seconds", row["seconds"]), 2)
     return out
 
 
+def outside_forwards(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """Where the time outside forwards went: the wall time less the forwards', and the
+    ledger's stretches outside forwards summed by what they did (loads by stage too: the
+    plain load, the re-save round trip's...); ``other`` is the rest (imports, planning,
+    comparing, the process's start and end)."""
+    forwards = sum(r.get("forward_seconds", r["seconds"]) for r in rows if not r.get("outside"))
+    spans: dict[str, float] = {}
+    for row in rows:
+        if row.get("outside"):
+            stage = re.sub(r" candidate \d+", " candidates", row["stage"])
+            key = f"{row['what']} ({stage})" if row["what"] == "load" and stage else row["what"]
+            spans[key] = round(spans.get(key, 0.0) + row["seconds"], 2)
+    # Runs' own time beyond their forwards: trims, keeping outputs, early-stop comparisons.
+    around = sum(
+        r["seconds"] - r.get("forward_seconds", r["seconds"]) for r in rows if not r.get("outside")
+    )
+    spans["around forwards (in probe runs, spills apart)"] = round(
+        around - sum(r["seconds"] for r in rows if r.get("outside") and r["what"] == "spill"), 2
+    )
+    outside = wall - forwards
+    spans["other"] = round(outside - sum(spans.values()), 2)
+    return {
+        "seconds": round(outside, 1),
+        "share_of_wall": round(outside / wall, 3),
+        "by_what": dict(sorted(spans.items(), key=lambda kv: -kv[1])),
+    }
+
+
 def floor(source: Path, output: Path, certificate: dict[str, Any], device: str) -> dict[str, Any]:
-    """A user comparing the two by hand over the certificate's probes: fp32 load and sweep,
-    then ``precision_convert.load`` and the same sweep (each model freed before the next), each
-    sweep once per attention implementation the certificate judged (the default first)."""
+    """A user comparing the two by hand over the certificate's probes: fp32 load and sweep
+    under the default attention, then ``precision_convert.load`` and the same sweep under
+    each attention implementation the certificate judged (the default first), each model
+    freed before the next; with the probes' tokens and this process's CPU seconds."""
     import gc
 
     import torch
@@ -208,18 +260,12 @@ def floor(source: Path, output: Path, certificate: dict[str, Any], device: str) 
         times[key] = time.perf_counter() - start
         return result
 
+    user, system = cpu_seconds(resource.RUSAGE_SELF)
     fp32 = timed("load_fp32", lambda: load_fp32(source).to(device).eval())
     inputs = replay(fp32, component["inputs"], tokenizer=tokenizer_for(output))
-    frozen: Any = None
-    for implementation in judged:
-        with attention(fp32, implementation if implementation != judged[0] else None):
-            outputs = timed(
-                f"sweep_fp32_{implementation}", run_probes, fp32, inputs, device, torch.float32
-            )
-        if frozen is None:  # the default implementation's outputs resolve later probes
-            frozen = resolve(inputs, outputs)
-        del outputs
-    del fp32
+    outputs = timed(f"sweep_fp32_{judged[0]}", run_probes, fp32, inputs, device, torch.float32)
+    frozen = resolve(inputs, outputs)  # the fp32 outputs resolve later probes
+    del outputs, fp32
     gc.collect()
     candidate = timed("load_pc", lambda: pc.load(output, device=device))
     compute = getattr(torch, certificate.get("compute_dtype") or "float32")
@@ -228,9 +274,18 @@ def floor(source: Path, output: Path, certificate: dict[str, Any], device: str) 
             timed(f"sweep_pc_{implementation}", run_probes, candidate, frozen, device, compute)
     loads = times["load_fp32"] + times["load_pc"]
     default = [f"sweep_fp32_{judged[0]}", f"sweep_pc_{judged[0]}"]
+    user_after, system_after = cpu_seconds(resource.RUSAGE_SELF)
     result: dict[str, Any] = {k: round(v, 2) for k, v in times.items()}
     result["attention"] = judged
     result["probes"] = len(frozen.probes)
+    result["probe_tokens"] = sum(
+        v.numel()
+        for p in frozen.probes
+        for k, v in p.kwargs.items()
+        if k.endswith("input_ids") and torch.is_tensor(v)
+    )
+    result["user_s"] = round(user_after - user, 1)
+    result["sys_s"] = round(system_after - system, 1)
     result["total"] = round(sum(times.values()), 2)
     result["default_attention_total"] = round(loads + sum(times[k] for k in default), 2)
     return result
@@ -242,6 +297,9 @@ def main() -> None:
     parser.add_argument("--target", choices=TARGETS, default="bf16-safe")
     parser.add_argument("--coverage", help="override the size's coverage level")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads", type=int, help="pin the command and the floor to this many threads"
+    )
     parser.add_argument("--keep", type=Path, help="build (and reuse) the models here")
     parser.add_argument(
         "--hot", action="store_true", help="a model that needs islands and a search (fp16-safe)"
@@ -255,7 +313,7 @@ def main() -> None:
         source, fp32_bytes = build(root, args.size, args.hot)
         output = root / f"out-{source.name.removeprefix('src-')}-{args.target}"
         baseline_rss = import_baseline()
-        run = run_command(source, output, args.target, coverage, args.device)
+        run = run_command(source, output, args.target, coverage, args.device, args.threads)
         certificate_file = output / "precision_certificate.json"
         if run["exit_code"] not in (0, 1) or not certificate_file.is_file():
             print(json.dumps({"error": "the command failed", **run}, indent=2))
@@ -263,6 +321,10 @@ def main() -> None:
         certificate = json.loads(certificate_file.read_text())
         record = json.loads((output / "config.json").read_text()).get("precision_convert", {})
         islands = {k: v for k, v in record.get("islands", {}).items() if v != "precision"}
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
         hand = floor(source, output, certificate, args.device)
     growth = run["peak_rss"] - baseline_rss
     paths = certificate.get("load_paths", [])
@@ -272,10 +334,15 @@ def main() -> None:
         "target": args.target,
         "coverage": coverage,
         "device": args.device,
+        "threads": args.threads or "default",
         "fp32_gb": round(fp32_bytes / 1e9, 3),
         "verdict": certificate["verdict"],
         "probes": hand["probes"],
+        "probe_tokens": hand["probe_tokens"],
         "wall_s": round(run["seconds"], 1),
+        "user_s": round(run["user_s"], 1),
+        "sys_s": round(run["sys_s"], 1),
+        "sys_over_user": round(run["sys_s"] / run["user_s"], 2) if run["user_s"] else None,
         "floor_s": hand["total"],
         "wall_over_floor": round(run["seconds"] / hand["total"], 2),
         "wall_over_default_attention_floor": round(
@@ -289,6 +356,7 @@ def main() -> None:
         "islands_beyond_the_recipe": islands,
         "forwards": sum(r["forwards"] for r in run["ledger"]),
         "forwards_by_stage": forwards_by_stage(run["ledger"]),
+        "outside_forwards": outside_forwards(run["ledger"], run["seconds"]),
         "load_paths": {
             p["way"] + (f"+{p['attention']}" if p.get("attention") else ""): p["verdict"]
             + (f" ({p['detail']})" if p.get("detail") else "")

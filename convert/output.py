@@ -20,6 +20,7 @@ from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, ModelPlan
 from precision_convert.core._version import __version__
 from precision_convert.core.dtypes import FP16, FP32, DType
+from precision_convert.core.progress import ledger_span
 
 #: Progress callback: (what is being written, source bytes just consumed).
 ProgressHook = Callable[[str, int], None]
@@ -38,6 +39,7 @@ def copy_entry(entry: Path, dest: Path) -> list[str]:
     return [dest.name]
 
 
+@ledger_span("write")
 def write_model(
     model: ModelSource,
     plan: ModelPlan,

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from precision_convert.conversion.runtime.memory import large_allocations_mapped
 from precision_convert.core.dtypes import FP16_MAX
 from precision_convert.core.nested import map_tensors, tensors_in
 from precision_convert.core.progress import report, stage
@@ -423,9 +424,10 @@ def calibrate(
     """Call ``run()`` (which runs ``model`` in fp32) once under recording hooks.
 
     Returns the per-module statistics in execution order and whatever ``run`` returned (the
-    baseline outputs, so the caller does not need a second pass).
+    baseline outputs, so the caller does not need a second pass). In the command's processes
+    large allocations are mapped afresh meanwhile (:func:`large_allocations_mapped`).
     """
-    with recording(model, simulate) as recorder, torch.no_grad():
+    with large_allocations_mapped(), recording(model, simulate) as recorder, torch.no_grad():
         result = run()
     return recorder.stats(), result
 

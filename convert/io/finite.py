@@ -24,6 +24,7 @@ from precision_convert.conversion.io.hashing import BLOCK_BYTES, HASH_THREADS
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.io.tensors import FileTensor, LazyTensor
 from precision_convert.core.errors import InputError
+from precision_convert.core.progress import ledger_span
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -106,6 +107,7 @@ class SourceRead:
             )
 
 
+@ledger_span("read and hash the source")
 def read_source(root: Path, models: Mapping[str, ModelSource]) -> SourceRead:
     """Hash every weight file of ``models`` (by component; "" for a single model) and check
     their floating tensors, files in parallel, each in one read."""

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from precision_convert.core.progress import ledger_span
+
 #: Files hashed at once: enough to keep a few cores and a fast disk busy (hashlib releases the
 #: GIL, so shards hash on every core).
 HASH_THREADS = min(8, os.cpu_count() or 1)
@@ -36,6 +38,7 @@ class HashedFile:
     blocks: tuple[bytes, ...] = ()  # sha256 of each BLOCK_BYTES block (larger files, on request)
 
 
+@ledger_span("hash")
 def hash_paths(root: Path, paths: Iterable[str], *, blocks: bool = False) -> dict[str, HashedFile]:
     """Each of ``paths`` (relative to ``root``) hashed from its bytes, in parallel."""
 

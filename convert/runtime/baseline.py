@@ -14,6 +14,7 @@ from precision_convert.conversion.runtime.builders import (
 )
 from precision_convert.conversion.runtime.streaming import fp32_dtype
 from precision_convert.core.errors import CannotValidateError, WeightsDoNotMap
+from precision_convert.core.progress import ledger_span
 
 
 def load_fp32(directory: Path, *, trust_remote_code: bool = False) -> Any:
@@ -39,13 +40,14 @@ def load_fp32(directory: Path, *, trust_remote_code: bool = False) -> Any:
             "the fp32 baseline needs the model's own code (auto_map); pass "
             "--trust-remote-code to run it, or validate with its library and pass --inputs"
         )
-    if isinstance(opened, PipelineSource):
-        import diffusers
+    with ledger_span("load"):
+        if isinstance(opened, PipelineSource):
+            import diffusers
 
-        components = {name: load_fp32(directory / name) for name in opened.components}
-        with declared_classes_unquestioned():
-            return diffusers.DiffusionPipeline.from_pretrained(directory, **components)
-    try:
-        return build_filled(opened, fp32_dtype, trust_remote_code=trust_remote_code)
-    except WeightsDoNotMap:
-        return build_pretrained(opened, torch.float32, trust_remote_code=trust_remote_code)
+            components = {name: load_fp32(directory / name) for name in opened.components}
+            with declared_classes_unquestioned():
+                return diffusers.DiffusionPipeline.from_pretrained(directory, **components)
+        try:
+            return build_filled(opened, fp32_dtype, trust_remote_code=trust_remote_code)
+        except WeightsDoNotMap:
+            return build_pretrained(opened, torch.float32, trust_remote_code=trust_remote_code)

@@ -47,6 +47,7 @@ from precision_convert.conversion.runtime.resave import SavedPlan, keep_plan_on_
 from precision_convert.core.dtypes import FP32, DType
 from precision_convert.core.errors import InputError
 from precision_convert.core.names import module_of
+from precision_convert.core.progress import ledger_span
 
 if TYPE_CHECKING:
     import torch
@@ -98,11 +99,12 @@ def load(
     root = resolve(path, revision, variant=variant)  # a Hub repo: the variant's weights only
     target = resolve_device(device) if device is not None else None
     opened = open_source(root, variant)
-    loaded: Any = (
-        _load_pipeline(opened, trust_remote_code)
-        if isinstance(opened, PipelineSource)
-        else _load_model(opened, trust_remote_code)
-    )
+    with ledger_span("load"):
+        loaded: Any = (
+            _load_pipeline(opened, trust_remote_code)
+            if isinstance(opened, PipelineSource)
+            else _load_model(opened, trust_remote_code)
+        )
     if target is not None:
         loaded = move(loaded, target)
     return loaded

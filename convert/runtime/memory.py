@@ -4,14 +4,16 @@ glibc raises its mmap threshold after a large free, so later tensors of that siz
 the heap, and freed heap pages stay in the process's RSS. Without a trim, a dropped fp32
 baseline (or a dropped block) keeps its memory while the next model loads: peak memory becomes
 baseline + candidate instead of the larger of the two. Within one forward no trim can help;
-:func:`map_large_allocations` keeps the threshold where it starts for processes the command
-owns.
+in processes the command owns (:func:`own_heap`), calibration's recording hooks run with
+large allocations mapped afresh (:func:`large_allocations_mapped`), and everything else under
+a fixed threshold.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +26,16 @@ if TYPE_CHECKING:
 
 #: Allocations this large or larger get a mapping of their own, unmapped when freed.
 LARGE_ALLOCATION = 1 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
+#: Where an owned heap's threshold stays outside :func:`large_allocations_mapped`: glibc's
+#: own ceiling for its moving threshold (32 MiB on 64-bit), where a sweep's frees take it.
+OWNED_THRESHOLD = 32 << 20
+_M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers, from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+#: Whether this process's heap is the command's (:func:`own_heap`), and how many
+#: :func:`large_allocations_mapped` blocks are open.
+_owned = False
+_open = 0
+_open_lock = threading.Lock()
 
 
 @cache
@@ -45,22 +56,68 @@ def release_freed_memory() -> None:
 
 
 def map_large_allocations() -> None:
-    """Serve every allocation of :data:`LARGE_ALLOCATION` or more from its own mapping, for the
-    rest of the process (a no-op where the C library is not glibc).
+    """Serve every allocation of :data:`LARGE_ALLOCATION` or more from its own mapping, until
+    the threshold is set again (a no-op where the C library is not glibc); in the command's
+    processes only inside :func:`large_allocations_mapped`, where it pays.
 
     By default glibc raises its mmap threshold to the size of each block of up to 32 MiB it
     frees, so after a forward's first MLP activation is freed, the rest come from the heap;
     there they interleave with smaller live blocks, and the heap grows past what is live. On a
-    1B Llama's fp32 sweep this made one forward's peak above its start 0.18 GiB in one run and
-    0.96 GiB in another (same inputs; the heap's history differs); at a fixed 1 MiB it was 0.17
-    to 0.19 GiB in every run (8 MiB still let it reach 0.53). The price is page faults on
-    every fresh mapping: the certificate bench's runs took 15% (265M) to 44% (55M) longer
-    against floors within 9%. Process-wide and permanent (glibc has no way back to the moving
-    threshold), so only the command and its batch workers, which own their processes, call it.
+    1B Llama's hooked fp32 sweep this made one forward's peak above its start 0.18 GiB in one
+    run and 0.96 GiB in another (same inputs; the heap's history differs); at a fixed 1 MiB it
+    was 0.17 to 0.19 GiB in every run (8 MiB still let it reach 0.53). The price is page
+    faults on every fresh mapping (kernel time), hence :func:`large_allocations_mapped`.
     """
+    _set_threshold(LARGE_ALLOCATION)
+
+
+def own_heap() -> None:
+    """Declare this process's heap the command's, for the rest of the process: allocations
+    below :data:`OWNED_THRESHOLD` come from the heap (no page faults on reuse), larger ones
+    from mappings of their own, and inside :func:`large_allocations_mapped` those of
+    :data:`LARGE_ALLOCATION` or more too. Process-wide and permanent (glibc has no way back to
+    its moving threshold), so only the command and its batch workers, which own their
+    processes, call it; in any other process the heap is left as it is."""
+    global _owned
+    _owned = True
+    _set_threshold(OWNED_THRESHOLD)
+
+
+@contextmanager
+def large_allocations_mapped() -> Iterator[None]:
+    """Inside the block, in a process whose heap the command owns (:func:`own_heap`), every
+    allocation of :data:`LARGE_ALLOCATION` or more is mapped afresh and unmapped when freed.
+
+    Calibration's recording hooks hold small running statistics between a forward's large
+    activations, which is where glibc's heap grew past what is live (see
+    :func:`map_large_allocations`); elsewhere fresh mappings only cost page faults (kernel
+    time equal to user time on language-model conversions), so the block is kept to them.
+    Anywhere else (library calls, other C libraries) it changes nothing."""
+    global _open
+    if not _owned:
+        yield
+        return
+    with _open_lock:  # conversions may run in several threads at once
+        _open += 1
+        if _open == 1:
+            map_large_allocations()
+    try:
+        yield
+    finally:
+        with _open_lock:
+            _open -= 1
+            if _open == 0:
+                _set_threshold(OWNED_THRESHOLD)
+
+
+def _set_threshold(size: int) -> None:
+    """A fixed mmap threshold of ``size`` bytes, and a trim threshold of twice that (what
+    glibc's moving threshold keeps: trimming the heap's top on every free of a block above
+    128 KiB would fault its pages in again on the next allocation)."""
     libc = _glibc()
     if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION)
+        libc.mallopt(_M_MMAP_THRESHOLD, size)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * size)
 
 
 def _free_model(gone: weakref.ref[Any], device: torch.device | None = None) -> None:

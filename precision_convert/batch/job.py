@@ -317,20 +317,20 @@ def own_process(threads: int) -> None:
     """For a worker that owns its process: a fixed torch thread count (the same on every
     executor, so validation metrics repeat bit for bit), quiet libraries, no progress bars,
     the command's bounded Hub client (a silent Hub fails the job instead of hanging it), and
-    the command's heap (memory that follows what is live, see ``map_large_allocations``).
+    the command's heap (memory that follows what is live, see ``own_heap``).
 
     Workers share the terminal with the driver's progress display, and everything a job has
     to say reaches the report through its outcome; library warnings and bars would only
     garble the display."""
     import warnings
 
-    from precision_convert.conversion.runtime.memory import map_large_allocations
+    from precision_convert.conversion.runtime.memory import own_heap
     from precision_convert.core.hub_client import bound_hub_requests
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")
     bound_hub_requests()
-    map_large_allocations()
+    own_heap()
     import torch
 
     torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
 from precision_convert.cli._common import Command, Group, one_line_usage_errors
-from precision_convert.conversion.runtime.memory import map_large_allocations
+from precision_convert.conversion.runtime.memory import own_heap
 from precision_convert.core import interrupts
 from precision_convert.core.hub_client import bound_hub_requests
 
@@ -72,9 +72,10 @@ def run() -> None:
     # for a checkpoint we reject; the command owns its process, so it filters them here.
     warnings.filterwarnings("ignore", module=r"torch\.(serialization|_weights_only_unpickler)")
     bound_hub_requests()  # the command owns its process
-    # Peak memory that follows what is live, not the heap's history (a forward's freed
-    # activations otherwise stay in the heap between live ones).
-    map_large_allocations()
+    # Peak memory that follows what is live, not the heap's history (a hooked forward's freed
+    # activations otherwise stay in the heap between live ones), without a page fault for
+    # every activation of every other forward.
+    own_heap()
     try:
         one_line_usage_errors(app)
     except SystemExit as done:

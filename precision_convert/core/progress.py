@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 from precision_convert.core.units import duration
 
@@ -54,18 +55,50 @@ def report(what: str, done: int, total: int | None = None, *, at_most: bool = Fa
 
 
 #: A file to which every probe run appends one JSON line (its stages, what ran, forwards,
-#: seconds): what a run cost stage by stage, for ``bench/certify.py``. Unset: nothing written.
+#: seconds, of which in the forwards themselves) and every stretch of work outside forwards
+#: (:func:`ledger_span`) one more: what a run cost stage by stage, for ``bench/certify.py``.
+#: Unset: nothing written.
 LEDGER_VARIABLE = "PRECISION_CONVERT_LEDGER"
+_SPAN: ContextVar[bool] = ContextVar("precision_convert_span", default=False)
 
 
-def record_forwards(what: str, forwards: int, seconds: float) -> None:
-    """Append one probe run to the ledger :data:`LEDGER_VARIABLE` names (if it names one)."""
+def record_forwards(
+    what: str, forwards: int, seconds: float, forward_seconds: float | None = None
+) -> None:
+    """Append one probe run to the ledger :data:`LEDGER_VARIABLE` names (if it names one):
+    ``seconds`` in all, ``forward_seconds`` of them in the model's forwards."""
     path = os.environ.get(LEDGER_VARIABLE)
     if not path:
         return
-    row = {"stage": SEPARATOR.join(_STAGE.get()), "what": what, "forwards": forwards}
+    row: dict[str, Any] = {"stage": SEPARATOR.join(_STAGE.get()), "what": what}
+    row.update(forwards=forwards, seconds=round(seconds, 3))
+    if forward_seconds is not None:
+        row["forward_seconds"] = round(forward_seconds, 3)
+    _append(path, row)
+
+
+@contextmanager
+def ledger_span(what: str) -> Iterator[None]:
+    """Time the block as work outside forwards (loading, hashing, writing...) and append it
+    to the ledger as a row with ``"outside": true`` (when :data:`LEDGER_VARIABLE` names one).
+    A span inside another is part of the outer one, not written again."""
+    path = os.environ.get(LEDGER_VARIABLE)
+    if not path or _SPAN.get():
+        yield
+        return
+    token = _SPAN.set(True)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _SPAN.reset(token)
+        row = {"stage": SEPARATOR.join(_STAGE.get()), "what": what, "forwards": 0}
+        _append(path, {**row, "seconds": round(time.perf_counter() - start, 3), "outside": True})
+
+
+def _append(path: str, row: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as ledger:
-        ledger.write(json.dumps({**row, "seconds": round(seconds, 3)}) + "\n")
+        ledger.write(json.dumps(row) + "\n")
 
 
 def shorten(label: str, width: int) -> str:

@@ -64,6 +64,8 @@ from precision_convert.validation.calibration.watch import (
 )
 from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
 from precision_convert.validation.probe.inputs.context_probes import CONTEXT_KIND
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.spots import attention_spot
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
 from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
 from precision_convert.validation.probe.inputs.userdata import (
@@ -234,7 +236,7 @@ def _fp32_sweep(
         tokenizer=tokenizer_for(model.root),
         component=component,
         coverage=lambda: used.fraction,
-        before=lambda inputs, others: _expect(len(inputs.probes), others, searching),
+        before=lambda inputs, others: _expect(inputs, others, searching),
         attention=searching,
     )
     return swept, recorded["stats"]
@@ -279,16 +281,18 @@ def _bound_islands(
     return list(out.values())
 
 
-def _expect(probes: int, attention: int, search: bool) -> None:
-    """Say what calibration runs before it runs: the fp32 sweep (under each of ``attention``
-    other implementations too when searching), and the first candidate's under each (the
-    search may add more: each is as many forwards again)."""
+def _expect(inputs: ModelInputs, attention: int, search: bool) -> None:
+    """Say what calibration runs before it runs: the fp32 sweep (searching, the probes of
+    :func:`attention_spot` under each of ``attention`` other implementations too), and the
+    first candidate's under each (the search may add more: each is as many forwards again)."""
+    probes = len(inputs.probes)
     if search:
+        again = len(attention_spot(inputs).probes)
         runs = 1 + attention
         expect(
-            2 * runs * probes,
-            f"fp32 sweep {probes} x {runs}, first fp16 candidate {probes} x {runs} "
-            "(x: attention implementations)",
+            probes + attention * again + runs * probes,
+            f"fp32 sweep {probes} + {again} x {attention}, first fp16 candidate "
+            f"{probes} x {runs} (x: attention implementations)",
         )
     else:
         expect(probes, f"fp32 sweep {probes}")

@@ -57,7 +57,7 @@ from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
 from precision_convert.core.errors import InputError, one_line
-from precision_convert.core.progress import stage
+from precision_convert.core.progress import ledger_span, stage
 from precision_convert.validation.certify.certificate import LoadPath, failure_line
 from precision_convert.validation.certify.components import Component
 from precision_convert.validation.certify.load_ways import (
@@ -76,6 +76,7 @@ from precision_convert.validation.certify.load_ways import (
     stored_dtypes,
 )
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.spots import spot_inputs
 from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs, run_probes
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 from precision_convert.validation.probe.run.parity import compare_outputs
@@ -272,27 +273,6 @@ def _check(
     return records
 
 
-def spot_inputs(inputs: ModelInputs, *, crossed: bool = False) -> ModelInputs:
-    """The probes a non-deciding way is checked on (its verdict is shown, never decides):
-    every probe no sweep made, and the first and last of each kind the sweep made (the
-    shortest and longest length, the first and last vocabulary chunk and timestep), already
-    resolved against the fp32 outputs. The certificate names them.
-
-    ``crossed``: for a way crossing two ways each checked on every probe (the library's load
-    under another attention implementation), without the vocabulary chunks: reaching every
-    embedding row is what those two did; the cross is about the attention, which the
-    padding, length and position probes exercise."""
-    kinds: dict[str, list[str]] = {}
-    for probe in inputs.probes:
-        if probe.sweep and crossed and probe.sweep.get("kind") == "vocabulary":
-            continue
-        if probe.sweep:
-            kinds.setdefault(str(probe.sweep.get("kind")), []).append(probe.name)
-    wanted = {names[0] for names in kinds.values()} | {names[-1] for names in kinds.values()}
-    kept = tuple(p for p in inputs.probes if not p.sweep or p.name in wanted)
-    return replace(inputs, probes=kept)
-
-
 def _scope(subset: ModelInputs, inputs: ModelInputs) -> str:
     names = [p.name for p in subset.probes]
     return f"checked on {len(names)} of {len(inputs.probes)} probes ({', '.join(names)})"
@@ -332,7 +312,8 @@ def _run(
     step = "load"
     with freed(device=device) as loaded:
         try:
-            loaded.model = way.build()  # type: ignore[misc]
+            with ledger_span(f"load {record.label}"):
+                loaded.model = way.build()  # type: ignore[misc]
             if hasattr(loaded.model, "eval"):
                 loaded.model.eval()
             record.dtypes = parameter_dtypes(loaded.model)
@@ -471,7 +452,8 @@ def _save_again(
     with freed() as held:
         try:
             held.model = load(root, trust_remote_code=trusted)
-            held.model.save_pretrained(directory)
+            with ledger_span("re-save"):
+                held.model.save_pretrained(directory)
             return open_source(directory), None
         except LOAD_ERRORS as exc:
             return None, one_line(exc)

@@ -25,6 +25,7 @@ from precision_convert.validation.certify.components import (
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.spots import attention_spot
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
 from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
 from precision_convert.validation.probe.run.execute import (
@@ -150,10 +151,11 @@ def _expect(
     component: Component, inputs: ModelInputs, attention: int, *, baseline: bool, candidate: bool
 ) -> None:
     """Say how many forwards validating ``component`` on ``inputs`` runs, before they run:
-    the fp32 baseline under the default attention implementation and each of ``attention``
-    others, ``pc.load`` (unless calibration ran it), then the other ways."""
+    the fp32 baseline under the default attention implementation and, on the probes of
+    :func:`attention_spot`, each of ``attention`` others, ``pc.load`` (unless calibration ran
+    it), then the other ways."""
     n = len(inputs.probes)
-    fp32 = n * (1 + attention)
+    fp32 = n + attention * len(attention_spot(inputs).probes)
     others = planned_forwards(component, inputs, attention, shared=not candidate)
     parts = [f"fp32 baseline {fp32}"] if baseline else []
     parts += [f"pc.load {n}"] if candidate else []

@@ -192,15 +192,20 @@ def activation_allowance(model: Any) -> int:
     return int(max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS))
 
 
-def fit_model(budget: Budget, model: Any, *, logits: bool = True) -> Budget:
+def fit_model(budget: Budget, model: Any, *, logits: bool | None = None) -> Budget:
     """``budget`` with probes no bigger than the model's memory affords.
 
     A probe's activations grow with its tokens (a row of logits each), the model's weights do
     not: a 350 MB model with an 8k vocabulary fed 4096 tokens at once nearly doubles its
     footprint in logits alone, while a 7B model does not notice. Fewer tokens per probe means
     smaller batches and more, smaller vocabulary chunks; every id is still covered, and long
-    sequences still run (at batch 1).
+    sequences still run (at batch 1). ``logits``: whether each token costs a row of logits
+    (None: unless the model says it has no output embeddings, as an encoder without a head
+    does; counting logits there cut a tiny T5 encoder's 32k vocabulary into 32 probes).
     """
+    if logits is None:
+        head = getattr(model, "get_output_embeddings", None)
+        logits = not callable(head) or head() is not None
     affordable = activation_allowance(model) // bytes_per_token(model, logits=logits)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     if tokens == budget.tokens_per_probe:

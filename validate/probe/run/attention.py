@@ -28,6 +28,7 @@ import torch
 
 from precision_convert.core.errors import one_line
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe, config_value
+from precision_convert.validation.probe.inputs.spots import padded
 from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs
 
 #: Implementations judged besides the default, in this order. Flash attention (a CUDA kernel)
@@ -48,6 +49,9 @@ class AttentionChoices:
     #: Per other implementation, the probes whose fp32 baseline under it is the default's
     #: fp32 outputs (:func:`outputs_by_attention` says when), with why.
     baseline_from_default: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Per other implementation whose fp32 outputs differed from the default's on the probes
+    #: checked, why every probe ran under it.
+    fp32_every_probe: dict[str, str] = field(default_factory=dict)
 
     @property
     def judged(self) -> tuple[str, ...]:
@@ -61,6 +65,8 @@ class AttentionChoices:
         }
         if self.baseline_from_default:
             record["baseline_from_default"] = dict(self.baseline_from_default)
+        if self.fp32_every_probe:
+            record["fp32_every_probe"] = dict(self.fp32_every_probe)
         return record
 
 
@@ -159,42 +165,82 @@ def outputs_by_attention(
     run: Callable[[Any, ModelInputs], Outputs],
     *,
     allowance: int,
+    spot: Callable[[ModelInputs], ModelInputs] | None = None,
 ) -> tuple[AttentionChoices, dict[str, Outputs]]:
     """The fp32 outputs on ``inputs`` (resolved) under each of ``choices.others``, and the
     choices with any implementation the model would not switch to or run under moved to
     ``not_judged`` (with the error).
 
-    Under ``eager``, a probe whose score matrices take more than ``allowance`` bytes (the
-    longest context of a wide model: 0.5 GB at 2048 tokens and 16 heads, quadratic in the
-    length) is not run when every other probe's eager outputs are the ``default``
-    implementation's within :data:`SAME_FUNCTION`: the two compute one function in fp32, and
-    the default's outputs stand in as its baseline (recorded in ``baseline_from_default``).
-    Otherwise it runs too. Candidates are still run under eager on every probe.
+    In fp32 the implementations compute one function (their rounding differs by about 1e-6)
+    except where their masking differs, so not every probe runs again: the probes with
+    padding (:func:`~.spots.padded`) always run, and of the others those ``spot`` picks (None:
+    every one) run and are checked against the ``default`` implementation's outputs. Under
+    ``eager``, a probe whose score matrices take more than ``allowance`` bytes (the longest
+    context of a wide model: 0.5 GB at 2048 tokens and 16 heads, quadratic in the length) does
+    not run either. When every checked probe matches within :data:`SAME_FUNCTION`, the
+    default's outputs stand in as the baseline of the probes not run (recorded in
+    ``baseline_from_default``); otherwise every probe runs (recorded in ``fp32_every_probe``).
+    Candidates are still run under each implementation on every probe.
     """
     outputs: dict[str, Outputs] = {}
     skipped = dict(choices.not_judged)
     stand_in: dict[str, dict[str, Any]] = {}
+    every: dict[str, str] = {}
+    checked = {p.name for p in (spot(inputs) if spot is not None else inputs).probes}
     for name in choices.others:
         try:
             with attention(model, name):
-                outputs[name], large = _fp32_under(model, name, inputs, default, run, allowance)
+                ran = _fp32_under(model, name, inputs, default, run, allowance, checked)
         except RUN_ERRORS as exc:
             skipped[name] = f"the fp32 model fails under it: {one_line(exc)}"
             continue
-        if large:
-            stand_in[name] = {
-                "probes": sorted(large),
-                "why": (
-                    f"{name} attention's fp32 scores exceed the probe memory allowance "
-                    f"({allowance / 2**20:.0f} MiB); on the other "
-                    f"{len(inputs.probes) - len(large)} probes fp32 {name} matched the "
-                    f"default within {SAME_FUNCTION:g} relative L2"
-                ),
-            }
+        outputs[name] = ran.outputs
+        if ran.stood_in:
+            stand_in[name] = ran.record(name, allowance)
+        elif ran.differed:
+            every[name] = (
+                f"fp32 {name} differed from the default beyond {SAME_FUNCTION:g} relative L2 "
+                f"on the probes checked ({', '.join(ran.compared)}): every probe ran under it"
+            )
     judged = replace(
-        choices, others=tuple(outputs), not_judged=skipped, baseline_from_default=stand_in
+        choices,
+        others=tuple(outputs),
+        not_judged=skipped,
+        baseline_from_default=stand_in,
+        fp32_every_probe=every,
     )
     return judged, outputs
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """fp32 outputs under one other implementation and how they were made."""
+
+    outputs: Outputs
+    stood_in: tuple[str, ...]  # probes whose outputs are the default's
+    large: frozenset[str]  # of those, the ones over the memory allowance
+    compared: tuple[str, ...]  # probes run and checked against the default
+    differed: bool  # the check failed, so every probe ran
+
+    def record(self, name: str, allowance: int) -> dict[str, Any]:
+        """The certificate's ``baseline_from_default`` entry for implementation ``name``."""
+        reasons = []
+        if self.large:
+            reasons.append(
+                f"{name} attention's fp32 scores exceed the probe memory allowance "
+                f"({allowance / 2**20:.0f} MiB) on {len(self.large)}"
+            )
+        rest = len(self.stood_in) - len(self.large)
+        if rest:
+            reasons.append(f"{rest} have no padding, where the two compute one function in fp32")
+        return {
+            "probes": sorted(self.stood_in),
+            "why": (
+                f"{'; '.join(reasons)}; on the {len(self.compared)} probes checked fp32 "
+                f"{name} matched the default within {SAME_FUNCTION:g} relative L2"
+            ),
+            "checked_on": list(self.compared),
+        }
 
 
 def _fp32_under(
@@ -204,25 +250,32 @@ def _fp32_under(
     default: Outputs,
     run: Callable[[Any, ModelInputs], Outputs],
     allowance: int,
-) -> tuple[Outputs, set[str]]:
-    """``model``'s outputs under implementation ``name`` (already switched to), and the
-    probes whose outputs are ``default``'s (see :func:`outputs_by_attention`)."""
+    checked: set[str],
+) -> _Ran:
+    """``model``'s outputs under implementation ``name`` (already switched to), run on the
+    padded probes and the ``checked`` ones (see :func:`outputs_by_attention`)."""
 
-    def only(names: set[str], keep: bool) -> ModelInputs:
-        return replace(inputs, probes=tuple(p for p in inputs.probes if (p.name in names) == keep))
+    def only(names: set[str]) -> ModelInputs:
+        return replace(inputs, probes=tuple(p for p in inputs.probes if p.name in names))
 
     large = (
         {p.name for p in inputs.probes if eager_score_bytes(model, p) > allowance}
         if name == "eager"
         else set()
     )
-    ran = run(model, only(large, False))
-    if large and not same_function(default, ran):
-        ran.update(run(model, only(large, True)))
-        large = set()
-    for probe in large:
+    masked = {p.name for p in inputs.probes if padded(p)}
+    first = (masked | checked) - large
+    rest = {p.name for p in inputs.probes} - first
+    ran = run(model, only(first)) if first else {}
+    compared = tuple(p.name for p in inputs.probes if p.name in first and p.name not in masked)
+    agreed = bool(compared) and same_function(default, {n: ran[n] for n in compared})
+    if rest and not agreed:
+        ran.update(run(model, only(rest)))
+        return _Ran(ran, (), frozenset(), compared, bool(compared))
+    for probe in rest:
         ran[probe] = default[probe]
-    return ran, large
+    order = tuple(p.name for p in inputs.probes if p.name in rest)
+    return _Ran(ran, order, frozenset(large), compared, False)
 
 
 def same_function(default: Outputs, other: Outputs) -> bool:

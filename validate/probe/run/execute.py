@@ -28,7 +28,7 @@ from precision_convert.conversion.runtime.memory import release_freed_memory
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
 from precision_convert.core.dtypes import from_torch
 from precision_convert.core.errors import CannotValidateError, InputError, one_line
-from precision_convert.core.progress import forward_ran, record_forwards, report
+from precision_convert.core.progress import forward_ran, ledger_span, record_forwards, report
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
@@ -208,7 +208,7 @@ def run_probes(
     precision = from_torch(dtype).short if dtype is not None else "stored dtypes"
     what = f"{type(model).__name__} {precision} probes"
     start = time.perf_counter()
-    ran = 0
+    ran, forwarding = 0, 0.0
     with _no_denoising_bar(model):
         for probe in resolve_partial(inputs, outputs):
             report(what, ran, len(inputs.probes))
@@ -217,13 +217,15 @@ def run_probes(
             release_freed_memory()
             began = time.perf_counter()
             result = call_probe(model, probe, device, dtype)
+            took = time.perf_counter() - began
+            forwarding += took
             outputs[probe.name] = result
             ran += 1
-            forward_ran(precision, time.perf_counter() - began, bool(probe.sweep))
+            forward_ran(precision, took, bool(probe.sweep))
             if stop is not None and stop(probe.name, result):
                 break
     report(what, ran, ran)
-    record_forwards(what, ran, time.perf_counter() - start)
+    record_forwards(what, ran, time.perf_counter() - start, forwarding)
     return outputs
 
 
@@ -264,7 +266,8 @@ class SpilledOutputs(MutableMapping[str, dict[str, torch.Tensor]]):
         # clone of every output and copied each again into Python bytes: three copies of a
         # probe's outputs at once.
         try:
-            torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
+            with ledger_span("spill"):
+                torch.save({name: _own_storage(t.detach()) for name, t in outputs.items()}, path)
         except (OSError, RuntimeError) as exc:
             # A full TMPDIR: torch reports it as a RuntimeError ("unexpected pos …"), which
             # would otherwise pass for the model rejecting its inputs.

@@ -30,6 +30,7 @@ from precision_convert.conversion.runtime.memory import freed
 from precision_convert.validation.probe.inputs.budgets import activation_allowance, budget_for
 from precision_convert.validation.probe.inputs.layouts import input_candidates, inputs_from_tensors
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.spots import attention_spot
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
 from precision_convert.validation.probe.run.attention import (
     AttentionChoices,
@@ -173,8 +174,10 @@ def fp32_session(
 ) -> Swept:
     """Build the fp32 model (from ``source``), sweep it (:func:`sweep_model`; ``directory``:
     where its pipeline's scheduler is looked for, default ``source``), with ``attention``
-    run the probes again under each other attention implementation a user can pick
-    (``before`` is told the probes and how many other implementations will run them),
+    run the probes of :func:`~.spots.attention_spot` (those with padding, and a spot
+    subset) again under each other attention implementation a user can pick, the default's outputs
+    standing in for the rest where the two agree (:func:`~.attention.outputs_by_attention`;
+    ``before`` is told the probes and how many other implementations will run them),
     ``check`` its outputs, and free it before returning, so that the next model to load is
     the only one resident."""
     by_attention: dict[str, Outputs] = {}
@@ -217,6 +220,7 @@ def fp32_session(
                 outputs,
                 lambda model, probes: run_probes(model, probes, device, torch.float32),
                 allowance=activation_allowance(fp32.model),
+                spot=attention_spot,
             )
     if check is not None:
         check(outputs)
