@@ -22,6 +22,7 @@ import torch
 
 import precision_convert as pc
 from precision_convert.api.conversion import ConversionResult, convert
+from precision_convert.conversion.runtime.builders import _diffusers_dtype_keyword
 from precision_convert.validation.probe.inputs.budgets import budget_for
 from precision_convert.validation.probe.inputs.pipelines import pipeline_inputs
 from precision_convert.validation.probe.run.metrics import compare, kind_of
@@ -32,7 +33,8 @@ TARGETS = ("fp16", "fp16-safe", "bf16-safe")
 VALUE = "decoder.mid_block.attentions.0.to_v"
 FRAME_UNIT = "transformer_blocks.0.ff.net.0.proj"
 #: How the certificate names the call the docs teach, and the probe at the call's defaults.
-EXPLICIT = 'DiffusionPipeline.from_pretrained("<repo>", torch_dtype=torch.float16)'
+KEYWORD = _diffusers_dtype_keyword()  # torch_dtype, or dtype in newer diffusers
+EXPLICIT = f'DiffusionPipeline.from_pretrained("<repo>", {KEYWORD}=torch.float16)'
 SD_DEFAULT, VIDEO_DEFAULT = "pipeline@1024x1024", "pipeline@64x64x49f"
 
 
