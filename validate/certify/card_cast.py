@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from precision_convert.core.dtypes import Target
 from precision_convert.validation.certify.certificate import Certificate, LoadPath
 from precision_convert.validation.certify.load_ways import COMPUTE, DECIDING
 
@@ -25,11 +26,12 @@ _SIZE_KEYS = (
 
 
 def cast_warning(certificate: Certificate) -> list[str]:
-    """The warning's lines (none unless the compute dtype is float16 and loading in it, the
-    explicit-dtype way, failed): each failing call, what it gave and where, then the calls
-    that keep the islands."""
+    """The warning's lines (none unless a float16 target that keeps islands failed loaded
+    in float16 the explicit-dtype way; a plain cast has no islands to drop): each failing
+    call, what it gave and where, then the calls that keep the islands."""
     failed = [p for p in certificate.load_paths if p.way == COMPUTE and p.verdict == "fail"]
-    if certificate.compute_dtype != "float16" or not failed:
+    safe = certificate.target is not None and Target(certificate.target).safe
+    if certificate.compute_dtype != "float16" or not safe or not failed:
         return []
     lines = [
         "> **Do not cast this model to float16 as a whole.** It keeps fp32 islands where fp16 "

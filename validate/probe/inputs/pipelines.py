@@ -101,7 +101,7 @@ def pipeline_inputs(pipe: Any, budget: Budget, *, seed: int = 0) -> ModelInputs:
         )
         how = {"kind": DECLARED, **_sizes_of(default), "seed": seed}
         probes.append(_probe(f"{SMALL}@{label}", default, params, seed, image_side, how))
-    return ModelInputs("pipeline", tuple(probes), seed, sizes=sizes)
+    return ModelInputs("pipeline", tuple(probes), seed, coverage=budget.level, sizes=sizes)
 
 
 def _common(params: dict[str, inspect.Parameter], seed: int) -> dict[str, Any]:
