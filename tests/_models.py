@@ -569,8 +569,9 @@ def clip_tokenizer(path: Path) -> Path:
     return path
 
 
-def sd_pipeline(path: Path) -> Path:
-    """A whole Stable-Diffusion-style pipeline: UNet, VAE, CLIP text encoder, tokenizer."""
+def sd_pipeline(path: Path, *, unet: Any = None, vae: Any = None) -> Path:
+    """A whole Stable-Diffusion-style pipeline: UNet, VAE, CLIP text encoder, tokenizer (the
+    zoo's UNet and VAE unless given)."""
     from diffusers import PNDMScheduler, StableDiffusionPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
@@ -590,8 +591,8 @@ def sd_pipeline(path: Path) -> Path:
         )
     )
     pipe = StableDiffusionPipeline(
-        unet=make("unet"),
-        vae=make("autoencoder-kl"),
+        unet=unet if unet is not None else make("unet"),
+        vae=vae if vae is not None else make("autoencoder-kl"),
         text_encoder=text_encoder,
         tokenizer=CLIPTokenizer.from_pretrained(
             clip_tokenizer(path.parent / f"{path.name}-tokenizer")
@@ -603,6 +604,20 @@ def sd_pipeline(path: Path) -> Path:
     )
     pipe.save_pretrained(path)
     return path
+
+
+def sdxl_sized_unet() -> Any:
+    """A UNet declaring SDXL's 128x128 latents (``sample_size`` 128: with the SDXL-shaped VAE,
+    a pipeline whose call defaults to 1024 px), seeded; attention only at its coarsest level
+    (32x32 latents), so a 1024 px call stays cheap on a CPU."""
+    torch.manual_seed(0)
+    return unet(
+        sample_size=128,
+        block_out_channels=(8, 8, 16),
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
+    ).eval()
 
 
 def generate(pipe: Any) -> torch.Tensor:
@@ -634,8 +649,10 @@ def t5_tokenizer() -> Any:
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
-def cogvideox_pipeline(path: Any, *, overflow: bool = False) -> None:
-    """Save a tiny CogVideoX pipeline (T5 text encoder, 3-D transformer, VAE) to ``path``.
+def cogvideox_pipeline(path: Any, *, overflow: bool = False, transformer: Any = None) -> None:
+    """Save a tiny CogVideoX pipeline (T5 text encoder, 3-D transformer, VAE) to ``path``;
+    ``transformer`` replaces the 9-frame one built here (e.g. a 49-frame
+    :func:`cogvideox_i2v_transformer`).
 
     With ``overflow`` the first block's feed-forward is rescaled (up-projection weights x1e7,
     down-projection /1e7): fp32 computes the same function, but the up-projection's weights
@@ -645,7 +662,8 @@ def cogvideox_pipeline(path: Any, *, overflow: bool = False) -> None:
 
     torch.manual_seed(0)
     text_encoder = t5_encoder().eval()
-    transformer = cogvideox_transformer()  # text_embed_dim matches the T5's d_model
+    if transformer is None:
+        transformer = cogvideox_transformer()  # text_embed_dim matches the T5's d_model
     if overflow:
         ff = transformer.transformer_blocks[0].ff.net
         with torch.no_grad():

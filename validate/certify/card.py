@@ -25,6 +25,7 @@ from typing import Any
 from precision_convert.conversion.analysis.chart import CHART_NAME
 from precision_convert.core.dtypes import BY_TORCH_NAME, Target
 from precision_convert.core.patterns import REPO_ID
+from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -186,7 +187,7 @@ def render(
         f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and "
         f"{_verdict(certificate)} on {certificate.device.get('type')}.",
         "",
-        *_cast_warning(certificate),
+        *cast_warning(certificate),
     ]
     if not certificate.against_source:
         lines += [
@@ -375,6 +376,8 @@ _SIZE_WORDS = {
     "image_side": "image side (px)",
     "latent_side": "latent side",
     "latent_frames": "latent frames",
+    "height": "height (px)",
+    "width": "width (px)",
 }
 
 
@@ -396,22 +399,6 @@ def _untested(ranges: list[Any], why: str | None) -> str:
         return ""
     shown = ", ".join(r if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
     return f" (untested: {shown}{'; ' + why if why else ''})"
-
-
-def _cast_warning(certificate: Certificate) -> list[str]:
-    """At the top when loading in float16 throughout fails: fp32 islands that fp16's range
-    needs must not be cast away (``pc.load`` logs the same when a loaded model is cast)."""
-    failed = any(p.way == "compute" and p.verdict == "fail" for p in certificate.load_paths)
-    if certificate.compute_dtype != "float16" or not failed:
-        return []
-    return [
-        "> **Do not cast this model to float16 as a whole.** It keeps fp32 islands where fp16 "
-        "overflows: `model.half()`, `model.to(torch.float16)` and "
-        "`from_pretrained(..., dtype=torch.float16)` turn them back into fp16, and the outputs "
-        "fail against fp32 (see Loading). `pc.load` keeps them; move the model with "
-        "`.to(device)` only.",
-        "",
-    ]
 
 
 def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:

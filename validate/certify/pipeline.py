@@ -1,5 +1,6 @@
-"""A diffusers pipeline run end to end: a short seeded run of the fp32 baseline pipeline, then
-of the converted one through ``pc.load``, compared, then the pipeline's other ways of loading.
+"""A diffusers pipeline run end to end: short seeded runs of the fp32 baseline pipeline (small,
+and at the sizes its call defaults to where the coverage level's budget allows), then of the
+converted one through ``pc.load``, compared, then the pipeline's other ways of loading.
 
 It runs after the components were compared one by one, and is skipped when one of them only
 fits in memory block by block.
@@ -28,6 +29,7 @@ from precision_convert.validation.certify.reference import (
     SourceInfo,
 )
 from precision_convert.validation.certify.whole import _compare_candidate
+from precision_convert.validation.probe.inputs.budgets import Budget
 from precision_convert.validation.probe.inputs.pipelines import pipeline_inputs
 from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
@@ -41,10 +43,11 @@ def _validate_pipeline(
     source: SourceInfo,
     parts: list[ComponentResult],
     device: torch.device,
-    latent_side: int,
+    budget: Budget,
 ) -> ComponentResult:
-    """A short seeded end-to-end run (at most ``latent_side`` latents a side): baseline
-    pipeline in fp32, then the converted one."""
+    """Short seeded end-to-end runs, at small sizes and at the call's defaults where
+    ``budget`` allows (:func:`~.pipelines.pipeline_inputs`): baseline pipeline in fp32, then
+    the converted one."""
     task = "pipeline"
     thresholds = thresholds_for(task)
     record = ComponentRecord(
@@ -59,7 +62,7 @@ def _validate_pipeline(
         record.inputs = {"skipped": note}
         return ComponentResult(record, [], [], skipped_pipeline(opened, note))
     with freed(load_fp32(source.path).to(device), device) as baseline:
-        inputs = pipeline_inputs(baseline.model, seed=SEED, latent_side=latent_side)
+        inputs = pipeline_inputs(baseline.model, budget, seed=SEED)
         record.inputs = inputs.describe()
         try:
             base_out = run_probes(baseline.model, inputs, device)

@@ -263,10 +263,8 @@ def _validate_all(
                 _validate_component(c, run.device, run.memory, here, sweep_for, prior.get(c.name))
             )
         if isinstance(run.opened, PipelineSource):
-            latent_side = budget_for(sweep_for.level).pipeline_latent_side
-            results.append(
-                _validate_pipeline(run.opened, run.source, results, run.device, latent_side)
-            )
+            budget = budget_for(sweep_for.level)
+            results.append(_validate_pipeline(run.opened, run.source, results, run.device, budget))
 
 
 def _write_certificate(

@@ -56,13 +56,14 @@ class Budget:
     #: Set by :func:`fit_model`: ``tokens_per_probe`` is what the model's memory affords, so
     #: the whole vocabulary takes more probes rather than chunks past it.
     tokens_fit: bool = False
-    #: Latents a side of a pipeline's end-to-end call (at most; the pipeline's own size when
-    #: smaller). The call decodes full images, or video frames, in every load path checked.
+    #: Latents a side of a pipeline's small end-to-end call (at most; the pipeline's own size
+    #: when smaller). The call decodes full images, or video frames, in every load path
+    #: checked; a second call runs at the pipeline's default sizes (:mod:`.pipelines`).
     pipeline_latent_side: int = 32
     #: Bytes the largest fp32 activation of one declared-size probe (:mod:`.sizes`: a VAE at
-    #: its sample_size, a denoiser at its declared latents) may take: 2 GiB holds SDXL's VAE
-    #: at 1024 px (512 MiB at its first level) and a UNet at 128x128 latents; a bigger forward
-    #: is recorded as not run.
+    #: its sample_size, a denoiser at its declared latents, a pipeline's call at its default
+    #: side) may take: 2 GiB holds SDXL's VAE at 1024 px (512 MiB at its first level) and a
+    #: UNet at 128x128 latents; a bigger forward is recorded as not run.
     declared_activation_bytes: int = 2 << 30
     #: Whether declared image and latent sides run at all (declared frame counts always do).
     declared_sides: bool = True

@@ -37,6 +37,8 @@ from precision_convert.validation.probe.inputs.model_inputs import (
 
 #: Bytes of one fp32 activation element.
 FP32 = 4
+#: The sweep kind of a probe at a declared size: every way of loading runs it.
+DECLARED = "declared-size"
 
 
 def _first(value: Any) -> int | None:
@@ -127,7 +129,7 @@ def _autoencoder(
     side = f"{declared}x{declared}"
     g = seeded_generator(chosen.seed, f"declared-{side}")
     pixels = smooth_image(g, 1, int(image.shape[1]), declared, declared)
-    how = {"kind": "declared-size", "height": declared, "width": declared, "seed": chosen.seed}
+    how = {"kind": DECLARED, "height": declared, "width": declared, "seed": chosen.seed}
     probes = encode_decode(f"@{side}", {name: pixels}, decode, how, budget)
     return probes, {"image_side": _size(declared, declared, budget)}
 
@@ -167,7 +169,7 @@ def _denoiser(
     bigger = torch.randn(*shape, generator=seeded_generator(chosen.seed, f"declared-{label}"))
     kwargs = {**_at_batch_one(dict(template)), latent_name: bigger}
     how = {
-        "kind": "declared-size",
+        "kind": DECLARED,
         "latent_side": run_side,
         **({"latent_frames": run_frames} if frame_axis is not None else {}),
         "seed": chosen.seed,

@@ -15,13 +15,16 @@ from dataclasses import replace
 import torch
 
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe
+from precision_convert.validation.probe.inputs.sizes import DECLARED
 
 
 def spot_inputs(inputs: ModelInputs, *, crossed: bool = False) -> ModelInputs:
     """The probes a non-deciding way is checked on (its verdict is shown, never decides):
-    every probe no sweep made, and the first and last of each kind the sweep made (the
-    shortest and longest length, the first and last vocabulary chunk and timestep), already
-    resolved against the fp32 outputs. The certificate names them.
+    every probe no sweep made, every probe at a size the model declares (the explicit-dtype
+    load drops fp32 islands, and the overflow they hold may show only at 1024 px or 49
+    frames), and the first and last of each other kind the sweep made (the shortest and
+    longest length, the first and last vocabulary chunk and timestep), already resolved
+    against the fp32 outputs. The certificate names them.
 
     ``crossed``: for a way crossing two ways each checked on every probe (the library's load
     under another attention implementation), without the vocabulary chunks: reaching every
@@ -34,7 +37,11 @@ def spot_inputs(inputs: ModelInputs, *, crossed: bool = False) -> ModelInputs:
         if probe.sweep:
             kinds.setdefault(str(probe.sweep.get("kind")), []).append(probe.name)
     wanted = {names[0] for names in kinds.values()} | {names[-1] for names in kinds.values()}
-    kept = tuple(p for p in inputs.probes if not p.sweep or p.name in wanted)
+    kept = tuple(
+        p
+        for p in inputs.probes
+        if not p.sweep or p.name in wanted or p.sweep.get("kind") == DECLARED
+    )
     return replace(inputs, probes=kept)
 
 
