@@ -95,26 +95,27 @@ def fit_growth(points: Mapping[int, float]) -> Growth | None:
 
 @dataclass
 class ProbePeaks:
-    """Each module's peak per probe: what :func:`~.activations.near_limit` judges (a
-    container's main output, any other module's outputs, a weighted leaf's inputs too), kept
-    for the probes named in ``keep`` as each ends (:meth:`mark`)."""
+    """Each module's peaks per probe, by ``(module, side)``: what
+    :func:`~.activations.near_limit` judges (a container's main output, any other module's
+    outputs, a weighted leaf's inputs too), kept for the probes named in ``keep`` as each ends
+    (:meth:`mark`)."""
 
     seen: _Reduced
     keep: frozenset[str]
     paused: Callable[[], bool] = lambda: False
     kinds: dict[str, str] = field(default_factory=dict)
-    by_probe: dict[str, dict[str, float]] = field(default_factory=dict)
-    _current: dict[str, torch.Tensor] = field(default_factory=dict)
+    by_probe: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    _current: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
-    def _note(self, name: str, peak: torch.Tensor) -> None:
-        found = self._current.get(name)
-        self._current[name] = peak if found is None else torch.maximum(found, peak)
+    def _note(self, key: tuple[str, str], peak: torch.Tensor) -> None:
+        found = self._current.get(key)
+        self._current[key] = peak if found is None else torch.maximum(found, peak)
 
     def _input(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.paused():
                 for tensor in _floats((args, kwargs)):
-                    self._note(name, self.seen.peak(tensor))
+                    self._note((name, "input"), self.seen.peak(tensor))
 
         return hook
 
@@ -125,7 +126,7 @@ class ProbePeaks:
             for index, tensor in enumerate(_floats(output)):
                 if index and kind == CONTAINER:
                     break  # a container hands on its main output; a mask may come beside it
-                self._note(name, self.seen.peak(tensor))
+                self._note((name, "output"), self.seen.peak(tensor))
 
         return hook
 

@@ -132,10 +132,10 @@ def calibrated_plan(
     )
     existing = {i.name: i for i in base.islands}
     free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
-    near = near_limit(stats) if target.range_limited else []
-    added = _analysis_islands(stats, base, target, free, near)
-    if target.range_limited:
-        added += _predicted_islands(predicted, stats, base, added)
+    near = [*near_limit(stats), *_predicted_near(predicted, stats)] if target.range_limited else []
+    added = _predicted_islands(predicted, stats, base) if target.range_limited else []
+    found = {i.name for i in added}
+    added += [i for i in _analysis_islands(stats, base, target, free, near) if i.name not in found]
     validation = recipe_validation(base.recipe)
     task = str(validation.get("task", swept.task))
     candidates = _Search(
@@ -252,15 +252,26 @@ def _fp32_sweep(
     return replace(swept, inputs=inputs), recorded["stats"], predicted
 
 
+def _predicted_near(
+    predicted: Sequence[Predicted], stats: dict[str, ActivationStats]
+) -> list[NearLimit]:
+    """The tensors predicted near fp16's limit at a size not run, watched like those measured
+    there: the candidate must carry them in fp32 (what a container or a function computes on
+    the way to them included)."""
+    measured = {(n.module, n.side) for n in near_limit(stats)}
+    return [
+        NearLimit(p.module, p.side, p.peak, p.kind, stats[p.module].order, p.where)
+        for p in predicted
+        if p.module in stats and (p.module, p.side) not in measured
+    ]
+
+
 def _predicted_islands(
-    predicted: Sequence[Predicted],
-    stats: dict[str, ActivationStats],
-    base: ModelPlan,
-    added: Sequence[Island],
+    predicted: Sequence[Predicted], stats: dict[str, ActivationStats], base: ModelPlan
 ) -> list[Island]:
-    """Range islands for the weighted modules whose peak, predicted at a size not run, comes
-    within the margin of fp16's limit (those not kept fp32 already)."""
-    kept = {i.name for i in (*base.islands, *added) if i.reason != "precision"}
+    """Range islands for the weighted modules whose output or input, predicted at a size not
+    run, comes within the margin of fp16's limit (those not kept fp32 already)."""
+    kept = {i.name for i in base.islands if i.reason != "precision"}
     units = set(_float_units(base))
     out: dict[str, Island] = {}
     for item in predicted:

@@ -40,10 +40,10 @@ WORDS = {
 
 @dataclass(frozen=True)
 class SizedRun:
-    """What one fp32 run kept for the fits: per probe, each module's peak and the probe's
-    size per family; each module's kind."""
+    """What one fp32 run kept for the fits: per probe, each ``(module, side)``'s peak and the
+    probe's size per family; each module's kind."""
 
-    peaks: dict[str, dict[str, float]]
+    peaks: dict[str, dict[tuple[str, str], float]]
     sizes: dict[str, dict[str, int]]
     kinds: dict[str, str]
 
@@ -71,6 +71,7 @@ class Predicted:
     limit."""
 
     module: str
+    side: str  # "output", or "input": what a weighted module receives
     kind: str
     family: str
     size: int
@@ -78,11 +79,17 @@ class Predicted:
     growth: Growth
 
     @property
+    def where(self) -> str:
+        """The size it is predicted at: ``at image side (px) 1024, predicted, not run``."""
+        return f"at {WORDS[self.family]} {self.size}, {PREDICTED}"
+
+    @property
     def rule(self) -> str:
         """Why it is kept fp32 (or why fp16 is refused): the prediction and its fit."""
         sizes = ", ".join(str(s) for s in self.growth.sizes)
         return (
-            f"predicted peak {self.peak:.4g} at {WORDS[self.family]} {self.size} ({PREDICTED}; "
+            f"predicted peak {self.peak:.4g} ({self.side}) at {WORDS[self.family]} {self.size} "
+            f"({PREDICTED}; "
             f"power law over {sizes}: exponent {self.growth.exponent:.2f}, residual "
             f"{self.growth.residual:.3f}; fp16 limit {FP16_MAX:g}, margin {ACTIVATION_MARGIN:g}x)"
         )
@@ -110,23 +117,24 @@ def size_growth(inputs: ModelInputs, run: SizedRun) -> tuple[ModelInputs, list[P
         if target is not None and target > largest:
             entry.update(largest_predicted=target, not_covered=[largest + 1, target])
             entry["status"] = PREDICTED
-            for module, growth in ranked:
+            for (module, side), growth in ranked:
                 peak = growth.predict(target)
                 if peak <= FP16_MAX / ACTIVATION_MARGIN:
                     break
                 if growth.trusted:
                     kind = run.kinds.get(module, LEAF)
-                    near.append(Predicted(module, kind, family, target, peak, growth))
+                    near.append(Predicted(module, side, kind, family, target, peak, growth))
         entry["fits"] = {
             "modules": len(fits),
             "extrapolated": sum(g.trusted for g in fits.values()),
         }
-        entry["top"] = [_fit_record(m, g, at) for m, g in ranked[:TOP_MODULES]]
+        entry["top"] = [_fit_record(key, g, at) for key, g in ranked[:TOP_MODULES]]
         found = [p for p in near if p.family == family]
         if found:
             entry["near_limit"] = [
                 {
                     "module": p.module,
+                    "side": p.side,
                     "kind": p.kind,
                     "predicted_peak": round(p.peak, 4),
                     "rule": p.rule,
@@ -139,11 +147,13 @@ def size_growth(inputs: ModelInputs, run: SizedRun) -> tuple[ModelInputs, list[P
     return replace(inputs, sizes={**(inputs.sizes or {}), "growth": record}), near
 
 
-def _points(family: str, base: dict[str, int], run: SizedRun) -> dict[str, dict[int, float]]:
-    """Per module, its largest peak at each size of ``family`` over the probes whose other
-    sizes are the chosen probe's (a 13-frame probe at a larger side says nothing of frames
-    alone)."""
-    points: dict[str, dict[int, float]] = {}
+def _points(
+    family: str, base: dict[str, int], run: SizedRun
+) -> dict[tuple[str, str], dict[int, float]]:
+    """Per ``(module, side)``, its largest peak at each size of ``family`` over the probes
+    whose other sizes are the chosen probe's (a 13-frame probe at a larger side says nothing
+    of frames alone)."""
+    points: dict[tuple[str, str], dict[int, float]] = {}
     for probe, sizes in run.sizes.items():
         others = {k: v for k, v in sizes.items() if k != family}
         if family not in sizes or probe not in run.peaks:
@@ -151,19 +161,20 @@ def _points(family: str, base: dict[str, int], run: SizedRun) -> dict[str, dict[
         if any(base.get(k) != v for k, v in others.items()):
             continue
         size = sizes[family]
-        for module, peak in run.peaks[probe].items():
-            by_size = points.setdefault(module, {})
+        for key, peak in run.peaks[probe].items():
+            by_size = points.setdefault(key, {})
             by_size[size] = max(by_size.get(size, 0.0), peak)
     return points
 
 
-def _fit_record(module: str, growth: Growth, at: int) -> dict[str, Any]:
+def _fit_record(key: tuple[str, str], growth: Growth, at: int) -> dict[str, Any]:
     """A module's fit as the certificate shows it: the exponent and residual, whether it was
     trusted to extrapolate, its largest peak run, its peak predicted at ``at`` and the margin
     from there to fp16's limit (below the activation margin, the module is kept fp32)."""
     predicted = growth.predict(at)
     return {
-        "module": module,
+        "module": key[0],
+        "side": key[1],
         "exponent": round(growth.exponent, 4),
         "residual": round(growth.residual, 4),
         "extrapolated": growth.trusted,
