@@ -212,6 +212,10 @@ def test_declared_frames_decide_the_certificate(planted: bool, tmp_path: Path) -
         assert all(n.startswith("transformer_blocks.0.ff.") for n in ranged), ranged
     else:
         assert ranged == [], ranged
+        # The frames' fit is reported with its margins (2, 4 and 8 frames, and the 13 run).
+        growth = _sizes(results["fp16-safe"].certificate)["growth"]["latent_frames"]
+        assert growth["sizes_run"] == [2, 4, 8, 13] and "near_limit" not in growth
+        assert growth["top"] and all(t["margin"] > 2 for t in growth["top"]), growth["top"]
     loaded = pc.load(tmp_path / "fp16-safe")
     reference = _denoise(_models.cogvideox_i2v_transformer(planted=planted), 13)
     output = _denoise(loaded, 13)
