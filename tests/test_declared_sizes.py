@@ -103,7 +103,9 @@ def test_a_side_over_the_budget_is_recorded_not_run() -> None:
     chosen = next(input_candidates(vae, seed=0))
     tight = replace(budget_for("standard"), declared_activation_bytes=1 << 20)
     probes, sizes = declared_size_probes(vae, chosen, tight)
-    assert probes == []
+    # Only the cheap intermediate sides the growth fit needs run (128 and 256 px).
+    assert {p.sweep["kind"] for p in probes} == {"size-growth"}
+    assert [p.name for p in probes if p.method == "encode"] == ["encode@128x128", "encode@256x256"]
     assert sizes["image_side"]["run"] == 64
     assert "declared_activation_bytes" in sizes["image_side"]["not_run"]
 

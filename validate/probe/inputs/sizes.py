@@ -19,9 +19,10 @@ the record :func:`declared_size_probes` returns, kept in the certificate's ``inp
 
 So that calibration can fit how each module's peak grows with size
 (:mod:`~precision_convert.conversion.analysis.growth`) and predict it at a declared size not
-run, every level also runs cheap intermediate sizes (``size-growth`` probes, batch 1): 2x and
-4x the built side and frame count, below the declared one, while one activation stays under
-:data:`GROWTH_ACTIVATION_BYTES`. :func:`probe_sizes` names each probe's size per family.
+run, every level also runs cheap intermediate sizes (``size-growth`` probes, batch 1) where
+the declared size is larger than the built one: 2x and 4x the built side and frame count,
+below the declared one (a side halved instead where fewer fit), while one activation stays
+under :data:`GROWTH_ACTIVATION_BYTES`. :func:`probe_sizes` names each probe's size per family.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ DECLARED = "declared-size"
 GROWTH = "size-growth"
 #: Intermediate sizes, as multiples of the built one (those below the declared size run).
 GROWTH_SCALES = (2, 4)
+#: Smallest image side (pixels: an 8x autoencoder's 4 latents) and latent side an
+#: intermediate size may halve down to.
+SMALLEST_IMAGE_SIDE = 32
+SMALLEST_LATENT_SIDE = 8
 #: Bytes the largest fp32 activation of one intermediate-size probe may take: these run at
 #: every level, so they stay cheap (an SD-1.5-sized VAE at 256 px takes 32 MiB).
 GROWTH_ACTIVATION_BYTES = 256 << 20
@@ -100,11 +105,20 @@ def _fits(activation_bytes: int, budget: Budget) -> bool:
     return budget.declared_sides and activation_bytes <= budget.declared_activation_bytes
 
 
-def _growth_sizes(built: int, declared: int | None) -> list[int]:
-    """The intermediate sizes between the built one and the declared one (exclusive)."""
-    if declared is None:
+def _growth_sizes(built: int, declared: int | None, smallest: int) -> list[int]:
+    """The intermediate sizes a fit takes when the declared size is larger than the built one:
+    the :data:`GROWTH_SCALES` multiples of the built size below the declared one, and where
+    those are fewer, halvings of the built size down to ``smallest`` (so that the family runs
+    at three sizes or more)."""
+    if declared is None or declared <= built:
         return []
-    return [built * k for k in GROWTH_SCALES if built * k < declared]
+    above = [built * k for k in GROWTH_SCALES if built * k < declared]
+    below: list[int] = []
+    size = built
+    while len(above) + len(below) < len(GROWTH_SCALES) and size // 2 >= smallest:
+        size //= 2
+        below.insert(0, size)
+    return below + above
 
 
 def _cheap(activation_bytes: int) -> bool:
@@ -152,7 +166,11 @@ def _autoencoder(
         return [], {}
     built = int(image.shape[-1])
     runs = declared > built and _fits(autoencoder_bytes(config, declared), budget)
-    sides = [s for s in _growth_sizes(built, declared) if _cheap(autoencoder_bytes(config, s))]
+    sides = [
+        s
+        for s in _growth_sizes(built, declared, SMALLEST_IMAGE_SIDE)
+        if _cheap(autoencoder_bytes(config, s))
+    ]
     probes: list[Probe] = []
     for side, kind in [*((s, GROWTH) for s in sides), *([(declared, DECLARED)] if runs else [])]:
         label = f"{side}x{side}"
@@ -191,13 +209,13 @@ def _denoiser(
     made = Latents(template, latent_name, latent.shape, frame_axis, chosen.seed, budget)
     probes = [
         made.probe(s, built_frames, GROWTH)
-        for s in _growth_sizes(built_side, side)
+        for s in _growth_sizes(built_side, side, SMALLEST_LATENT_SIDE)
         if _cheap(per_token * (built_frames or 1) * (s // patch) ** 2)
     ]
     if frame_axis is not None and built_frames is not None:
         probes += [
             made.probe(built_side, f, GROWTH)
-            for f in _growth_sizes(built_frames, frames)
+            for f in _growth_sizes(built_frames, frames, built_frames)
             if _cheap(per_token * f * (built_side // patch) ** 2)
         ]
     if run_side != built_side or run_frames != built_frames:
