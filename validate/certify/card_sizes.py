@@ -35,7 +35,8 @@ def _fitted(entry: dict[str, Any] | None) -> str:
     if not entry:
         return ""
     run = ", ".join(str(s) for s in entry["sizes_run"])
-    words = f"; peaks fitted over sizes {run}"
+    fitted = entry["fits"]["modules"]
+    words = f"; peaks fitted over sizes {run}" if fitted else f"; sizes {run} run (too few to fit)"
     if entry.get("status") == PREDICTED:
         low, high = entry["not_covered"]
         words += f"; {low}–{high} {PREDICTED}"
