@@ -66,8 +66,8 @@ def unet() -> Any:
 
 
 def cogvideox() -> Any:
-    """A CogVideoX-shaped transformer (49 frames: 13 latent, 4x temporal compression; 16
-    blocks of 1024 wide) on 16x16 latents: the frame count is what is measured."""
+    """A CogVideoX-shaped transformer (49 frames: 13 latent, 4x temporal compression; 15
+    blocks of 1024 wide: 290M) on 16x16 latents: the frame count is what is measured."""
     from diffusers import CogVideoXTransformer3DModel
 
     return CogVideoXTransformer3DModel(
@@ -77,7 +77,7 @@ def cogvideox() -> Any:
         out_channels=16,
         time_embed_dim=512,
         text_embed_dim=4096,
-        num_layers=16,
+        num_layers=15,
         sample_width=16,
         sample_height=16,
         sample_frames=49,
