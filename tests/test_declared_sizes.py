@@ -103,7 +103,9 @@ def test_a_side_over_the_budget_is_recorded_not_run() -> None:
     chosen = next(input_candidates(vae, seed=0))
     tight = replace(budget_for("standard"), declared_activation_bytes=1 << 20)
     probes, sizes = declared_size_probes(vae, chosen, tight)
-    assert probes == []
+    # Only the cheap intermediate sides the growth fit needs run (128 and 256 px).
+    assert {p.sweep["kind"] for p in probes} == {"size-growth"}
+    assert [p.name for p in probes if p.method == "encode"] == ["encode@128x128", "encode@256x256"]
     assert sizes["image_side"]["run"] == 64
     assert "declared_activation_bytes" in sizes["image_side"]["not_run"]
 
@@ -212,6 +214,10 @@ def test_declared_frames_decide_the_certificate(planted: bool, tmp_path: Path) -
         assert all(n.startswith("transformer_blocks.0.ff.") for n in ranged), ranged
     else:
         assert ranged == [], ranged
+        # The frames' fit is reported with its margins (2, 4 and 8 frames, and the 13 run).
+        growth = _sizes(results["fp16-safe"].certificate)["growth"]["latent_frames"]
+        assert growth["sizes_run"] == [2, 4, 8, 13] and "near_limit" not in growth
+        assert growth["top"] and all(t["margin"] > 2 for t in growth["top"]), growth["top"]
     loaded = pc.load(tmp_path / "fp16-safe")
     reference = _denoise(_models.cogvideox_i2v_transformer(planted=planted), 13)
     output = _denoise(loaded, 13)

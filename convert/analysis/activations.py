@@ -460,11 +460,16 @@ class NearLimit:
     peak: float
     kind: str
     order: int
+    #: Where the peak is a prediction at a size not run (``at image side (px) 1024, predicted,
+    #: not run``) rather than measured: empty when measured.
+    where: str = ""
 
     @property
     def label(self) -> str:
         """``model.layers.0 (container) output``: the module, its kind and the side."""
-        return f"{self.module or '<model>'} ({self.kind}) {self.side}"
+        return f"{self.module or '<model>'} ({self.kind}) {self.side}" + (
+            f" {self.where}" if self.where else ""
+        )
 
 
 def near_limit(

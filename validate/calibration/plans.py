@@ -42,15 +42,16 @@ from precision_convert.conversion.analysis.activations import (
     LEAF,
     ActivationStats,
     NearLimit,
-    calibrate,
     losing_precision,
     near_limit,
     overflowing,
+    recording,
 )
 from precision_convert.conversion.analysis.factors import Bound
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
+from precision_convert.conversion.runtime.memory import large_allocations_mapped
 from precision_convert.core.dtypes import Target
 from precision_convert.core.names import module_of
 from precision_convert.core.progress import expect, stage
@@ -73,7 +74,13 @@ from precision_convert.validation.probe.inputs.userdata import (
     read_calibration_data,
 )
 from precision_convert.validation.probe.run.contexts import near_bounds
-from precision_convert.validation.probe.run.execute import Coverage, run_probes
+from precision_convert.validation.probe.run.execute import Coverage
+from precision_convert.validation.probe.run.growth import (
+    Predicted,
+    SizedRun,
+    run_sized,
+    size_growth,
+)
 from precision_convert.validation.probe.run.parity import (
     recipe_validation,
     thresholds_for,
@@ -131,13 +138,15 @@ def calibrated_plan(
         else calibration_data
     )
     base = plan_with(())
-    swept, stats = _fp32_sweep(
+    swept, stats, predicted = _fp32_sweep(
         model, target, SweepSettings(coverage, data), component, trust_remote_code, search
     )
     existing = {i.name: i for i in base.islands}
     free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
-    near = near_limit(stats) if target.range_limited else []
-    added = _analysis_islands(stats, base, target, free, near)
+    near = [*near_limit(stats), *_predicted_near(predicted, stats)] if target.range_limited else []
+    added = _predicted_islands(predicted, stats, base) if target.range_limited else []
+    found = {i.name for i in added}
+    added += [i for i in _analysis_islands(stats, base, target, free, near) if i.name not in found]
     if target.range_limited:
         added += _bound_islands(swept.bounds, existing, set(free), {i.name for i in added})
     validation = recipe_validation(base.recipe)
@@ -150,6 +159,12 @@ def calibrated_plan(
     plan = plan_with(added)
     watched = _watched(near, plan, candidates.carried)
     warnings = [*plan.warnings, *_watch_warnings(watched)]
+    warnings += [
+        f"{p.module or '<model>'} ({p.kind}) stream: {p.rule}; not a module's own: judged by "
+        "the candidate's probes only"
+        for p in predicted
+        if p.kind != LEAF and target.range_limited
+    ]
     if candidates.passed is False:
         warnings.append(
             "even with every module in fp32 the fp16 candidate does not match fp32 "
@@ -205,25 +220,42 @@ def _fp32_sweep(
     component: str,
     trust_remote_code: bool,
     search: bool,
-) -> tuple[Swept, dict[str, ActivationStats]]:
+) -> tuple[Swept, dict[str, ActivationStats], list[Predicted]]:
     """The fp32 model's session under recording hooks: the probes, their outputs and every
     module's statistics, all from one run (the outputs are validation's baseline too); with
-    the fp16 search, the outputs under each other attention implementation too."""
+    the fp16 search, the outputs under each other attention implementation too. The same run
+    keeps each module's peak per probe size: the session's inputs come back with the growth
+    fits in ``sizes.growth``, beside the modules predicted near fp16's limit at a size not
+    run (:func:`~.growth.size_growth`)."""
     import torch
 
     simulate = None if target.range_limited else target.compute.torch
     searching = search and target.range_limited
-    recorded: dict[str, dict[str, ActivationStats]] = {}
+    recorded: dict[str, Any] = {}
     used = Coverage()  # recorded too, so that validation can take this run as its baseline
 
     def run(fp32: Any, inputs: Any) -> Any:
-        with used.track(fp32):
-            stats, outputs = calibrate(
-                fp32, lambda: run_probes(fp32, inputs, "cpu", torch.float32), simulate
+        with (
+            used.track(fp32),
+            large_allocations_mapped(),
+            recording(fp32, simulate) as recorder,
+            torch.no_grad(),
+        ):
+            outputs, sized = run_sized(
+                fp32,
+                inputs,
+                "cpu",
+                torch.float32,
+                seen=recorder.seen,
+                paused=lambda: recorder.paused,
             )
-        contexts = all(p.sweep.get("kind") == CONTEXT_KIND for p in inputs.probes)
-        # The worst contexts run after the sweep: their peaks join the sweep's.
-        recorded["stats"] = _joined(recorded["stats"], stats) if contexts else stats
+        stats = recorder.stats()
+        if all(p.sweep.get("kind") == CONTEXT_KIND for p in inputs.probes):
+            # The worst contexts run after the sweep: their peaks join the sweep's; the growth
+            # fits stay the sweep's (contexts run at the sweep's sizes).
+            recorded["stats"] = _joined(recorded["stats"], stats)
+        else:
+            recorded["stats"], recorded["sized"] = stats, sized
         return outputs
 
     # The chosen layout, then the coverage sweep and user data: one run records them all.
@@ -239,7 +271,38 @@ def _fp32_sweep(
         before=lambda inputs, others: _expect(inputs, others, searching),
         attention=searching,
     )
-    return swept, recorded["stats"]
+    sized: SizedRun = recorded["sized"]
+    inputs, predicted = size_growth(swept.inputs, sized)
+    return replace(swept, inputs=inputs), recorded["stats"], predicted
+
+
+def _predicted_near(
+    predicted: Sequence[Predicted], stats: dict[str, ActivationStats]
+) -> list[NearLimit]:
+    """The tensors predicted near fp16's limit at a size not run, watched like those measured
+    there: the candidate must carry them in fp32 (what a container or a function computes on
+    the way to them included)."""
+    measured = {(n.module, n.side) for n in near_limit(stats)}
+    return [
+        NearLimit(p.module, p.side, p.peak, p.kind, stats[p.module].order, p.where)
+        for p in predicted
+        if p.module in stats and (p.module, p.side) not in measured
+    ]
+
+
+def _predicted_islands(
+    predicted: Sequence[Predicted], stats: dict[str, ActivationStats], base: ModelPlan
+) -> list[Island]:
+    """Range islands for the weighted modules whose output or input, predicted at a size not
+    run, comes within the margin of fp16's limit (those not kept fp32 already)."""
+    kept = {i.name for i in base.islands if i.reason != "precision"}
+    units = set(_float_units(base))
+    out: dict[str, Island] = {}
+    for item in predicted:
+        unit = _unit_of(item.module, stats, units) if item.kind == LEAF else None
+        if unit is not None and unit not in kept:
+            out.setdefault(unit, Island(unit, "range", f"{MEASURED}{item.rule}"))
+    return list(out.values())
 
 
 def _joined(

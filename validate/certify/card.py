@@ -27,6 +27,7 @@ from precision_convert.core.dtypes import BY_TORCH_NAME, Target
 from precision_convert.core.patterns import REPO_ID
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
+from precision_convert.validation.certify.card_sizes import sizes_run
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     SMOKE_PASS,
@@ -363,35 +364,12 @@ def _reach(certificate: Certificate) -> list[str]:
         if "timesteps" in reach:
             steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
             parts.append(f"timesteps run: {steps} (none between)")
-        parts += _sizes_run(c.inputs.get("sizes") or {})
+        parts += sizes_run(c.inputs.get("sizes") or {})
         if parts:
             who = f"`{c.name}`: " if c.name else ""
             level = c.inputs.get("coverage") or "no sweep"
             lines.append(f"- {who}{'; '.join(parts)}. Coverage `{level}`, {c.mode} validation.")
     return lines
-
-
-#: How the card names each size of an ``inputs.sizes`` record.
-_SIZE_WORDS = {
-    "image_side": "image side (px)",
-    "latent_side": "latent side",
-    "latent_frames": "latent frames",
-    "height": "height (px)",
-    "width": "width (px)",
-}
-
-
-def _sizes_run(sizes: dict[str, Any]) -> list[str]:
-    """Per size the model declares: what ran against what it declares, and why a declared
-    size was not run (so a reader knows whether 1024 px or 49 frames were judged)."""
-    parts = []
-    for key, size in sizes.items():
-        words = _SIZE_WORDS.get(key, key)
-        declared = size.get("declared")
-        said = f" of {declared} declared" if declared is not None else ""
-        why = f" ({declared} not run: {size['not_run']})" if size.get("not_run") else ""
-        parts.append(f"{words} run: {size.get('run')}{said}{why}")
-    return parts
 
 
 def _untested(ranges: list[Any], why: str | None) -> str:

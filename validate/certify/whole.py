@@ -8,6 +8,7 @@ resident together; a candidate that fails to run is an error of the certificate,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from precision_convert.validation.certify.components import (
     component_record,
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
+from precision_convert.validation.certify.sizes import predicted_failures
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.spots import attention_spot
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
@@ -34,6 +36,7 @@ from precision_convert.validation.probe.run.execute import (
     Outputs,
     run_probes,
 )
+from precision_convert.validation.probe.run.growth import SizedRun, run_sized, size_growth
 from precision_convert.validation.probe.run.metrics import Measurement, measure
 from precision_convert.validation.probe.run.parity import compare_outputs
 from precision_convert.validation.probe.run.session import (
@@ -95,6 +98,7 @@ def _validate_whole(
             component.compute_dtype,
         )
     metrics += compared
+    errors += predicted_failures(component, swept.inputs)
     paths = check_model(
         component,
         frozen,
@@ -118,17 +122,20 @@ def _baseline(
     """The fp32 baseline's session: the source upcast to fp32 on ``device``, swept, checked
     and freed."""
     coverage = Coverage()
+    sized: list[SizedRun] = []  # the last run's: the one whose probes were kept
 
     def run(model: Any, inputs: ModelInputs) -> Outputs:
         with coverage.track(model):
-            return run_probes(model, inputs, device, torch.float32)
+            outputs, found = run_sized(model, inputs, device, torch.float32)
+        sized[:] = [found]
+        return outputs
 
     def build() -> Any:
         trusted = component.trust_remote_code
         return load_fp32(component.baseline_dir, trust_remote_code=trusted).to(device).eval()
 
     with stage("baseline"):
-        return fp32_session(
+        swept = fp32_session(
             build,
             run,
             sweep_for,
@@ -145,6 +152,7 @@ def _baseline(
             ),
             attention=True,
         )
+    return replace(swept, inputs=size_growth(swept.inputs, sized[-1])[0]) if sized else swept
 
 
 def _expect(

@@ -15,12 +15,20 @@ A side runs where the level runs declared sides (:attr:`~.budgets.Budget.declare
 :attr:`~.budgets.Budget.declared_activation_bytes`; otherwise the record says why it was not
 run.
 Declared-size probes run at batch 1: the size is what they test, not batching. What ran is
-:func:`sizes_record`'s record, kept in the certificate's ``inputs.sizes``.
+the record :func:`declared_size_probes` returns, kept in the certificate's ``inputs.sizes``.
+
+So that calibration can fit how each module's peak grows with size
+(:mod:`~precision_convert.conversion.analysis.growth`) and predict it at a declared size not
+run, every level also runs cheap intermediate sizes (``size-growth`` probes, batch 1) where
+the declared size is larger than the built one: 2x and 4x the built side and frame count,
+below the declared one (a side halved instead where fewer fit), while one activation stays
+under :data:`GROWTH_ACTIVATION_BYTES`. :func:`probe_sizes` names each probe's size per family.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +37,7 @@ from precision_convert.validation.probe.inputs.budgets import Budget, bytes_per_
 from precision_convert.validation.probe.inputs.layouts import smooth_image
 from precision_convert.validation.probe.inputs.media_probes import encode_decode
 from precision_convert.validation.probe.inputs.model_inputs import (
+    FromOutput,
     ModelInputs,
     Probe,
     config_value,
@@ -37,8 +46,20 @@ from precision_convert.validation.probe.inputs.model_inputs import (
 
 #: Bytes of one fp32 activation element.
 FP32 = 4
-#: The sweep kind of a probe at a declared size: every way of loading runs it.
+#: Sweep kinds of the probes made here: at a declared size, and at an intermediate one.
 DECLARED = "declared-size"
+GROWTH = "size-growth"
+#: Intermediate sizes, as multiples of the built one (those below the declared size run).
+GROWTH_SCALES = (2, 4)
+#: Smallest image side (pixels: an 8x autoencoder's 4 latents) and latent side an
+#: intermediate size may halve down to.
+SMALLEST_IMAGE_SIDE = 32
+SMALLEST_LATENT_SIDE = 8
+#: Bytes the largest fp32 activation of one intermediate-size probe may take: these run at
+#: every level, so they stay cheap (an SD-1.5-sized VAE at 256 px takes 32 MiB).
+GROWTH_ACTIVATION_BYTES = 256 << 20
+#: The size families probes vary, as the certificate's ``inputs.sizes`` names them.
+FAMILIES = ("image_side", "latent_side", "latent_frames", "sequence_length")
 
 
 def _first(value: Any) -> int | None:
@@ -84,6 +105,26 @@ def _fits(activation_bytes: int, budget: Budget) -> bool:
     return budget.declared_sides and activation_bytes <= budget.declared_activation_bytes
 
 
+def _growth_sizes(built: int, declared: int | None, smallest: int) -> list[int]:
+    """The intermediate sizes a fit takes when the declared size is larger than the built one:
+    the :data:`GROWTH_SCALES` multiples of the built size below the declared one, and where
+    those are fewer, halvings of the built size down to ``smallest`` (so that the family runs
+    at three sizes or more)."""
+    if declared is None or declared <= built:
+        return []
+    above = [built * k for k in GROWTH_SCALES if built * k < declared]
+    below: list[int] = []
+    size = built
+    while len(above) + len(below) < len(GROWTH_SCALES) and size // 2 >= smallest:
+        size //= 2
+        below.insert(0, size)
+    return below + above
+
+
+def _cheap(activation_bytes: int) -> bool:
+    return activation_bytes <= GROWTH_ACTIVATION_BYTES
+
+
 def _size(declared: int | None, run: int, budget: Budget) -> dict[str, Any]:
     """A size's record; a declared side larger than the one run says why it was not run."""
     record: dict[str, Any] = {"declared": declared, "run": run}
@@ -124,14 +165,20 @@ def _autoencoder(
     if name is None or image is None or image.dim() != 4 or declared is None:
         return [], {}
     built = int(image.shape[-1])
-    if declared <= built or not _fits(autoencoder_bytes(config, declared), budget):
-        return [], {"image_side": _size(declared, built, budget)}
-    side = f"{declared}x{declared}"
-    g = seeded_generator(chosen.seed, f"declared-{side}")
-    pixels = smooth_image(g, 1, int(image.shape[1]), declared, declared)
-    how = {"kind": DECLARED, "height": declared, "width": declared, "seed": chosen.seed}
-    probes = encode_decode(f"@{side}", {name: pixels}, decode, how, budget)
-    return probes, {"image_side": _size(declared, declared, budget)}
+    runs = declared > built and _fits(autoencoder_bytes(config, declared), budget)
+    sides = [
+        s
+        for s in _growth_sizes(built, declared, SMALLEST_IMAGE_SIDE)
+        if _cheap(autoencoder_bytes(config, s))
+    ]
+    probes: list[Probe] = []
+    for side, kind in [*((s, GROWTH) for s in sides), *([(declared, DECLARED)] if runs else [])]:
+        label = f"{side}x{side}"
+        g = seeded_generator(chosen.seed, f"declared-{label}")
+        pixels = smooth_image(g, 1, int(image.shape[1]), side, side)
+        how = {"kind": kind, "height": side, "width": side, "seed": chosen.seed}
+        probes += encode_decode(f"@{label}", {name: pixels}, decode, how, budget)
+    return probes, {"image_side": _size(declared, declared if runs else built, budget)}
 
 
 def _denoiser(
@@ -153,26 +200,105 @@ def _denoiser(
     frames = declared_frames(config) if frame_axis is not None else None
     run_frames = max(frames or 0, built_frames or 0) or None
     patch = _first(config_value(config, "patch_size")) or 1
-    tokens = (run_frames or 1) * ((side or built_side) // patch) ** 2
-    fits = _fits(tokens * bytes_per_token(model, logits=False), budget)
+    per_token = bytes_per_token(model, logits=False)
+    fits = _fits((run_frames or 1) * ((side or built_side) // patch) ** 2 * per_token, budget)
     run_side = side if side is not None and side > built_side and fits else built_side
     record: dict[str, Any] = {"latent_side": _size(side, run_side, budget)}
     if frame_axis is not None:
         record["latent_frames"] = {"declared": frames, "run": run_frames}
-    if run_side == built_side and run_frames == built_frames:
-        return [], record
-    shape = list(latent.shape)
-    shape[0], shape[-2], shape[-1] = 1, run_side, run_side
-    if frame_axis is not None:
-        shape[frame_axis] = int(run_frames or 1)
-    label = f"{run_side}x{run_side}" + (f"x{run_frames}f" if frame_axis is not None else "")
-    bigger = torch.randn(*shape, generator=seeded_generator(chosen.seed, f"declared-{label}"))
-    kwargs = {**_at_batch_one(dict(template)), latent_name: bigger}
-    how = {
-        "kind": DECLARED,
-        "latent_side": run_side,
-        **({"latent_frames": run_frames} if frame_axis is not None else {}),
-        "seed": chosen.seed,
+    made = Latents(template, latent_name, latent.shape, frame_axis, chosen.seed, budget)
+    probes = [
+        made.probe(s, built_frames, GROWTH)
+        for s in _growth_sizes(built_side, side, SMALLEST_LATENT_SIDE)
+        if _cheap(per_token * (built_frames or 1) * (s // patch) ** 2)
+    ]
+    if frame_axis is not None and built_frames is not None:
+        probes += [
+            made.probe(built_side, f, GROWTH)
+            for f in _growth_sizes(built_frames, frames, built_frames)
+            if _cheap(per_token * f * (built_side // patch) ** 2)
+        ]
+    if run_side != built_side or run_frames != built_frames:
+        probes.append(made.probe(run_side, run_frames, DECLARED))
+    return probes, record
+
+
+@dataclass(frozen=True)
+class Latents:
+    """Makes a denoiser's probes at other latent sides and frame counts from its chosen one."""
+
+    template: Mapping[str, Any]
+    name: str  # the latent argument
+    shape: torch.Size  # the chosen latents'
+    frame_axis: int | None
+    seed: int
+    budget: Budget
+
+    def probe(self, side: int, frames: int | None, kind: str) -> Probe:
+        """The chosen probe at batch 1 on seeded latents ``side`` a side (and ``frames``)."""
+        shape = list(self.shape)
+        shape[0], shape[-2], shape[-1] = 1, side, side
+        if self.frame_axis is not None:
+            shape[self.frame_axis] = int(frames or 1)
+        label = f"{side}x{side}" + (f"x{frames}f" if self.frame_axis is not None else "")
+        g = seeded_generator(self.seed, f"declared-{label}")
+        kwargs = {**_at_batch_one(dict(self.template)), self.name: torch.randn(*shape, generator=g)}
+        how = {
+            "kind": kind,
+            "latent_side": side,
+            **({"latent_frames": frames} if self.frame_axis is not None else {}),
+            "seed": self.seed,
+        }
+        return Probe(
+            f"forward@{label}", "forward", kwargs, sweep=how, max_output=self.budget.max_output
+        )
+
+
+def probe_sizes(config: Any, inputs: ModelInputs) -> dict[str, dict[str, int]]:
+    """Per probe, its size in each family it varies: an autoencoder's image side (a decode
+    takes its encode's), a denoiser's latent side and frames, a token model's sequence
+    length (rows given ``position_ids`` offsets left out: their positions, not their length,
+    are what they probe)."""
+    out: dict[str, dict[str, int]] = {}
+    argument = (inputs.limits or {}).get("argument")
+    channels = config_value(config, "in_channels") if config is not None else None
+    for probe in inputs.probes:
+        found: dict[str, int] = {}
+        tensors = [v for v in probe.kwargs.values() if isinstance(v, torch.Tensor)]
+        if inputs.task == "vae" and probe.method == "encode":
+            image = next((t for t in tensors if t.dim() == 4), None)
+            if image is not None:
+                found["image_side"] = int(image.shape[-1])
+        elif inputs.task == "vae":
+            source = next((v for v in probe.kwargs.values() if isinstance(v, FromOutput)), None)
+            found = dict(out.get(source.probe, {})) if source is not None else {}
+        elif inputs.task == "denoise" and probe.method == "forward":
+            latent = next(iter(probe.kwargs.values()), None)
+            if isinstance(latent, torch.Tensor) and latent.dim() in (4, 5):
+                found["latent_side"] = int(latent.shape[-1])
+                if latent.dim() == 5:
+                    found["latent_frames"] = int(
+                        latent.shape[2 if latent.shape[1] == channels else 1]
+                    )
+        elif argument and probe.method == "forward" and "position_ids" not in probe.kwargs:
+            ids = probe.kwargs.get(argument)
+            if isinstance(ids, torch.Tensor) and ids.dim():
+                found["sequence_length"] = int(ids.shape[-1])
+        if found:
+            out[probe.name] = found
+    return out
+
+
+def predicted_at(inputs: ModelInputs) -> dict[str, int]:
+    """The size each family is predicted at: the size the model declares (for a token model,
+    its position limit: the longest context the certificate speaks for)."""
+    sizes = inputs.sizes or {}
+    out = {
+        family: int(sizes[family]["declared"])
+        for family in FAMILIES
+        if isinstance(sizes.get(family), Mapping) and sizes[family].get("declared")
     }
-    probe = Probe(f"forward@{label}", "forward", kwargs, sweep=how, max_output=budget.max_output)
-    return [probe], record
+    limit = (inputs.limits or {}).get("position_limit")
+    if isinstance(limit, int) and limit > 0:
+        out["sequence_length"] = limit
+    return out

@@ -1,0 +1,58 @@
+"""The card's line on sizes: per size family of a component, what ran against what the model
+declares, and what was predicted there without running it (``inputs.sizes``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from precision_convert.validation.probe.run.growth import PREDICTED, WORDS
+
+
+def sizes_run(sizes: dict[str, Any]) -> list[str]:
+    """Per size the model declares: what ran against what it declares, and why a declared
+    size was not run (so a reader knows whether 1024 px or 49 frames were judged); per size
+    family fitted, the sizes run and the range predicted, not run, with its top fit."""
+    growth: dict[str, Any] = sizes.get("growth") or {}
+    parts = []
+    for key, size in sizes.items():
+        if key == "growth":
+            continue
+        declared = size.get("declared")
+        said = f" of {declared} declared" if declared is not None else ""
+        why = f" ({declared} not run: {size['not_run']})" if size.get("not_run") else ""
+        fitted = growth.get(key) or {}
+        run = max(size.get("run") or 0, fitted.get("largest_run") or 0)
+        parts.append(f"{WORDS.get(key, key)} run: {run}{said}{why}{_fitted(fitted)}")
+    for key, entry in growth.items():
+        if key not in sizes:
+            parts.append(f"{WORDS.get(key, key)} run: up to {entry['largest_run']}{_fitted(entry)}")
+    return parts
+
+
+def _fitted(entry: dict[str, Any] | None) -> str:
+    """The growth fit of one family: the sizes run, the range predicted and not run, the
+    module predicted highest there and the modules predicted near fp16's limit."""
+    if not entry:
+        return ""
+    run = ", ".join(str(s) for s in entry["sizes_run"])
+    fitted = entry["fits"]["modules"]
+    words = f"; peaks fitted over sizes {run}" if fitted else f"; sizes {run} run (too few to fit)"
+    if entry.get("status") == PREDICTED:
+        low, high = entry["not_covered"]
+        words += f"; {low}–{high} {PREDICTED}"
+    top = (entry.get("top") or [None])[0]
+    if top is not None:
+        how = (
+            f"exponent {top['exponent']:.2f}, residual {top['residual']:.3f}"
+            if top["extrapolated"]
+            else "not extrapolated: flat or scattered peaks"
+        )
+        words += (
+            f" (highest: `{top['module'] or '<model>'}`, {top['peak_run']:.4g} run, "
+            f"{top['predicted_peak']:.4g} predicted, {how}, "
+            f"margin {top['margin']}x to fp16's limit)"
+        )
+    near = [f"`{item['module'] or '<model>'}`" for item in entry.get("near_limit", ())]
+    if near:
+        words += f"; predicted near fp16's limit: {', '.join(near)}"
+    return words

@@ -1,0 +1,188 @@
+"""The fp32 baseline's peaks against size: what the certificate records of each size family,
+and the modules whose predicted peak at a size not run comes near fp16's limit.
+
+The probes run at several sizes of each family (the built ones, :mod:`~..inputs.sizes`'
+intermediate and declared ones, a token model's lengths); :func:`run_sized` keeps each
+module's peak per probe while they run, and :func:`size_growth` fits each module's peaks
+against the family's size (:func:`~precision_convert.conversion.analysis.growth.fit_growth`)
+and predicts them at the size the model declares. A prediction within the activation margin
+of fp16's limit is a :class:`Predicted`: calibration keeps the module fp32, validation refuses
+an output that computes it in fp16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN, LEAF, _Reduced
+from precision_convert.conversion.analysis.growth import Growth, fit_growth, probe_peaks
+from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
+from precision_convert.validation.probe.inputs.sizes import FAMILIES, predicted_at, probe_sizes
+from precision_convert.validation.probe.run.execute import Outputs, run_probes
+
+#: Modules per family whose fit the certificate shows: those predicted highest.
+TOP_MODULES = 3
+#: What a size not run but predicted is called, in the certificate and on the card.
+PREDICTED = "predicted, not run"
+#: How the rules name each family's size.
+WORDS = {
+    "image_side": "image side (px)",
+    "latent_side": "latent side",
+    "latent_frames": "latent frames",
+    "sequence_length": "sequence length",
+    # A pipeline's call: the pixels and frames it defaults to.
+    "height": "height (px)",
+    "width": "width (px)",
+    "frames": "frames",
+}
+
+
+@dataclass(frozen=True)
+class SizedRun:
+    """What one fp32 run kept for the fits: per probe, each ``(module, side)``'s peak and the
+    probe's size per family; each module's kind."""
+
+    peaks: dict[str, dict[tuple[str, str], float]]
+    sizes: dict[str, dict[str, int]]
+    kinds: dict[str, str]
+
+
+def run_sized(
+    model: Any,
+    inputs: ModelInputs,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    seen: _Reduced | None = None,
+    paused: Callable[[], bool] | None = None,
+) -> tuple[Outputs, SizedRun]:
+    """:func:`~.execute.run_probes`, keeping each module's peak on every probe that has a
+    size (``seen``, ``paused``: see :func:`~.growth.probe_peaks`)."""
+    sizes = probe_sizes(getattr(model, "config", None), inputs)
+    with probe_peaks(model, frozenset(sizes), seen, paused) as peaks:
+        outputs = run_probes(model, inputs, device, dtype, stop=peaks.mark)
+    return outputs, SizedRun(peaks.by_probe, sizes, peaks.kinds)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A module whose peak, predicted at a size not run, comes within the margin of fp16's
+    limit."""
+
+    module: str
+    side: str  # "output", or "input": what a weighted module receives
+    kind: str
+    family: str
+    size: int
+    peak: float
+    growth: Growth
+
+    @property
+    def where(self) -> str:
+        """The size it is predicted at: ``at image side (px) 1024, predicted, not run``."""
+        return f"at {WORDS[self.family]} {self.size}, {PREDICTED}"
+
+    @property
+    def rule(self) -> str:
+        """Why it is kept fp32 (or why fp16 is refused): the prediction and its fit."""
+        sizes = ", ".join(str(s) for s in self.growth.sizes)
+        return (
+            f"predicted peak {self.peak:.4g} ({self.side}) at {WORDS[self.family]} {self.size} "
+            f"({PREDICTED}; "
+            f"power law over {sizes}: exponent {self.growth.exponent:.2f}, residual "
+            f"{self.growth.residual:.3f}; fp16 limit {FP16_MAX:g}, margin {ACTIVATION_MARGIN:g}x)"
+        )
+
+
+def size_growth(inputs: ModelInputs, run: SizedRun) -> tuple[ModelInputs, list[Predicted]]:
+    """``inputs`` with ``sizes.growth`` recording, per family, the sizes run, the size
+    predicted at and the range not covered, and the fits of its top modules; and the modules
+    predicted near fp16's limit there."""
+    targets = predicted_at(inputs)
+    base = next((run.sizes[p.name] for p in inputs.probes if p.name in run.sizes), {})
+    record: dict[str, Any] = {}
+    near: list[Predicted] = []
+    for family in FAMILIES:
+        points = _points(family, base, run)
+        if not points:
+            continue
+        sizes = sorted({s for by_size in points.values() for s in by_size})
+        largest = sizes[-1]
+        target = targets.get(family)
+        at = max(target or largest, largest)
+        fits = {m: g for m, p in points.items() if (g := fit_growth(p)) is not None}
+        ranked = sorted(fits.items(), key=lambda item: -item[1].predict(at))
+        entry: dict[str, Any] = {"sizes_run": sizes, "largest_run": largest}
+        if target is not None and target > largest:
+            entry.update(largest_predicted=target, not_covered=[largest + 1, target])
+            entry["status"] = PREDICTED
+            for (module, side), growth in ranked:
+                peak = growth.predict(target)
+                if peak <= FP16_MAX / ACTIVATION_MARGIN:
+                    break
+                if growth.trusted:
+                    kind = run.kinds.get(module, LEAF)
+                    near.append(Predicted(module, side, kind, family, target, peak, growth))
+        entry["fits"] = {
+            "modules": len(fits),
+            "extrapolated": sum(g.trusted for g in fits.values()),
+        }
+        entry["top"] = [_fit_record(key, g, at) for key, g in ranked[:TOP_MODULES]]
+        found = [p for p in near if p.family == family]
+        if found:
+            entry["near_limit"] = [
+                {
+                    "module": p.module,
+                    "side": p.side,
+                    "kind": p.kind,
+                    "predicted_peak": round(p.peak, 4),
+                    "rule": p.rule,
+                }
+                for p in found
+            ]
+        record[family] = entry
+    if not record:
+        return inputs, []
+    return replace(inputs, sizes={**(inputs.sizes or {}), "growth": record}), near
+
+
+def _points(
+    family: str, base: dict[str, int], run: SizedRun
+) -> dict[tuple[str, str], dict[int, float]]:
+    """Per ``(module, side)``, its largest peak at each size of ``family`` over the probes
+    whose other sizes are the chosen probe's (a 13-frame probe at a larger side says nothing
+    of frames alone)."""
+    points: dict[tuple[str, str], dict[int, float]] = {}
+    for probe, sizes in run.sizes.items():
+        others = {k: v for k, v in sizes.items() if k != family}
+        if family not in sizes or probe not in run.peaks:
+            continue
+        if any(base.get(k) != v for k, v in others.items()):
+            continue
+        size = sizes[family]
+        for key, peak in run.peaks[probe].items():
+            by_size = points.setdefault(key, {})
+            by_size[size] = max(by_size.get(size, 0.0), peak)
+    return points
+
+
+def _fit_record(key: tuple[str, str], growth: Growth, at: int) -> dict[str, Any]:
+    """A module's fit as the certificate shows it: the exponent and residual, whether it was
+    trusted to extrapolate, its largest peak run, its peak predicted at ``at`` and the margin
+    from there to fp16's limit (below the activation margin, the module is kept fp32)."""
+    predicted = growth.predict(at)
+    return {
+        "module": key[0],
+        "side": key[1],
+        "exponent": round(growth.exponent, 4),
+        "residual": round(growth.residual, 4),
+        "extrapolated": growth.trusted,
+        "peak_run": round(growth.largest_peak, 4),
+        "predicted_peak": round(predicted, 4),
+        "margin": round(FP16_MAX / predicted, 3) if predicted else None,
+    }
