@@ -21,6 +21,7 @@ import _moe
 import pytest
 import torch
 import transformers
+from _corrupt import assert_one_error_line
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -224,7 +225,8 @@ def test_a_runtime_name_no_module_has_is_refused(
         ],
     )
     assert done.exit_code == 2
-    assert done.stderr.strip() == (
+    line = assert_one_error_line(done.stderr)
+    assert line == (
         "precision-convert: --keep-fp32 'model.layers.0.mlp.expert' matches no module of the model"
     )
     assert not (tmp_path / "o").exists()
