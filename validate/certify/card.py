@@ -26,6 +26,7 @@ from precision_convert.conversion.analysis.chart import CHART_NAME
 from precision_convert.core.dtypes import BY_TORCH_NAME, Target
 from precision_convert.core.patterns import REPO_ID
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
+from precision_convert.validation.certify.card_triggers import trigger_lines
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     SMOKE_PASS,
@@ -333,7 +334,7 @@ def _limitations(certificate: Certificate) -> list[str]:
         what = ORIGINS.get(origin, f"inputs of origin {origin!r}")
         made = "" if origin == "file" else f" (seed {c.inputs.get('seed')}), not real data"
         lines.append(f"- {who}probes are {what}{made}.")
-    return [*lines, *_reach(certificate), ""]
+    return [*lines, *_reach(certificate), *trigger_lines(certificate), ""]
 
 
 def _reach(certificate: Certificate) -> list[str]:

@@ -1,0 +1,157 @@
+"""A certificate holds on the contexts an overflow may need that the vocabulary and length
+sweeps leave out: an id at position 0 (every id, in one-token rows) and a long greedy
+generation (the candidate teacher-forced on fp32's continuation, its own generation checked
+for NaN/Inf); and it says which kinds of trigger it searched and which it did not.
+
+The overflows are real: ``_planted.qwen2_first_position()`` is a Qwen2 (no BOS) whose id X
+lights a feed-forward unit past fp16's limit only when X opens the sequence;
+``_planted.flan_t5_long_generation()`` is a Flan-T5 whose greedy output loops on one token
+and whose decoder overflows from the 60th new token on. A plain fp16 cast shows each. The
+controls are the same seeded models without the planting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import _planted
+import pytest
+import torch
+
+import precision_convert as pc
+from precision_convert.api.conversion import convert
+from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.validation.probe.run.execute import build_inputs
+
+TARGETS = ("fp16", "fp16-safe", "bf16-safe")
+#: The prompt that opens with the planted id, and the same ids with it second.
+FIRST = torch.tensor([[_planted.FIRST_ID, 5, 9, 13, 21, 34, 55, 89]])
+SECOND = torch.tensor([[5, _planted.FIRST_ID, 9, 13, 21, 34, 55, 89]])
+#: The long-generation model's prompt and how many tokens it generates.
+PROMPT = torch.tensor([[3, 17, 29, 41, 53, 65, 77, 89, 101, 113]])
+NEW_TOKENS = 96
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(
+        torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0)
+    )
+
+
+def _down_input_peak(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Per position, the largest |input| of layer 0's down projection (the MLP product)."""
+    peaks: list[torch.Tensor] = []
+    down = model.model.layers[0].mlp.down_proj
+    handle = down.register_forward_hook(lambda _m, i, _o: peaks.append(i[0].abs().amax(-1)))
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    return peaks[0][0]
+
+
+def test_first_position_model_overflows_fp16_only_when_the_id_opens_the_sequence() -> None:
+    """The reproduction: fp32 is finite, the MLP product peaks past fp16's limit at position 0
+    only when X is there (below 1 anywhere else), and a plain fp16 cast is NaN on the prompt
+    that opens with X but finite with X second."""
+    model = _planted.qwen2_first_position()
+    first, second = _down_input_peak(model, FIRST), _down_input_peak(model, SECOND)
+    assert float(first[0]) > FP16_MAX
+    assert float(first[1:].max()) < 1 and float(second.max()) < 1
+    with torch.no_grad():
+        assert model(input_ids=FIRST).logits.isfinite().all()
+        half = _planted.qwen2_first_position().half()
+        assert not half(input_ids=FIRST).logits.isfinite().any()
+        assert half(input_ids=SECOND).logits.isfinite().all()
+
+
+def test_only_the_first_position_probes_open_a_row_with_the_id() -> None:
+    """Without the first-position probes the sweep never puts X first (nor first after left
+    padding): they are what reaches it, alone in a one-token row."""
+    inputs = build_inputs(_planted.qwen2_first_position(), coverage="quick")
+    reached = []
+    for probe in inputs.probes:
+        ids = probe.kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            continue
+        mask = probe.kwargs.get("attention_mask")
+        firsts = ids[:, 0] if mask is None else ids.gather(1, mask.argmax(1, keepdim=True))[:, 0]
+        if bool((firsts == _planted.FIRST_ID).any()):
+            reached.append(probe.sweep.get("kind"))
+    assert reached == ["first-position"], reached
+
+
+@pytest.fixture(scope="module")
+def first_position(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], dict[str, Any]]:
+    """``first_position(planted)`` → {target: ConversionResult} at ``quick`` coverage (a
+    256-id vocabulary is whole there), converted once per module."""
+    root = tmp_path_factory.mktemp("first-position")
+    done: dict[bool, dict[str, Any]] = {}
+
+    def get(planted: bool) -> dict[str, Any]:
+        if planted not in done:
+            source = root / f"source-{planted}"
+            _planted.qwen2_first_position(planted=planted).save_pretrained(source)
+            done[planted] = {
+                target: convert(
+                    source, to=target, output=root / f"{planted}-{target}", coverage="quick"
+                )
+                for target in TARGETS
+            }
+        return done[planted]
+
+    return get
+
+
+def test_first_position_decides_the_certificate(
+    first_position: Callable[[bool], dict[str, Any]],
+) -> None:
+    """Planted: fp16 is refused on a first-position probe; fp16-safe and bf16-safe pass, and
+    the fp16-safe output, through ``pc.load`` and the plain default ``from_pretrained``, is
+    finite and within cosine 0.99 of fp32 on the prompt that opens with X."""
+    from transformers import Qwen2ForCausalLM
+
+    results = first_position(True)
+    fp16 = results["fp16"].certificate
+    assert fp16.verdict == "fail"
+    assert any("first-position" in line for line in fp16.failures), fp16.failures
+    for target in ("fp16-safe", "bf16-safe"):
+        certificate = results[target].certificate
+        assert certificate.verdict == "pass", (target, certificate.failures)
+    out = results["fp16-safe"].output
+    with torch.no_grad():
+        reference = _planted.qwen2_first_position()(input_ids=FIRST).logits
+        for loaded in (pc.load(out), Qwen2ForCausalLM.from_pretrained(out).eval()):
+            logits = loaded(input_ids=FIRST).logits.float()
+            assert logits.isfinite().all()
+            assert _cosine(logits, reference) > 0.99
+
+
+def test_first_position_control_is_certified(
+    first_position: Callable[[bool], dict[str, Any]],
+) -> None:
+    """No false fail: the same model without the planting passes in all three targets."""
+    for target, result in first_position(False).items():
+        assert result.certificate.verdict == "pass", (target, result.certificate.failures)
+
+
+def test_certificate_and_card_state_the_triggers_searched(
+    first_position: Callable[[bool], dict[str, Any]],
+) -> None:
+    """``inputs.triggers``: ids, positions (every id at position 0; the family has no BOS)
+    and generation searched with their reach, pairs and bound not; the card says so."""
+    result = first_position(False)["fp16-safe"]
+    written = json.loads((result.output / "precision_certificate.json").read_text())
+    (component,) = written["components"]
+    triggers = component["inputs"]["triggers"]
+    assert list(triggers) == ["ids", "positions", "pairs", "generation", "bound"]
+    assert triggers["ids"] == {"searched": True, "reached": 256, "of": 256}
+    first = triggers["positions"]["first_position"]
+    assert first == {"ids": 256, "after_bos": "the family has no BOS token", "of": 256}
+    assert triggers["generation"]["searched"] is True
+    assert triggers["generation"]["new_tokens"] == 32  # quick: 2 prompts x 32 tokens
+    assert triggers["pairs"]["searched"] is False and triggers["bound"]["searched"] is False
+    card = (result.output / "README.md").read_text()
+    assert "256 ids at position 0, the family has no BOS" in card
+    assert "not searched: pairs, bound." in card
