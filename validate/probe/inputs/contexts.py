@@ -79,11 +79,13 @@ def context_probes(
     ``sampled``: the ids a level without the whole vocabulary samples (its one vocabulary
     probe's); those are the ids fed at position 0 then. ``trimmed_tokens``: tokens a probe
     may hold when its head keeps one position's logits. Fixed-length text (OpenCLIP) gets none:
-    it is always fed whole, end-of-text last.
+    it is always fed whole, end-of-text last; nor does a model fed images or audio beside its
+    ids (thousands of one-token rows would each carry a copy of them).
     """
-    if spec.fixed is not None:
-        return [], []
     template = chosen.probes[0].kwargs
+    media = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in template.values())
+    if spec.fixed is not None or media:
+        return [], []
     probes = first_position_probes(
         model, spec, template, budget, tokenizer, trimmed_tokens=trimmed_tokens, sampled=sampled
     )
@@ -143,8 +145,8 @@ def first_position_probes(
             label = "first-position" if lead is None else "first-position-bos"
             how: dict[str, Any] = {
                 "kind": "first-position",
-                "ids": [int(part[0, -1]), int(part[-1, -1])],
-                "whole": bool(budget.whole_vocabulary),
+                "ids_from": "every id" if len(ids) == spec.vocab else "the sampled vocabulary",
+                "rows": [i * per_probe, i * per_probe + len(part)],
                 "bos": lead,
             }
             probe = _probe(spec, template, budget, f"{label}-{i + 1}of{chunks}", part, how)
