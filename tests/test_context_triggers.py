@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _models
 import _planted
 import pytest
 import torch
@@ -234,3 +235,42 @@ def test_long_generation_decides_the_certificate(planted: bool, tmp_path: Path) 
         assert _cosine(logits, reference) > 0.99
         free = _generate(loaded, output_logits=True, return_dict_in_generate=True)
         assert torch.stack(free.logits, 1).isfinite().all()
+
+
+def test_a_family_with_bos_gets_every_id_after_it_too() -> None:
+    """Llama starts prompts with BOS: every id runs alone at position 0 and right after BOS
+    (those rows keep the id's logits only), and the triggers record counts both."""
+    from precision_convert.validation.probe.inputs.contexts import triggers
+    from precision_convert.validation.probe.inputs.positions import reach
+
+    model = _models.llama()
+    inputs = build_inputs(model, coverage="quick")
+    bos = model.config.bos_token_id
+    after = [p for p in inputs.probes if p.name.startswith("forward:first-position-bos")]
+    assert after and all(bool((p.kwargs["input_ids"][:, 0] == bos).all()) for p in after)
+    assert all(p.kwargs["logits_to_keep"] == 1 for p in after)
+    first = triggers(inputs, reach(inputs))["positions"]["first_position"]
+    assert first == {"ids": 256, "after_bos": 256, "of": 256}
+
+
+def test_free_generation_is_judged_for_nan_and_inf_only() -> None:
+    """A free generation that picked other tokens (other logits) passes; one holding an inf
+    fails on ``nonfinite``, and no other metric is judged on it."""
+    from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe
+    from precision_convert.validation.probe.run.parity import compare_outputs, thresholds_for
+
+    probe = Probe("generate:free", "generate", {}, finite_only=True)
+    inputs = ModelInputs(task="lm-logits", probes=(probe,), seed=0)
+    g = torch.Generator().manual_seed(0)
+    baseline = {"generate:free": {"generated_logits": torch.randn(2, 8, 16, generator=g)}}
+    other = torch.randn(2, 8, 16, generator=g)
+    thresholds = thresholds_for("text")
+    rows = compare_outputs(
+        "", inputs, baseline, {"generate:free": {"generated_logits": other}}, thresholds
+    )
+    assert [(r.metric, r.passed) for r in rows] == [("nonfinite", True)]
+    other[1, 5, 3] = float("inf")
+    rows = compare_outputs(
+        "", inputs, baseline, {"generate:free": {"generated_logits": other}}, thresholds
+    )
+    assert [(r.metric, r.value, r.passed) for r in rows] == [("nonfinite", 1.0, False)]
