@@ -9,9 +9,9 @@ contexts at a cost linear in the vocabulary and the tokens generated:
 
 - **the first position** (``first-position``): every id alone in a one-token row (rows of
   one token are cheap: thousands go in one forward), and, where the family starts its prompts
-  with a BOS token, every id right after it (the BOS rows keep only their last position's
-  logits where the head allows it). A family with no BOS (Qwen2) has position 0 holding the
-  id itself, which the one-token rows are.
+  with a BOS token, every id right after it; where the head can keep no logits, these rows
+  are judged on every layer's hidden states instead. A family with no BOS (Qwen2) has
+  position 0 holding the id itself, which the one-token rows are.
 - **repeated ids** (``repeats``): a few seeded ids, each placed every ``d`` tokens along a row
   of seeded ids, for ``d`` doubling from 1 (the id repeated throughout) to half the row: what
   attention reading back to an earlier copy of a token sees.
@@ -134,9 +134,7 @@ def first_position_probes(
     probes = []
     for lead in (None, bos) if bos is not None else (None,):
         width = 1 if lead is None else 2
-        # One-token rows: a row per token; BOS rows keep the id's logits only where they can.
-        tokens = trimmed_tokens if lead is not None and trimmed else budget.tokens_per_probe
-        per_probe = max(1, tokens // width)
+        per_probe = max(1, (trimmed_tokens if trimmed else budget.tokens_per_probe) // width)
         chunks = math.ceil(len(ids) / per_probe)
         for i in range(chunks):
             part = ids[i * per_probe : (i + 1) * per_probe].unsqueeze(1)
@@ -150,22 +148,22 @@ def first_position_probes(
                 "bos": lead,
             }
             probe = _probe(spec, template, budget, f"{label}-{i + 1}of{chunks}", part, how)
-            if lead is not None and trimmed:
-                probe = _trimmed(probe)
-            probes.append(probe)
+            probes.append(_hidden_only(probe) if trimmed else probe)
     return probes
 
 
-def _trimmed(probe: Probe) -> Probe:
-    """``probe`` keeping the last position's logits only (the id after BOS)."""
-    sweep = {**probe.sweep, "logits": "last position only"}
-    return Probe(
-        probe.name,
-        probe.method,
-        {**probe.kwargs, "logits_to_keep": 1},
-        sweep=sweep,
-        max_output=probe.max_output,
-    )
+def _hidden_only(probe: Probe) -> Probe:
+    """``probe`` judged on every layer's hidden states, with no row of logits: an empty
+    ``logits_to_keep``. A 128k vocabulary's logits would cost 0.5 MB a one-token row, and
+    make the vocabulary at position 0 as many probes as the vocabulary sweep itself; the
+    head's own range is what that sweep judges."""
+    sweep = {**probe.sweep, "logits": "none; hidden states of every layer"}
+    kwargs = {
+        **probe.kwargs,
+        "logits_to_keep": torch.zeros(0, dtype=torch.long),
+        "output_hidden_states": True,
+    }
+    return Probe(probe.name, probe.method, kwargs, sweep=sweep, max_output=probe.max_output)
 
 
 def bos_of(model: Any, tokenizer: ProbeTokenizer | None, vocab: int) -> int | None:
