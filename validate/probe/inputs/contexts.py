@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from precision_convert.core.errors import one_line
 from precision_convert.validation.probe.inputs.budgets import Budget
 from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
@@ -263,8 +264,7 @@ def generation_probes(
     try:
         sequences = _greedy(model, {**prompt, **settings})
     except _GENERATE_ERRORS as exc:
-        why = " ".join(str(exc).split())[:200]
-        return [], [f"generation probes not run: the fp32 model's generate fails ({why})"]
+        return [], [f"generation probes not run: the fp32 model's generate fails ({one_line(exc)})"]
     how = {
         "kind": "generation",
         "prompts": prompts,
