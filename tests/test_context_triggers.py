@@ -152,7 +152,8 @@ def test_certificate_and_card_state_the_triggers_searched(
     first = triggers["positions"]["first_position"]
     assert first == {"ids": 256, "after_bos": "the family has no BOS token", "of": 256}
     assert triggers["generation"]["searched"] is True
-    assert triggers["generation"]["new_tokens"] == 32  # quick: 2 prompts x 32 tokens
+    # quick: 2 prompts x 64 tokens, cut to the 64-position limit with the prompt
+    assert triggers["generation"]["new_tokens"] == 64 - 16
     assert triggers["pairs"]["searched"] is False and triggers["bound"]["searched"] is False
     card = (result.output / "README.md").read_text()
     assert "256 ids at position 0, the family has no BOS" in card
@@ -202,18 +203,22 @@ def test_long_generation_model_overflows_fp16_from_the_60th_new_token() -> None:
     assert not logits[:, start:].isfinite().any()
 
 
-@pytest.mark.slow  # six conversions at standard coverage (each generating 4 x 256 tokens)
+@pytest.mark.slow  # three conversions, each generating 2 x 64 tokens per load path checked
 @pytest.mark.parametrize("planted", [True, False], ids=["planted", "control"])
 def test_long_generation_decides_the_certificate(planted: bool, tmp_path: Path) -> None:
-    """Planted: fp16 is refused on the generation probes (teacher-forced and free); fp16-safe
-    and bf16-safe pass, and the fp16-safe output, through ``pc.load`` and the plain default
-    ``from_pretrained``, is finite and within cosine 0.99 of fp32 teacher-forced on fp32's
-    continuation, and its own ``generate()`` is finite. Control: all three pass."""
+    """At ``quick`` (2 prompts x 64 greedy tokens). Planted: fp16 is refused on the
+    generation probes (teacher-forced and free); fp16-safe and bf16-safe pass, and the
+    fp16-safe output, through ``pc.load`` and the plain default ``from_pretrained``, is finite
+    and within cosine 0.99 of fp32 teacher-forced on fp32's continuation, and its own
+    ``generate()`` is finite. Control: all three pass."""
     from transformers import T5ForConditionalGeneration
 
     source = tmp_path / "source"
     _planted.flan_t5_long_generation(planted=planted).save_pretrained(source)
-    results = {target: convert(source, to=target, output=tmp_path / target) for target in TARGETS}
+    results = {
+        target: convert(source, to=target, output=tmp_path / target, coverage="quick")
+        for target in TARGETS
+    }
     fp16 = results["fp16"].certificate
     if not planted:
         assert fp16.verdict == "pass", fp16.failures
@@ -224,7 +229,7 @@ def test_long_generation_decides_the_certificate(planted: bool, tmp_path: Path) 
         certificate = results[target].certificate
         assert certificate.verdict == "pass", (target, certificate.failures)
         (component,) = certificate.to_dict()["components"]
-        assert component["inputs"]["triggers"]["generation"]["new_tokens"] == 256
+        assert component["inputs"]["triggers"]["generation"]["new_tokens"] == 64
     reference_model = _planted.flan_t5_long_generation(planted=planted)
     sequences = _generate(reference_model)
     reference = _forced(reference_model, sequences)

@@ -94,9 +94,10 @@ BUDGETS: dict[str, Budget] = {
         # A 1024 px fp16 pass of even an 8-channel VAE takes most of a minute on a CPU, and a
         # certificate makes a dozen: the sides are the default level's; quick says so.
         declared_sides=False,
-        # One id at each distance, and two short continuations: a long loop is standard's.
+        # One id at each distance, and two continuations of 64 tokens: past where a loop's
+        # start token leaves T5's exact relative-position buckets (distance 59 is bucket 26).
         repeat_ids=1,
-        generation=(2, 32),
+        generation=(2, 64),
     ),
     # The default. Every vocabulary id once (a 32k vocabulary is 8 probes of 4096 tokens;
     # 128k+ ones are capped at 32 probes of bigger chunks: tens of seconds on one GPU for an

@@ -79,7 +79,7 @@ def context_probes(
 
     ``sampled``: the ids a level without the whole vocabulary samples (its one vocabulary
     probe's); those are the ids fed at position 0 then. ``trimmed_tokens``: tokens a probe
-    may hold when its head keeps one position's logits. Fixed-length text (OpenCLIP) gets none:
+    may hold when its head keeps no logits. Fixed-length text (OpenCLIP) gets none:
     it is always fed whole, end-of-text last; nor does a model fed images or audio beside its
     ids (thousands of one-token rows would each carry a copy of them).
     """
@@ -103,6 +103,7 @@ def _probe(
     ids: torch.Tensor,
     how: Mapping[str, Any],
 ) -> Probe:
+    """A forward probe of ``ids`` in the model's token argument, recorded as ``how`` says."""
     kwargs = with_tokens(spec, template, finish_rows(spec, ids))
     return Probe(
         f"forward:{name}",
