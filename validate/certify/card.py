@@ -28,6 +28,7 @@ from precision_convert.core.patterns import REPO_ID
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.card_sizes import sizes_run
+from precision_convert.validation.certify.card_triggers import trigger_lines
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     SMOKE_PASS,
@@ -335,7 +336,7 @@ def _limitations(certificate: Certificate) -> list[str]:
         what = ORIGINS.get(origin, f"inputs of origin {origin!r}")
         made = "" if origin == "file" else f" (seed {c.inputs.get('seed')}), not real data"
         lines.append(f"- {who}probes are {what}{made}.")
-    return [*lines, *_reach(certificate), ""]
+    return [*lines, *_reach(certificate), *trigger_lines(certificate), ""]
 
 
 def _reach(certificate: Certificate) -> list[str]:

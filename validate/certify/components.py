@@ -13,6 +13,7 @@ from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import PlanRecord
 from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
+from precision_convert.validation.probe.inputs.contexts import triggers
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.positions import reach
 from precision_convert.validation.probe.run.execute import Outputs
@@ -76,8 +77,10 @@ def component_record(
 
 
 def _with_reach(inputs: ModelInputs) -> dict[str, Any]:
-    """The probes' record, with what they reached and left untested."""
-    return {**inputs.describe(), "reach": reach(inputs)}
+    """The probes' record, with what they reached and left untested, and which kinds of
+    trigger they searched."""
+    reached = reach(inputs)
+    return {**inputs.describe(), "reach": reached, "triggers": triggers(inputs, reached)}
 
 
 def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:

@@ -26,6 +26,7 @@ from precision_convert.validation.certify.components import (
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
 from precision_convert.validation.certify.sizes import predicted_failures
+from precision_convert.validation.probe.inputs.contexts import with_bounds
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.spots import attention_spot
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
@@ -79,6 +80,7 @@ def _validate_whole(
     choices = swept.attention
     record.attention = choices.to_json() if choices is not None and choices.default else None
     record.calibration = swept.calibration_record()
+    record.inputs["triggers"] = with_bounds(record.inputs.get("triggers", {}), record.calibration)
     metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
     if shared is not None and shared.candidate is not None:
         compared = compare_outputs(component.name, frozen, base_out, shared.candidate, thresholds)

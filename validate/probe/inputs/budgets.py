@@ -1,7 +1,8 @@
 """Coverage budgets: how much a sweep probes at each level, and what memory lets one probe hold.
 
 A level (:data:`BUDGETS`: ``quick``, ``standard`` by default, ``thorough``) fixes the longest
-sequence, the vocabulary's probes, the timesteps and the image sizes. The model then bounds
+sequence, the vocabulary's probes, the timesteps, the image sizes, and the repeated ids and
+greedy continuations of the context probes (:mod:`.contexts`). The model then bounds
 each probe's tokens: :func:`fit_model` to what its memory affords, :func:`fit_budget` to a
 block-wise validation's memory budget, where every probe is a pass over every block.
 """
@@ -73,6 +74,11 @@ class Budget:
     #: The seeds are always tried: a search cut short still judges where the factors peaked.
     context_search: float = CONTEXT_SEARCH_SHARE
     context_steps: int = 50
+    #: Seeded ids each repeated along a row at every doubling distance (:mod:`.contexts`).
+    repeat_ids: int = 4
+    #: Prompts x new tokens of fp32's greedy continuation the candidate is teacher-forced on,
+    #: for models that generate (:mod:`.contexts`); (0, 0): none.
+    generation: tuple[int, int] = (4, 256)
 
 
 BUDGETS: dict[str, Budget] = {
@@ -100,6 +106,10 @@ BUDGETS: dict[str, Budget] = {
         # No search for contexts: bounds are still recorded.
         context_search=0.0,
         context_steps=0,
+        # One id at each distance, and two continuations of 64 tokens: past where a loop's
+        # start token leaves T5's exact relative-position buckets (distance 59 is bucket 26).
+        repeat_ids=1,
+        generation=(2, 64),
     ),
     # The default. Every vocabulary id once (a 32k vocabulary is 8 probes of 4096 tokens;
     # 128k+ ones are capped at 32 probes of bigger chunks: tens of seconds on one GPU for an
@@ -117,6 +127,10 @@ BUDGETS: dict[str, Budget] = {
         image_scales=(2,),
         conditioning=True,
         max_output=1 << 20,
+        # Four ids at each distance (two probes of 16 rows), four prompts continued 256
+        # tokens: past where a loop's start token falls out of a relative-position bucket.
+        repeat_ids=4,
+        generation=(4, 256),
     ),
     # Release-grade: the full position range (a 128k-context model gets a 128k-token probe:
     # use a GPU), every timestep decile, VAE images at 2x and 4x, bigger probes.
@@ -136,6 +150,8 @@ BUDGETS: dict[str, Budget] = {
         # As long again as the floor: release-grade conversions can afford the search.
         context_search=1.0,
         context_steps=200,
+        repeat_ids=16,
+        generation=(8, 512),
     ),
 }
 

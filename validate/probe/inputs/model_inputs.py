@@ -60,6 +60,9 @@ class Probe:
     #: (batch, length) bool of the real token positions of a padded batch: outputs shaped
     #: (batch, length, ...) are compared there only — no caller reads a padded position.
     positions: torch.Tensor | None = None
+    #: Judged for NaN/Inf only: the candidate's own free generation, which may legitimately
+    #: pick other tokens than fp32's (its teacher-forced twin is judged on every metric).
+    finite_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,8 @@ def _describe_probe(probe: Probe) -> dict[str, Any]:
         record["max_output_elements"] = probe.max_output
     if probe.positions is not None:
         record["compared_positions"] = "real tokens only (padding excluded)"
+    if probe.finite_only:
+        record["judged"] = "NaN/Inf only"
     record["args"] = _describe(probe.kwargs)
     return record
 

@@ -8,7 +8,8 @@ family:
 
 - token models (:mod:`.token_probes`): the whole vocabulary in chunks, the special tokens,
   real text, doubling lengths and padded batches; short rows with ``position_ids`` offsets
-  reaching the rest of the position table (:mod:`.positions`);
+  reaching the rest of the position table (:mod:`.positions`); every id at position 0,
+  repeated ids, and fp32's greedy continuations for models that generate (:mod:`.contexts`);
 - diffusion denoisers, autoencoders, vision and speech encoders (:mod:`.media_probes`):
   timesteps across the schedule and realistic conditioning, larger images, normalized-image
   contrast and longer audio;
@@ -43,6 +44,7 @@ from precision_convert.validation.probe.inputs.budgets import (
     fit_model,
 )
 from precision_convert.validation.probe.inputs.context_probes import rebuilt_contexts
+from precision_convert.validation.probe.inputs.contexts import context_probes
 from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.media_probes import (
     contrast_probes,
@@ -279,6 +281,7 @@ def _built(
         made, made_notes = token_probes(spec, chosen, budget, tokenizer)
         probes += made
         notes += made_notes
+        trimmed = fit_model(budget_for(budget.level), model, logits=False).tokens_per_probe
         probes += position_probes(
             model,
             spec,
@@ -287,10 +290,9 @@ def _built(
             probes,
             tokens=lambda ids: with_tokens(spec, first.kwargs, ids),
             generator=lambda name: seeded_generator(chosen.seed, name),
-            trimmed_tokens=fit_model(
-                budget_for(budget.level), model, logits=False
-            ).tokens_per_probe,
+            trimmed_tokens=trimmed,
         )
+        probes += _contexts(model, spec, chosen, budget, tokenizer, made, trimmed, notes)
     if chosen.task in ("vision", "clip") and not any(
         k in first.kwargs for k in ("input_ids", "text")
     ):
@@ -298,3 +300,31 @@ def _built(
     if chosen.task == "speech":
         probes += longer_audio_probes(chosen, budget)
     return probes, notes
+
+
+def _contexts(
+    model: Any,
+    spec: Any,
+    chosen: ModelInputs,
+    budget: Budget,
+    tokenizer: ProbeTokenizer | None,
+    made: list[Probe],
+    trimmed: int,
+    notes: list[str],
+) -> list[Probe]:
+    """The context probes (:mod:`.contexts`), fed at position 0 the ids the vocabulary probes
+    hold when the level samples them; none in a block-wise run, where each probe is a pass
+    streaming every block (``notes`` says so, and gets what could not run)."""
+    if budget.memory_bound:
+        notes.append(
+            "block-wise memory budget: first-position, repeated-ids and generation probes not "
+            "run; validate where the model fits for them"
+        )
+        return []
+    vocabulary = [p for p in made if p.sweep.get("kind") == "vocabulary"]
+    sampled = vocabulary[0].kwargs[spec.arg] if vocabulary else None
+    probes, context_notes = context_probes(
+        model, spec, chosen, budget, tokenizer, trimmed_tokens=trimmed, sampled=sampled
+    )
+    notes += context_notes
+    return probes

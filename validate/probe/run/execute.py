@@ -138,6 +138,8 @@ def call_probe(
     method = model if probe.method == "forward" else getattr(model, probe.method)
     with torch.no_grad():
         result = method(**kwargs)
+    if probe.method == "generate":
+        result = generated_logits(result)
     if probe.max_output is None and probe.positions is None:
         return flatten(result)
     kept = flatten(result, cpu=False)
@@ -147,6 +149,13 @@ def call_probe(
         # Summarized where the outputs are (a GPU's logits never travel whole to the CPU).
         kept = summarize(kept, probe.max_output)
     return {name: tensor.to("cpu") for name, tensor in kept.items()}
+
+
+def generated_logits(result: Any) -> dict[str, torch.Tensor]:
+    """A ``generate`` call's raw logits as one (batch, step, vocabulary) tensor: one output to
+    judge, not one per generated token (the sequences are ids, never compared)."""
+    steps = getattr(result, "logits", None) or ()
+    return {"generated_logits": torch.stack(list(steps), 1)} if steps else {}
 
 
 def padding_excluded(
