@@ -249,8 +249,9 @@ class _PlainSteps:
         self.began = time.monotonic()
         self.last: dict[str, int] = {}
         self.started: dict[str, float] = {}
+        # No line until the work reports or the heartbeat beats: input refused before any
+        # work gets its one error line on stderr, nothing else.
         self.heartbeat = Heartbeat(self._still)
-        self.write(f"{description}: started")
 
     def write(self, line: str) -> None:
         with contextlib.suppress(OSError):  # a closed stderr loses the line, not the run
