@@ -342,8 +342,8 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
     qkv) maps to None: it lands in a parameter it shares (see :func:`merged_key_map`).
     """
     state = model.state_dict()
-    landing = _transformers_landing(model, state)
-    if landing is None:  # transformers 4.x: no renaming tables, only the base-model prefix
+    rename = _transformers_renaming(model, state)
+    if rename is None:  # transformers 4.x: no renaming tables, only the base-model prefix
         prefix = getattr(model, "base_model_prefix", "") or ""
         return lambda key: next(
             (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in state),
@@ -353,7 +353,7 @@ def _transformers_key_map(model: nn.Module) -> KeyMap:
     def key_of(key: str) -> str | None:
         if key in state:
             return key
-        renamed, merged = landing(key)
+        renamed, merged = rename(key)
         return renamed if not merged and renamed in state else None
 
     return key_of
@@ -365,20 +365,20 @@ def merged_key_map(model: nn.Module, source: ModelSource) -> KeyMap:
     ``experts.3.w1.weight`` lands in the fused ``mlp.experts.gate_up_proj``); None for a key
     that maps one-to-one or not at all, and for every key of other libraries."""
     state: dict[str, Any] = model.state_dict() if source.library == "transformers" else {}
-    landing = _transformers_landing(model, state) if state else None
-    if landing is None:
+    rename = _transformers_renaming(model, state) if state else None
+    if rename is None:
         return lambda key: None
 
     def merged_into(key: str) -> str | None:
         if key in state:
             return None
-        renamed, merged = landing(key)
+        renamed, merged = rename(key)
         return renamed if merged and renamed in state else None
 
     return merged_into
 
 
-def _transformers_landing(
+def _transformers_renaming(
     model: nn.Module, state: dict[str, Any]
 ) -> Callable[[str], tuple[str, bool]] | None:
     """Checkpoint key -> (the key transformers loads it as, whether a ``WeightConverter``
@@ -398,11 +398,11 @@ def _transformers_landing(
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
 
-    def landing(key: str) -> tuple[str, bool]:
+    def rename(key: str) -> tuple[str, bool]:
         renamed, merged = rename_source_key(key, renamings, converters, prefix, state)
         return renamed, merged is not None
 
-    return landing
+    return rename
 
 
 # --- diffusers ---------------------------------------------------------------------------------
