@@ -142,7 +142,8 @@ def test_certificate_and_card_state_the_triggers_searched(
     first_position: Callable[[bool, str], Any],
 ) -> None:
     """``inputs.triggers``: ids, positions (every id at position 0; the family has no BOS)
-    and generation searched with their reach, pairs and bound not; the card says so."""
+    and generation searched with their reach, bound from the factor peaks; pairs not (no
+    context search at quick); the card says so."""
     result = first_position(False, "fp16-safe")
     written = json.loads((result.output / "precision_certificate.json").read_text())
     (component,) = written["components"]
@@ -154,10 +155,16 @@ def test_certificate_and_card_state_the_triggers_searched(
     assert triggers["generation"]["searched"] is True
     # quick: 2 prompts x 64 tokens, cut to the 64-position limit with the prompt
     assert triggers["generation"]["new_tokens"] == 64 - 16
-    assert triggers["pairs"]["searched"] is False and triggers["bound"]["searched"] is False
+    assert triggers["pairs"] == {
+        "searched": False,
+        "why": "not searched: no context search at quick",
+    }
+    assert triggers["bound"]["searched"] is True and triggers["bound"]["modules"] > 0
+    assert triggers["bound"]["highest"]["bound"] >= triggers["bound"]["highest"]["observed_peak"]
     card = (result.output / "README.md").read_text()
     assert "256 ids at position 0, the family has no BOS" in card
-    assert "not searched: pairs, bound." in card
+    assert "modules bounded, highest `model.layers." in card
+    assert "not searched: pairs." in card
 
 
 def _generate(model: Any, **settings: Any) -> Any:

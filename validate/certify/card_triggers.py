@@ -56,4 +56,15 @@ def _reach(kind: str, entry: Mapping[str, Any]) -> str:
             f"{entry['prompts']} prompts x {entry['new_tokens']} greedy fp32 tokens, "
             "teacher-forced; free generation checked for NaN/Inf"
         )
+    if kind == "bound":
+        top = entry["highest"]
+        return (
+            f"{entry['modules']} modules bounded, highest `{top['module']}` {top['side']} "
+            f"{top['bound']:.4g}, conditional on the factor peaks seen"
+        )
+    if kind == "pairs":
+        peak = entry.get("highest_peak")
+        return f"worst-context search over {entry['modules']} modules in {entry['seconds']} s" + (
+            f", highest peak {peak:.4g}" if peak is not None else ""
+        )
     return str(entry.get("reach", ""))
