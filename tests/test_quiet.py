@@ -184,3 +184,16 @@ def test_verbose_shows_the_held_messages_on_stderr(
         assert said.out == ""
         shown = "transformers.modeling_utils: UNEXPECTED: concept_embeds\n"
         assert said.err == (shown if verbose else "")
+
+
+def test_a_library_that_propagates_to_the_root_is_heard_once(bars_on: None) -> None:
+    """A user's process may turn transformers' propagation on (``enable_propagation``): a
+    record then passes both transformers' handlers and the root's, and is still held once."""
+    transformers_logging.enable_propagation()
+    heard: list[str] = []
+    try:
+        with library_messages(heard.append), quiet_libraries():
+            logging.getLogger("transformers.modeling_utils").warning("MISSING keys: lm_head")
+    finally:
+        transformers_logging.disable_propagation()
+    assert heard == ["transformers.modeling_utils: MISSING keys: lm_head"]

@@ -60,6 +60,9 @@ BAR_SWITCHES = {
     "diffusers": "diffusers.utils.logging",
 }
 
+#: The attribute that marks a record already sent to the sink.
+_DELIVERED = "_precision_convert_delivered"
+
 _QUIET: ContextVar[bool] = ContextVar("precision_convert_quiet", default=False)
 _SINK: ContextVar[Sink | None] = ContextVar("precision_convert_library_sink", default=None)
 
@@ -105,7 +108,11 @@ class _Router(logging.Handler):
             self.logger.removeHandler(handler)
             self.replaced.append(handler)
         if _held(record.name):
-            _deliver(f"{record.name}: {record.getMessage()}")
+            # A record held on a library's logger may propagate to the root's router too
+            # (whoever turned the library's propagation on): it reaches the sink once.
+            if not getattr(record, _DELIVERED, False):
+                setattr(record, _DELIVERED, True)
+                _deliver(f"{record.name}: {record.getMessage()}")
             return True
         for handler in self.replaced:
             if record.levelno >= handler.level:
