@@ -15,6 +15,7 @@ import io
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,11 +65,11 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Cer
     return source, root / "out", result.certificate
 
 
-def certified_inputs(certificate: Certificate) -> ModelInputs:
-    """The probes the certificate ran, rebuilt from its record (digests checked)."""
+def certified_inputs(fp32: Any, certificate: Certificate) -> ModelInputs:
+    """The probes the certificate ran, rebuilt from its record (digests checked). ``fp32`` is
+    the source model: the greedy-generation probes are the fp32 model's own continuations."""
     from precision_convert.validation.probe.inputs.sweep import replay
 
-    fp32 = make("llama")  # same architecture: replay only needs shapes, vocabulary and seeds
     return replay(fp32, certificate.components[0].inputs)
 
 
@@ -99,10 +100,11 @@ def test_resave_of_a_range_island_llama_stays_finite_and_within_bounds(
         assert json.loads(f.metadata()["precision_convert"]) == config["precision_convert"]
 
     # Every load of the re-saved files: finite and within the certificate's bounds.
-    inputs = certified_inputs(certificate)
+    fp32 = LlamaForCausalLM.from_pretrained(source).eval()
+    inputs = certified_inputs(fp32, certificate)
     thresholds = thresholds_for(certificate.components[0].task)
     with torch.no_grad():
-        expected = run_probes(LlamaForCausalLM.from_pretrained(source).eval(), inputs)
+        expected = run_probes(fp32, inputs)
         loads = {
             "plain": lambda: LlamaForCausalLM.from_pretrained(new),
             "auto": lambda: LlamaForCausalLM.from_pretrained(new, dtype="auto"),
