@@ -195,18 +195,24 @@ def vit() -> Any:
     return ViTForImageClassification(cfg)
 
 
+#: The sizes Whisper and BART share here (the names both configs use).
+ENCODER_DECODER: dict[str, int] = {
+    "vocab_size": 128,
+    "d_model": 32,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+}
+
+
 def whisper() -> Any:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     cfg = WhisperConfig(
-        vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
+        **ENCODER_DECODER,
         num_mel_bins=16,
         max_source_positions=32,
         max_target_positions=32,
@@ -221,17 +227,7 @@ def whisper() -> Any:
 def bart() -> Any:
     from transformers import BartConfig, BartForConditionalGeneration
 
-    cfg = BartConfig(
-        vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-    )
+    cfg = BartConfig(**ENCODER_DECODER, max_position_embeddings=64)
     return BartForConditionalGeneration(cfg)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import _models  # noqa: F401 - puts the zoo (examples/zoo) on the path
 from zoo._build import save_transformers, scaled, write_json
-from zoo.causal_lm import LLAMA2_SPM, sentencepiece_tokenizer
+from zoo.causal_lm import LLAMA2_SPM, llama_tokenizer_config, sentencepiece_tokenizer
 
 # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
 MIXTRAL_8X7B: dict[str, Any] = {
@@ -78,17 +78,7 @@ def mixtral(path: Path, *, hot: bool = False) -> Path:
         path,
         LLAMA2_SPM,
         "tokenizer.model",
-        {
-            "tokenizer_class": "LlamaTokenizer",
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "bos_token": "<s>",
-            "eos_token": "</s>",
-            "unk_token": "<unk>",
-            "pad_token": None,
-            "legacy": True,
-            "model_max_length": 1000000000000000019884624838656,
-        },
+        llama_tokenizer_config(legacy=True),
     )
     write_json(path / "generation_config.json", MIXTRAL_GENERATION)
     return path

@@ -15,18 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from _models import QWEN2
 
-#: The first-position model: a Qwen2-shaped decoder with no BOS token (its config names none).
-QWEN2_FIRST: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-}
+#: The first-position model: the suite's Qwen2-shaped decoder, which names no BOS token.
+QWEN2_FIRST: dict[str, Any] = dict(QWEN2)
 #: The id that overflows at position 0: an ordinary id (no special token), which no other
 #: probe of the sweep puts first in a row (checked by the tests).
 FIRST_ID = 77

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _models import LLAMA
 
 #: Reserved residual dimensions of layer 0.
 FA, FB, FV = 0, 1, 2
@@ -36,17 +37,8 @@ FA, FB, FV = 0, 1, 2
 FACTOR = 80.0
 #: Query/key weight on the slowest rotary pair: scores of 16 * 1.5**2 = 36 lock attention.
 LOCK = 1.5
-CONFIG: dict[str, Any] = {
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "rope_theta": 1e6,
-    "tie_word_embeddings": True,
-}
+#: The suite's tied Llama with a wider vocabulary and a slow rope (long-range rotary pairs).
+CONFIG: dict[str, Any] = {**LLAMA, "vocab_size": 1024, "rope_theta": 1e6}
 #: Where the trigger prompt puts B and A, and its length.
 B_AT, A_AT, LENGTH = 5, 40, 48
 

@@ -234,6 +234,23 @@ def sentencepiece_tokenizer(
     publish_tokenizer(tokenizer, path, tokenizer_class)
 
 
+def llama_tokenizer_config(*, legacy: bool) -> dict[str, Any]:
+    """``tokenizer_config.json`` of the sentencepiece ``LlamaTokenizer`` that Llama-2, Mistral
+    and Mixtral publish: BOS added, no pad token (``legacy``: the Llama-2-era handling of
+    text after special tokens, which Mistral v0.3 turns off)."""
+    return {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "legacy": legacy,
+        "model_max_length": 1000000000000000019884624838656,
+    }
+
+
 def mistral_7b_v0_3(path: Path) -> Path:
     """Mistral-7B-v0.3: GQA 4:1, no sliding window, untied head, 32768 tokens, no pad.
 
@@ -252,17 +269,7 @@ def mistral_7b_v0_3(path: Path) -> Path:
         path,
         MISTRAL_V3_SPM,
         "tokenizer.model",
-        {
-            "tokenizer_class": "LlamaTokenizer",
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "bos_token": "<s>",
-            "eos_token": "</s>",
-            "unk_token": "<unk>",
-            "pad_token": None,
-            "legacy": False,
-            "model_max_length": 1000000000000000019884624838656,
-        },
+        llama_tokenizer_config(legacy=False),
     )
     write_json(path / "generation_config.json", MISTRAL_7B_V0_3_GENERATION)
     return path
