@@ -1,12 +1,12 @@
 """The certificate of a model with a 128k vocabulary stays under a megabyte.
 
-At the default coverage the zoo's Llama-3.2 is swept with 537 probes (494 of them vocabulary
-chunks), and each probe is judged on two outputs by eight metrics: thousands of
-measurements. The probes here are the sweep's own, built for the model without running it, and
-the measurements are shaped as validation makes them (values with a float64's digits), so
-what is measured is the format: every probe's record and every measurement, written as the
-certificate writes them. (The slow tests in test_command_output.py check the certificate of a
-real default run too.)
+At the default coverage the zoo's Llama-3.2 is swept with 667 probes (494 of them vocabulary
+chunks, 95 first-position and 32 repeated-id rows), and each probe is judged on two outputs by
+eight metrics: thousands of measurements. The probes here are the sweep's own, built for the
+model without running it, and the measurements are made as validation makes them
+(:func:`measure`), so what is measured is the format: every probe's record and every
+measurement, written as the certificate writes them. (The slow tests in test_command_output.py
+check the certificate of a real default run too.)
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from precision_convert.validation.certify.certificate import (
     Certificate,
     ComponentRecord,
@@ -25,7 +23,7 @@ from precision_convert.validation.certify.certificate import (
     measurements,
     write,
 )
-from precision_convert.validation.probe.run.metrics import METRICS, Measurement
+from precision_convert.validation.probe.run.metrics import measure
 
 #: The most a certificate may weigh.
 MEGABYTE = 1_000_000
@@ -48,12 +46,6 @@ def _probes(source: Path) -> dict[str, object]:
     return sweep(model, layout, "standard", tokenizer).describe()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the context probes (every id at position 0, repeated ids, greedy generation) bring "
-    "the zoo Llama-3.2's standard sweep to 667 probes: 994,734 bytes of measurements, over the "
-    "900,000 this test leaves them; compacting the series' columns is open (issue 34)",
-)
 def test_a_128k_vocabulary_certificate_stays_under_a_megabyte(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -63,12 +55,12 @@ def test_a_128k_vocabulary_certificate_stays_under_a_megabyte(
     rng = random.Random(0)
     names = ("nonfinite", "rel_l2", "cosine", "max_abs", "max_abs_rel", "token_error",
              "nonfinite_tokens", "top1")  # fmt: skip
-    bound = {name: METRICS[name].bound.value for name in names}
+    thresholds = dict.fromkeys(names, 0.1)
     metrics = [
-        Measurement("", probe, output, name, rng.random() / 1e3, 0.1, bound[name], True)
+        row
         for probe in probes
         for output in ("logits", "logits.rms")
-        for name in names
+        for row in measure("", probe, output, {n: rng.random() / 1e3 for n in names}, thresholds)
     ]
     record = ComponentRecord("", "LlamaForCausalLM", "transformers", "causal-lm", "whole")
     record.inputs = inputs

@@ -123,18 +123,21 @@ class ModelInputs:
 def _describe_probe(probe: Probe) -> dict[str, Any]:
     record: dict[str, Any] = {"method": probe.method}
     if probe.sweep:
-        record["sweep"] = _describe(dict(probe.sweep))
+        record["sweep"] = _describe(dict(probe.sweep), INLINE_INTEGERS)
     if probe.max_output is not None:
         record["max_output_elements"] = probe.max_output
     if probe.positions is not None:
         record["compared_positions"] = "real tokens only (padding excluded)"
     if probe.finite_only:
         record["judged"] = "NaN/Inf only"
-    record["args"] = _describe(probe.kwargs)
+    # A swept probe's record says how its ids were made (ids, seeds, rows): its long id rows
+    # are left to the digest, which a replay checks, so a 128k-vocabulary sweep stays small.
+    record["args"] = _describe(probe.kwargs, INLINE_FLOATS if probe.sweep else INLINE_INTEGERS)
     return record
 
 
-#: Tensors up to this many elements are recorded inline too: timesteps, labels, short id rows.
+#: Tensors up to this many elements are recorded inline too: timesteps, labels, and the id rows
+#: of a probe no sweep describes (the layout's own, a user's).
 INLINE_FLOATS = 16
 INLINE_INTEGERS = 256
 
@@ -145,14 +148,14 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _describe(value: Any) -> Any:
+def _describe(value: Any, inline_integers: int) -> Any:
     if isinstance(value, torch.Tensor):
         record: dict[str, Any] = {
             "shape": list(value.shape),
             "dtype": str(value.dtype).removeprefix("torch."),
             "sha256": tensor_digest(value),
         }
-        inline = INLINE_FLOATS if value.is_floating_point() else INLINE_INTEGERS
+        inline = INLINE_FLOATS if value.is_floating_point() else inline_integers
         if value.numel() <= inline:
             record["values"] = value.tolist()
         return record
@@ -161,9 +164,9 @@ def _describe(value: Any) -> Any:
     if isinstance(value, Seeded):
         return {"generator_seed": value.seed}
     if isinstance(value, Mapping):
-        return {k: _describe(v) for k, v in value.items()}
+        return {k: _describe(v, inline_integers) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_describe(v) for v in value]
+        return [_describe(v, inline_integers) for v in value]
     return value
 
 

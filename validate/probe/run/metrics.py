@@ -304,6 +304,17 @@ class Measurement:
         return "/".join(p for p in (self.component, self.probe, self.output) if p)
 
 
+#: Significant digits a measured value keeps: float32's own resolution (the outputs compared
+#: are float32 or narrower), so the certificate's thousands of values are not written with a
+#: float64's 17 digits. Values are judged as recorded, so a reader re-judging agrees.
+SIGNIFICANT_DIGITS = 7
+
+
+def recorded_value(value: float) -> float:
+    """``value`` to :data:`SIGNIFICANT_DIGITS` (NaN and infinities unchanged)."""
+    return float(f"{value:.{SIGNIFICANT_DIGITS}g}") if math.isfinite(value) else value
+
+
 def measure(
     component: str,
     probe: str,
@@ -313,7 +324,8 @@ def measure(
 ) -> list[Measurement]:
     """Judge every value of one output against the task's thresholds."""
     rows = []
-    for metric, value in values.items():
+    for metric, measured in values.items():
+        value = recorded_value(measured)
         threshold, ok = judge(metric, value, thresholds)
         rows.append(
             Measurement(
