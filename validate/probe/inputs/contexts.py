@@ -14,7 +14,8 @@ contexts at a cost linear in the vocabulary and the tokens generated:
   position 0 holding the id itself, which the one-token rows are.
 - **repeated ids** (``repeats``): a few seeded ids, each placed every ``d`` tokens along a row
   of seeded ids, for ``d`` doubling from 1 (the id repeated throughout) to half the row: what
-  attention reading back to an earlier copy of a token sees.
+  attention reading back to an earlier copy of a token sees. Where the head can keep fewer
+  logits, these rows are judged on every layer's hidden states and the last position's logits.
 - **generation** (``generation``): for models that generate (decoder-only and
   encoder-decoder), fp32's greedy continuation of a few prompts, made here on the fp32 model.
   The candidate is teacher-forced on it (``generation-forced``: the prompt and continuation as
@@ -90,7 +91,9 @@ def context_probes(
     probes = first_position_probes(
         model, spec, template, budget, tokenizer, trimmed_tokens=trimmed_tokens, sampled=sampled
     )
-    probes += repeat_probes(spec, template, budget, chosen.seed)
+    probes += repeat_probes(
+        model, spec, template, budget, chosen.seed, trimmed_tokens=trimmed_tokens
+    )
     made, notes = generation_probes(model, spec, template, budget, tokenizer, chosen.seed)
     return probes + made, notes
 
@@ -150,21 +153,20 @@ def first_position_probes(
                 "bos": lead,
             }
             probe = _probe(spec, template, budget, f"{label}-{i + 1}of{chunks}", part, how)
-            probes.append(_hidden_only(probe) if trimmed else probe)
+            probes.append(_hidden_states(probe, last_logits=False) if trimmed else probe)
     return probes
 
 
-def _hidden_only(probe: Probe) -> Probe:
-    """``probe`` judged on every layer's hidden states, with no row of logits: an empty
-    ``logits_to_keep``. A 128k vocabulary's logits would cost 0.5 MB a one-token row, and
-    make the vocabulary at position 0 as many probes as the vocabulary sweep itself; the
-    head's own range is what that sweep judges."""
-    sweep = {**probe.sweep, "logits": "none; hidden states of every layer"}
-    kwargs = {
-        **probe.kwargs,
-        "logits_to_keep": torch.zeros(0, dtype=torch.long),
-        "output_hidden_states": True,
-    }
+def _hidden_states(probe: Probe, *, last_logits: bool) -> Probe:
+    """``probe`` judged on every layer's hidden states at every position, with the logits of
+    the last position only (``last_logits``) or none: ``logits_to_keep``. A 128k vocabulary's
+    logits cost 0.5 MB a position, so a row of logits per position would make these probes
+    cost as much as the vocabulary sweep, whose probes judge the head's own range; an overflow
+    anywhere in a row shows in the hidden states where it happens."""
+    keep = 1 if last_logits else torch.zeros(0, dtype=torch.long)
+    logits = "the last position's" if last_logits else "none"
+    sweep = {**probe.sweep, "logits": f"{logits}; hidden states of every layer"}
+    kwargs = {**probe.kwargs, "logits_to_keep": keep, "output_hidden_states": True}
     return Probe(probe.name, probe.method, kwargs, sweep=sweep, max_output=probe.max_output)
 
 
@@ -191,11 +193,18 @@ def repeat_distances(length: int) -> list[int]:
 
 
 def repeat_probes(
-    spec: TokenSpec, template: Mapping[str, Any], budget: Budget, seed: int
+    model: Any,
+    spec: TokenSpec,
+    template: Mapping[str, Any],
+    budget: Budget,
+    seed: int,
+    *,
+    trimmed_tokens: int,
 ) -> list[Probe]:
     """``budget.repeat_ids`` seeded ids, each every ``d`` tokens of a row of seeded ids, for
     each distance ``d`` of :func:`repeat_distances`: rows packed into probes of the level's
-    tokens."""
+    tokens. Where the head can keep fewer logits, the rows are judged on every layer's hidden
+    states and the last position's logits, and packed ``trimmed_tokens`` a probe."""
     if budget.repeat_ids <= 0:
         return []
     length = min(REPEAT_ROW, spec.limit)
@@ -208,7 +217,8 @@ def repeat_probes(
             row = torch.randint(0, spec.vocab, (length,), generator=g)
             row[::d] = token
             rows.append(row)
-    per_probe = max(1, budget.tokens_per_probe // length)
+    trimmed = "logits_to_keep" in parameters_of(model.forward)
+    per_probe = max(1, (trimmed_tokens if trimmed else budget.tokens_per_probe) // length)
     chunks = math.ceil(len(rows) / per_probe)
     probes = []
     for i in range(chunks):
@@ -221,7 +231,8 @@ def repeat_probes(
             "seed": seed,
         }
         part = torch.stack(rows[i * per_probe : (i + 1) * per_probe])
-        probes.append(_probe(spec, template, budget, f"repeats-{i + 1}of{chunks}", part, how))
+        probe = _probe(spec, template, budget, f"repeats-{i + 1}of{chunks}", part, how)
+        probes.append(_hidden_states(probe, last_logits=True) if trimmed else probe)
     return probes
 
 

@@ -522,7 +522,9 @@ class Coverage(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if function_name(func) not in METADATA_FUNCTIONS:
+        # Once every parameter is seen there is nothing left to learn: skip the argument walk,
+        # which otherwise costs a pytree flatten per torch operation of every probe.
+        if len(self.used) < len(self.sizes) and function_name(func) not in METADATA_FUNCTIONS:
             for leaf in tree_leaves((args, kwargs)):
                 name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
                 if name is not None:
