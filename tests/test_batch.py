@@ -305,6 +305,7 @@ def test_pushes_the_token_cannot_make_stop_the_run_before_it_starts(
         assert secret not in done.stderr
 
 
+@pytest.mark.slow  # 90 s: two runs, each with a warm worker; the kill itself is in reliability/
 def test_killed_resumed_and_pushed_once(
     tmp_path: Path, tiny_model: Callable[[str], Path], hub: FakeHub
 ) -> None:
