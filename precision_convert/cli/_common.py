@@ -155,11 +155,14 @@ def _library_lines(verbose: bool) -> Iterator[None]:
         return
     from precision_convert.core.quiet import library_messages
 
-    def show(text: str) -> None:
-        console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
-
-    with library_messages(show):
+    with library_messages(_print_line):
         yield
+
+
+def _print_line(text: str) -> None:
+    """``text`` through the console as one line: taken literally (no markup) and left to the
+    terminal to wrap, so a long line is still one line to a log or a reader of the stream."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 @contextmanager
@@ -220,7 +223,7 @@ def _progress_display(description: str) -> Iterator[Callable[[str, int], None]]:
             shown = shorten(f"{description} {label}", max(20, console.width - LABEL_MARGIN))
             progress.update(task, advance=n, description=shown)
 
-        with reporting(steps.report, progress.console.print):
+        with reporting(steps.report, _print_line):
             yield advance
 
 
