@@ -84,6 +84,18 @@ def test_only_the_first_position_probes_open_a_row_with_the_id() -> None:
     assert reached == ["first-position"], reached
 
 
+def test_repeated_id_rows_keep_every_hidden_state_and_only_the_last_logits() -> None:
+    """A head that takes ``logits_to_keep`` spends no row of logits per repeated token: the
+    rows are judged on every layer's hidden states, at every position, and the last logits."""
+    inputs = build_inputs(_models.llama(), coverage="quick")
+    repeats = [p for p in inputs.probes if p.sweep.get("kind") == "repeats"]
+    assert repeats
+    for probe in repeats:
+        assert probe.kwargs["logits_to_keep"] == 1
+        assert probe.kwargs["output_hidden_states"] is True
+        assert probe.sweep["logits"] == "the last position's; hidden states of every layer"
+
+
 @pytest.fixture(scope="module")
 def first_position(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool, str], Any]:
     """``first_position(planted, target)`` → the ConversionResult at ``quick`` coverage (a
