@@ -32,8 +32,11 @@ ROWS, COLUMNS = 40, 100
 
 @dataclass
 class Stream:
-    """What arrived on one stream: each new line with the second it arrived at."""
+    """What arrived on one stream: each new line with the second it arrived at. On a terminal
+    (``redrawn``) a line seen before is a display redrawn unchanged; in a pipe every line is
+    one the command wrote again (the same probes run under another attention implementation)."""
 
+    redrawn: bool = False
     lines: list[tuple[float, str]] = field(default_factory=list)
     raw: bytearray = field(default_factory=bytearray)
     _partial: str = ""
@@ -45,7 +48,7 @@ class Stream:
         *complete, self._partial = re.split(r"[\r\n]", text)
         for piece in complete:
             line = ANSI.sub("", piece).rstrip()
-            if line and line not in self._seen:  # a redraw of a display is no news
+            if line and not (self.redrawn and line in self._seen):
                 self.lines.append((at, line))
                 self._seen.add(line)
 
@@ -106,7 +109,7 @@ def run_command(args: list[str], *, terminal: bool, cwd: Path, timeout: float = 
         )  # fmt: skip
         assert child.stdout is not None and child.stderr is not None
         fds = [child.stdout.fileno(), child.stderr.fileno()]
-    streams = {fds[0]: Stream(), fds[1]: Stream()}
+    streams = {fds[0]: Stream(redrawn=terminal), fds[1]: Stream(redrawn=terminal)}
     start = time.monotonic()
     open_fds = set(fds)
     try:

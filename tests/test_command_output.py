@@ -114,6 +114,24 @@ def test_the_command_own_and_foreign_lines_are_told_apart() -> None:
     assert run.longest_silence()[0] == 1.0
 
 
+def test_a_line_written_again_is_news_in_a_pipe_only() -> None:
+    """A pipe carries no redraws: a line the command writes a second time (the same probes'
+    progress run again) ends a silence there; on a terminal it is the display redrawn."""
+    from _terminal import Stream
+
+    longest = {}
+    for redrawn in (False, True):
+        stderr = Stream(redrawn=redrawn)
+        for at, line in (
+            (1.0, b"progress: a: 1 of 9\n"),
+            (6.0, b"b\n"),
+            (11.0, b"progress: a: 1 of 9\n"),
+        ):
+            stderr.take(at, line)
+        longest[redrawn] = Run(0, 12.0, Stream(), stderr).longest_silence()
+    assert longest == {False: (5.0, "progress: a: 1 of 9"), True: (6.0, "(exit)")}
+
+
 def test_a_silent_stretch_gets_a_heartbeat_line(capsys: pytest.CaptureFixture[str]) -> None:
     """Off a terminal, a stage that reports nothing for a while is said to be running."""
     steps = _common._PlainSteps("converting")

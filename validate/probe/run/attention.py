@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from precision_convert.core.errors import one_line
+from precision_convert.core.progress import stage
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs, Probe, config_value
 from precision_convert.validation.probe.inputs.spots import padded
 from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs
@@ -109,7 +110,8 @@ def attention_choices(model: Any) -> AttentionChoices:
 @contextmanager
 def attention(model: Any, name: str | None) -> Iterator[Any]:
     """``model`` computing attention with ``name`` inside the block (None: as it is), its own
-    implementation restored after.
+    implementation restored after. Progress reported inside is labelled with the switch, so
+    the same probes run again under another implementation read as a run of their own.
 
     Raises:
         ValueError: the model did not take ``name`` (transformers may only warn).
@@ -119,7 +121,8 @@ def attention(model: Any, name: str | None) -> Iterator[Any]:
         yield model
         return
     try:
-        yield switch(model, name)
+        with stage(f"{name} attention"):
+            yield switch(model, name)
     finally:
         if before is not None and current(model) != before:
             model.set_attn_implementation(before)
