@@ -113,8 +113,10 @@ def test_a_certificate_runs_fp32_eager_on_part_of_its_probes_and_ledgers_the_res
     rows = [json.loads(line) for line in ledger.read_text().splitlines()]
     runs = [r for r in rows if not r.get("outside")]
     probes = len(certificate.components[0].inputs["probes"])
-    # the layout's probe, then the whole sweep, under sdpa; then eager's one run
-    *sdpa, eager = [r["forwards"] for r in runs if r["stage"] == "validation › baseline"]
+    # the layout's probe, then the whole sweep, under sdpa; then eager's one run, labelled so
+    sdpa = [r["forwards"] for r in runs if r["stage"] == "validation › baseline"]
+    eager_baseline = "validation › baseline › eager attention"
+    [eager] = [r["forwards"] for r in runs if r["stage"] == eager_baseline]
     assert sdpa[-1] == probes and eager < probes
     record = certificate.components[0].attention or {}
     stood_in = record["baseline_from_default"]["eager"]
