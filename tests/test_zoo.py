@@ -280,7 +280,9 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     assert sampled.shape[-1] == vocab and outputs["logits.rms"].shape == (1, affordable)
     for layer in range(layers + 1):  # every position, whole (small next to the logits)
         assert outputs[f"hidden_states.{layer}"].shape[:2] == (1, 2048)
-    assert "positions only" in lengths[2048].sweep["logits"]
+    assert lengths[2048].sweep["logits"] == (
+        f"the last {affordable} positions'; hidden states of every layer"
+    )
 
 
 def test_make_zoo_model_checks_its_packages_first(

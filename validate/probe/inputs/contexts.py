@@ -153,21 +153,8 @@ def first_position_probes(
                 "bos": lead,
             }
             probe = _probe(spec, template, budget, f"{label}-{i + 1}of{chunks}", part, how)
-            probes.append(_hidden_states(probe, last_logits=False) if trimmed else probe)
+            probes.append(probe.on_hidden_states(0) if trimmed else probe)
     return probes
-
-
-def _hidden_states(probe: Probe, *, last_logits: bool) -> Probe:
-    """``probe`` judged on every layer's hidden states at every position, with the logits of
-    the last position only (``last_logits``) or none: ``logits_to_keep``. A 128k vocabulary's
-    logits cost 0.5 MB a position, so a row of logits per position would make these probes
-    cost as much as the vocabulary sweep, whose probes judge the head's own range; an overflow
-    anywhere in a row shows in the hidden states where it happens."""
-    keep = 1 if last_logits else torch.zeros(0, dtype=torch.long)
-    logits = "the last position's" if last_logits else "none"
-    sweep = {**probe.sweep, "logits": f"{logits}; hidden states of every layer"}
-    kwargs = {**probe.kwargs, "logits_to_keep": keep, "output_hidden_states": True}
-    return Probe(probe.name, probe.method, kwargs, sweep=sweep, max_output=probe.max_output)
 
 
 def bos_of(model: Any, tokenizer: ProbeTokenizer | None, vocab: int) -> int | None:
@@ -232,7 +219,7 @@ def repeat_probes(
         }
         part = torch.stack(rows[i * per_probe : (i + 1) * per_probe])
         probe = _probe(spec, template, budget, f"repeats-{i + 1}of{chunks}", part, how)
-        probes.append(_hidden_states(probe, last_logits=True) if trimmed else probe)
+        probes.append(probe.on_hidden_states(1) if trimmed else probe)
     return probes
 
 

@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -63,6 +63,20 @@ class Probe:
     #: Judged for NaN/Inf only: the candidate's own free generation, which may legitimately
     #: pick other tokens than fp32's (its teacher-forced twin is judged on every metric).
     finite_only: bool = False
+
+    def on_hidden_states(self, logits_kept: int) -> Probe:
+        """This probe judged on every layer's hidden states at every position, with the logits
+        of the last ``logits_kept`` positions only (0: none), through ``logits_to_keep``. A
+        128k vocabulary's logits cost 0.5 MB a position, so a row of logits per position would
+        make a long row cost as much as the vocabulary sweep, whose probes judge the head's own
+        range; an overflow anywhere in a row shows in the hidden states where it happens."""
+        keep = logits_kept or torch.zeros(0, dtype=torch.long)  # 0 itself would keep them all
+        logits = {0: "none", 1: "the last position's"}.get(
+            logits_kept, f"the last {logits_kept} positions'"
+        )
+        sweep = {**self.sweep, "logits": f"{logits}; hidden states of every layer"}
+        kwargs = {**self.kwargs, "logits_to_keep": keep, "output_hidden_states": True}
+        return replace(self, kwargs=kwargs, sweep=sweep)
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,6 @@ def position_probes(
         ids = torch.randint(0, spec.vocab, (len(group), width), generator=generator(name))
         kwargs = tokens(ids)
         kwargs["position_ids"] = torch.tensor(group).unsqueeze(1) + torch.arange(width) + offset
-        if trimmed:  # the last position's logits; every position's hidden states
-            kwargs["logits_to_keep"] = 1
-            kwargs["output_hidden_states"] = True
         how: dict[str, Any] = {
             "kind": "positions",
             "argument": spec.arg,
@@ -109,11 +106,8 @@ def position_probes(
             "table_offset": offset,
             "seed": chosen.seed,
         }
-        if trimmed:
-            how["logits"] = "last position only; hidden states at every position"
-        probes.append(
-            Probe(f"forward:{name}", "forward", kwargs, sweep=how, max_output=budget.max_output)
-        )
+        probe = Probe(f"forward:{name}", "forward", kwargs, sweep=how, max_output=budget.max_output)
+        probes.append(probe.on_hidden_states(1) if trimmed else probe)
     return probes
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -471,13 +471,8 @@ def _length_probes(made: _TokenProbes, vocabulary_size: int) -> list[Probe]:
         ids = torch.randint(0, spec.vocab, (batch, n), generator=g)
         how: dict[str, Any] = {"kind": "length", "length": n, "seed": made.seed}
         kept = _logits_kept(spec, budget, n)
-        if kept is not None:
-            how["logits"] = f"last {kept} positions only; hidden states at every position"
         probe = made.probe(f"length-{n}", ids, None, how)
-        if kept is not None:
-            trimmed = {"logits_to_keep": kept, "output_hidden_states": True}
-            probe = replace(probe, kwargs={**probe.kwargs, **trimmed})
-        probes.append(probe)
+        probes.append(probe if kept is None else probe.on_hidden_states(kept))
     return probes
 
 
