@@ -304,10 +304,14 @@ def _prompt_kwargs(
     spec: TokenSpec, template: Mapping[str, Any], ids: torch.Tensor
 ) -> dict[str, Any]:
     """``generate``'s arguments for prompts ``ids``: an encoder-decoder's decoder starts from
-    its start token alone (the decoder ids a forward takes would be a decoder prompt)."""
+    its start token alone (the decoder ids a forward takes would be a decoder prompt), and the
+    generation runs as a user's does, on its KV cache. The forwards' ``use_cache=False`` would
+    rerun the whole sequence at every step: 8x the time of a 256-token generation at 55M, and
+    a heap grown by gigabytes from ever longer activations."""
     kwargs = with_tokens(spec, template, ids)
     for key in ("decoder_input_ids", "decoder_attention_mask"):
         kwargs.pop(key, None)
+    kwargs["use_cache"] = True
     return kwargs
 
 
