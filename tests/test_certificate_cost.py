@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,42 +152,3 @@ def test_candidates_run_what_failed_last_first() -> None:
     failed = {(None, "a"): None, ("eager", "d"): None}
     assert _failed_first([None, "eager"], failed) == ["eager", None]
     assert _failed_first([None, "eager"], {}) == [None, "eager"]
-
-
-_HEAP_PATTERN = """
-import sys, psutil, torch
-from precision_convert.conversion.runtime.memory import map_large_allocations
-if sys.argv[1] == "mapped":
-    map_large_allocations()
-rss = lambda: psutil.Process().memory_info().rss
-torch.ones(6 << 20)  # a 24 MiB activation, freed at once: glibc's threshold rises past 8 MiB
-freed, kept = [], []
-for _ in range(32):  # 8 MiB activations, each followed by a small block that stays live
-    freed.append(torch.ones(2 << 20))
-    kept.append(torch.ones(256))
-full = rss()
-freed.clear()
-print((full - rss()) / (32 * 8 << 20))
-"""
-
-
-def _heap_returned(mode: str) -> float:
-    run = subprocess.run(
-        [sys.executable, "-c", _HEAP_PATTERN, mode], capture_output=True, text=True, check=True
-    )
-    return float(run.stdout)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_the_commands_heap_returns_freed_activations_between_live_ones() -> None:
-    """A forward frees its large activations while small ones stay live between them; the
-    command's heap gives that memory back at once (glibc's default keeps it after a larger
-    block raised its mmap threshold: a 1B model's sweep peaked up to 0.8 GiB higher)."""
-    # In a full suite on a loaded machine a single run strayed (alone it never does): the
-    # best of three decides each side.
-    mapped = max(_heap_returned("mapped") for _ in range(3))
-    default = min(_heap_returned("default") for _ in range(3))
-    assert mapped > 0.95
-    # What the setting is for: the default heap keeps part of it (most under torch 2.14's CPU
-    # allocations, a quarter under 2.13's: how much depends on the build, not on this tool).
-    assert default < 0.9 < mapped
