@@ -152,3 +152,53 @@ def test_candidates_run_what_failed_last_first() -> None:
     failed = {(None, "a"): None, ("eager", "d"): None}
     assert _failed_first([None, "eager"], failed) == ["eager", None]
     assert _failed_first([None, "eager"], {}) == [None, "eager"]
+
+
+def test_a_free_generation_passes_the_recording_hooks_its_forced_twin_feeds(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Calibration's statistics, per-probe peaks and factor peaks record the teacher-forced
+    run of a continuation and let the free generation of the same ids pass: its activations
+    are the forced run's, one hooked forward a token cost 3.3x its plain run."""
+    from transformers import AutoModelForCausalLM
+
+    from precision_convert.conversion.analysis.activations import recording
+    from precision_convert.conversion.analysis.factors import FactorRecorder, recording_factors
+    from precision_convert.validation.probe.run.execute import run_probes
+    from precision_convert.validation.probe.run.growth import run_sized
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama")).eval()
+    ids = torch.tensor([[5, 9, 13, 2]])
+    free = Probe(
+        "generate:free",
+        "generate",
+        {
+            "input_ids": ids,
+            "max_new_tokens": 3,
+            "min_new_tokens": 3,
+            "do_sample": False,
+            "output_logits": True,
+            "return_dict_in_generate": True,
+        },
+        finite_only=True,
+    )
+    forced = Probe("forward:forced", "forward", {"input_ids": ids})
+
+    def recorded(probe: Probe) -> tuple[int, int, dict[str, torch.Tensor]]:
+        inputs = ModelInputs(task="causal-lm", probes=(probe,), seed=0)
+        factors = FactorRecorder(model)
+        with recording_factors(model, factors), recording(model) as recorder:
+            outputs, _ = run_sized(
+                model, inputs, "cpu", torch.float32, seen=recorder.seen, paused=lambda: False
+            )
+        gated = sum(site.gates.peak is not None for site in factors.gated)
+        return len(recorder.stats()), gated, outputs[probe.name]
+
+    modules, gated, out = recorded(free)
+    assert (modules, gated) == (0, 0)
+    assert out["generated_logits"].shape[:2] == (1, 3)  # the generation itself still ran
+    modules, gated, _ = recorded(forced)
+    assert modules > 10 and gated == len(FactorRecorder(model).gated) > 0
+    # outside any recording the free generation is a plain run_probes call, as before
+    plain = run_probes(model, ModelInputs(task="causal-lm", probes=(free,), seed=0))
+    torch.testing.assert_close(plain[free.name]["generated_logits"], out["generated_logits"])

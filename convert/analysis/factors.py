@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_convert.conversion.analysis.activations import CHUNK, _peak
+from precision_convert.conversion.analysis.activations import CHUNK, _peak, recording_paused
 
 #: Ids kept per channel and factor: the token where the factor peaked and those before it.
 WINDOW = 4
@@ -218,6 +218,8 @@ class FactorRecorder:
         modules = dict(model.named_modules())
 
         def take_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if recording_paused():
+                return
             ids = kwargs.get("input_ids", args[0] if args else None)
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
                 self.ids = ids.detach().cpu()
@@ -241,6 +243,8 @@ class FactorRecorder:
 
     def _gate(self, site: _Gated) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            if recording_paused():
+                return
             ids = self._ids_for(output)
             if site.up == site.gate:  # fused: the gate's half, then the up factor's
                 half = output.shape[-1] // 2
@@ -253,19 +257,22 @@ class FactorRecorder:
 
     def _factor(self, peaks: _ChannelPeaks) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            peaks.add(output, self._ids_for(output))
+            if not recording_paused():
+                peaks.add(output, self._ids_for(output))
 
         return hook
 
     def _down(self, site: _Gated) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if args and isinstance(args[0], torch.Tensor):
+            if args and isinstance(args[0], torch.Tensor) and not recording_paused():
                 site.observed = max(site.observed, _observed(args[0]))
 
         return hook
 
     def _out(self, values: _Values) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            if recording_paused():
+                return
             if args and isinstance(args[0], torch.Tensor):
                 values.observed_in = max(values.observed_in, _observed(args[0]))
             values.observed_out = max(values.observed_out, _observed(output))

@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from precision_convert.conversion.analysis.activations import unrecorded
 from precision_convert.conversion.runtime.memory import release_freed_memory
 from precision_convert.conversion.runtime.streaming import METADATA_FUNCTIONS, function_name
 from precision_convert.core.dtypes import from_torch
@@ -136,7 +137,8 @@ def call_probe(
     kwargs = {k: _prepare(v, device, dtype) for k, v in probe.kwargs.items()}
     # forward goes through __call__: the model's own hooks (the loader's input casts) must run.
     method = model if probe.method == "forward" else getattr(model, probe.method)
-    with torch.no_grad():
+    # A free generation's activations are its teacher-forced twin's: no hook records them twice.
+    with torch.no_grad(), unrecorded() if probe.finite_only else contextlib.nullcontext():
         result = method(**kwargs)
     if probe.method == "generate":
         result = generated_logits(result)
