@@ -48,8 +48,10 @@ class Stream:
         *complete, self._partial = re.split(r"[\r\n]", text)
         for piece in complete:
             line = ANSI.sub("", piece).rstrip()
-            if line and not (self.redrawn and line in self._seen):
-                self.lines.append((at, line))
+            if not line or line in self._seen:
+                continue
+            self.lines.append((at, line))
+            if self.redrawn:  # only a redrawn display shows a line again unchanged
                 self._seen.add(line)
 
     def finish(self, at: float) -> None:
