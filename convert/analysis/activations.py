@@ -52,27 +52,20 @@ FUNCTION = "function"  # neither: an activation, a sinusoidal embedding, a rotar
 #: Above this share of fp32 parameters, fp16-safe costs most of its memory savings: recommend
 #: bf16-safe instead.
 FP32_SHARE_LIMIT = 0.25
-#: True while a probe runs whose activations another probe of the run already shows: recording
-#: hooks (these statistics, the per-probe peaks, the factor peaks) let it pass unrecorded.
-_UNRECORDED: ContextVar[bool] = ContextVar("precision_convert_unrecorded", default=False)
+#: Set while a probe runs whose activations another probe of the run holds (a free generation:
+#: its teacher-forced twin feeds the same ids in one forward; hooked at every step it cost 3.3x
+#: its plain run). Recording hooks (statistics, per-probe and factor peaks) let it pass.
+UNRECORDED: ContextVar[bool] = ContextVar("precision_convert_unrecorded", default=False)
 
 
 @contextmanager
 def unrecorded() -> Iterator[None]:
-    """Run the block past every recording hook. A free generation is such a block: its
-    teacher-forced twin runs the same ids in one forward, so its activations are recorded
-    there, and recording each of its steps (a forward a token, each hooked on every module)
-    made it cost 3.3x its plain run in calibration (55M: 18 s against 5.4 s)."""
-    token = _UNRECORDED.set(True)
+    """Run the block past every recording hook (:data:`UNRECORDED`)."""
+    token = UNRECORDED.set(True)
     try:
         yield
     finally:
-        _UNRECORDED.reset(token)
-
-
-def recording_paused() -> bool:
-    """Whether recording hooks should let the running computation pass (:func:`unrecorded`)."""
-    return _UNRECORDED.get()
+        UNRECORDED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -125,7 +118,7 @@ class _Recorder:
 
     def pre(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self.paused or _UNRECORDED.get():
+            if self.paused or UNRECORDED.get():
                 return
             if name not in self.order:
                 self.order[name] = len(self.order)
@@ -139,7 +132,7 @@ class _Recorder:
 
     def post(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self.paused or _UNRECORDED.get():
+            if self.paused or UNRECORDED.get():
                 return
             for index, tensor in enumerate(_floats(output)):
                 seen = self.seen.summary(tensor)

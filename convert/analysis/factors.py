@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_convert.conversion.analysis.activations import CHUNK, _peak, recording_paused
+from precision_convert.conversion.analysis.activations import CHUNK, UNRECORDED, _peak
 
 #: Ids kept per channel and factor: the token where the factor peaked and those before it.
 WINDOW = 4
@@ -218,7 +218,7 @@ class FactorRecorder:
         modules = dict(model.named_modules())
 
         def take_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if recording_paused():
+            if UNRECORDED.get():
                 return
             ids = kwargs.get("input_ids", args[0] if args else None)
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
@@ -243,7 +243,7 @@ class FactorRecorder:
 
     def _gate(self, site: _Gated) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            if recording_paused():
+            if UNRECORDED.get():
                 return
             ids = self._ids_for(output)
             if site.up == site.gate:  # fused: the gate's half, then the up factor's
@@ -257,21 +257,21 @@ class FactorRecorder:
 
     def _factor(self, peaks: _ChannelPeaks) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            if not recording_paused():
+            if not UNRECORDED.get():
                 peaks.add(output, self._ids_for(output))
 
         return hook
 
     def _down(self, site: _Gated) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if args and isinstance(args[0], torch.Tensor) and not recording_paused():
+            if args and isinstance(args[0], torch.Tensor) and not UNRECORDED.get():
                 site.observed = max(site.observed, _observed(args[0]))
 
         return hook
 
     def _out(self, values: _Values) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            if recording_paused():
+            if UNRECORDED.get():
                 return
             if args and isinstance(args[0], torch.Tensor):
                 values.observed_in = max(values.observed_in, _observed(args[0]))

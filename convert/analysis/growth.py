@@ -26,10 +26,10 @@ from torch import nn
 from precision_convert.conversion.analysis.activations import (
     CONTAINER,
     LEAF,
+    UNRECORDED,
     _floats,
     _kind,
     _Reduced,
-    recording_paused,
 )
 
 #: Fewest distinct sizes a fit takes: two points always fit a line.
@@ -114,7 +114,7 @@ class ProbePeaks:
 
     def _input(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not (self.paused() or recording_paused()):
+            if not (self.paused() or UNRECORDED.get()):
                 for tensor in _floats((args, kwargs)):
                     self._note((name, "input"), self.seen.peak(tensor))
 
@@ -122,7 +122,7 @@ class ProbePeaks:
 
     def _output(self, name: str, kind: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self.paused() or recording_paused():
+            if self.paused() or UNRECORDED.get():
                 return
             for index, tensor in enumerate(_floats(output)):
                 if index and kind == CONTAINER:
