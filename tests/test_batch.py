@@ -548,3 +548,20 @@ def test_a_wait_beyond_the_maximum_is_not_waited_and_a_long_backoff_is_announced
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines  # the Hub's own wait is announced by the worker's client
     assert lines[0].startswith("precision-convert: ns/x: push failed (503), retrying: waiting ")
+
+
+def test_with_no_interval_a_turn_waits_for_nothing_however_the_clock_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock file keeps the last commit's time exactly: read back, it is never ahead of a
+    clock that has not moved (kept to the millisecond, 1000.0006 was 1000.001, and the next
+    turn waited 0.4 ms with no interval set)."""
+    import precision_convert.batch.etiquette as etiquette_module
+
+    monkeypatch.setattr(etiquette_module.time, "time", lambda: 1000.0006)
+    etiquette = etiquette_module.Etiquette(tmp_path / "locks", interval=0.0)
+    waits: list[float] = []
+    for _ in range(2):
+        with etiquette_module._turn(etiquette, "ns/x", waits.append):
+            pass
+    assert waits == []

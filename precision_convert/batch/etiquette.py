@@ -137,4 +137,6 @@ def _turn(etiquette: Etiquette, repo_id: str, sleep: Callable[[float], None]) ->
         try:
             yield
         finally:
-            path.write_text(f"{time.time():.3f}", encoding="utf-8")
+            # Exact: rounded to milliseconds, the time read back could lie up to 0.5 ms
+            # ahead of the clock, and the next turn waited for it with no interval set.
+            path.write_text(repr(time.time()), encoding="utf-8")
