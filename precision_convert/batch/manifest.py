@@ -253,7 +253,10 @@ class _Reader:
     def local(self, raw: str) -> Path:
         """A path the manifest names: ``~`` expanded (TOML strings reach no shell, and a folder
         literally named ``~`` is never meant), then relative to the manifest's folder."""
-        return self.base / Path(raw).expanduser()
+        try:
+            return self.base / Path(raw).expanduser()
+        except RuntimeError:  # "~name" for a user this system does not know
+            raise InputError(f"{raw!r}: no user's home folder matches its '~'", self.path) from None
 
     def source(self, raw: Any, index: int) -> tuple[str, bool] | None:
         """(an absolute directory or a Hub id, whether it is a Hub id); None: a problem."""

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from precision_convert.batch.manifest import OPTION_KEYS, read_manifest
@@ -125,6 +125,7 @@ def _read(manifest: Path, text: str) -> Any:
 
 @SETTINGS
 @given(st.one_of(st.none(), table), st.lists(table, max_size=3))
+@example(None, [{"calibration_data": "~0"}])  # no user "0": expanduser raised RuntimeError
 def test_any_manifest_reads_into_safe_jobs_or_is_refused(
     tmp_path_factory: Any, defaults: dict[str, Any] | None, models: list[dict[str, Any]]
 ) -> None:
