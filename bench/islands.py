@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import zoo  # examples/zoo, on the path above
 
-#: fp16's largest finite value: the bounds are reported as a share of it.
-FP16_MAX = 65504.0
+from precision_convert.core.dtypes import FP16_MAX  # the bounds are reported as a share of it
 
 
 @contextmanager
