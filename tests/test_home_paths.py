@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from precision_convert.batch.manifest import read_manifest
 from precision_convert.cli.main import app
+from precision_convert.core.errors import InputError
 
 
 @pytest.fixture
@@ -75,3 +76,24 @@ def test_manifest_paths_are_expanded(home: Path) -> None:
     assert job.source == str(home / "src")
     assert job.output == home / "converted" / "src-bf16"
     assert job.options.calibration_data == str(home / "calibration.txt")
+
+
+def test_a_home_of_no_user_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """``~name`` for a user this system does not know (pathlib raises RuntimeError) is refused
+    as bad input, on the command line and in a manifest, nothing written."""
+    import subprocess
+    import sys
+
+    command = Path(sys.executable).with_name("precision-convert")
+    done = subprocess.run(
+        [str(command), "model", "~0", "--to", "bf16"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert_one_error_line(done.stderr, "~0", "no user's home folder matches its '~'")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "batch.toml").write_text('[[model]]\nsource = "~0/m"\nto = ["bf16"]\n')
+    with pytest.raises(InputError, match="no user's home folder"):
+        read_manifest(tmp_path / "batch.toml")

@@ -23,6 +23,7 @@ from precision_convert.core.errors import (
     InputError,
     UnsafeCheckpointError,
     first_line,
+    home_expanded,
     one_line,
 )
 from precision_convert.core.hub_client import WaitTooLong
@@ -123,7 +124,7 @@ def resolve(
     application; this function changes no huggingface_hub setting. The ``precision-convert``
     command bounds them for its own process (``PRECISION_CONVERT_HUB_TIMEOUT``).
     """
-    path = Path(source).expanduser()
+    path = home_expanded(source)
     if path.exists():
         if not path.is_dir():
             raise InputError(

@@ -26,7 +26,7 @@ from typing import Any
 from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
 from precision_convert.core._version import __version__
-from precision_convert.core.errors import InputError, did_you_mean, printable
+from precision_convert.core.errors import InputError, did_you_mean, home_expanded, printable
 from precision_convert.core.patterns import HUB_ID, REPO_ID
 from precision_convert.recipes import TARGETS
 
@@ -254,9 +254,9 @@ class _Reader:
         """A path the manifest names: ``~`` expanded (TOML strings reach no shell, and a folder
         literally named ``~`` is never meant), then relative to the manifest's folder."""
         try:
-            return self.base / Path(raw).expanduser()
-        except RuntimeError:  # "~name" for a user this system does not know
-            raise InputError(f"{raw!r}: no user's home folder matches its '~'", self.path) from None
+            return self.base / home_expanded(raw)
+        except InputError as exc:  # named in the manifest, like its other problems
+            raise InputError(str(exc), self.path) from None
 
     def source(self, raw: Any, index: int) -> tuple[str, bool] | None:
         """(an absolute directory or a Hub id, whether it is a Hub id); None: a problem."""

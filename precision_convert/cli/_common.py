@@ -17,6 +17,7 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
+from precision_convert.core.errors import InputError, home_expanded
 from precision_convert.core.progress import shorten
 
 #: Columns of a line written off a terminal (a log, a file, a pipe) when ``COLUMNS`` does not
@@ -355,7 +356,10 @@ class Command(TyperCommand):
         return _no_flag_placeholders(super().get_params(ctx))
 
     def invoke(self, ctx: Any) -> Any:
-        ctx.params = {name: expand_home(name, value) for name, value in ctx.params.items()}
+        try:
+            ctx.params = {name: expand_home(name, value) for name, value in ctx.params.items()}
+        except InputError as exc:  # "~name" of no user: a usage error, one line, exit 2
+            raise typer.BadParameter(str(exc)) from None
         # A command wraps everything it may write in reported_errors; a Ctrl-C before that
         # (while its arguments are converted, or its first imports run) wrote nothing, and
         # would otherwise end in typer's silent exit 130.
@@ -387,11 +391,11 @@ def expand_home(name: str, value: Any) -> Any:
     command runs, so what it writes and prints is the expanded path.
     """
     if isinstance(value, Path):
-        return value.expanduser()
+        return home_expanded(value)
     if isinstance(value, list | tuple) and any(isinstance(v, Path) for v in value):
         return type(value)(expand_home(name, v) for v in value)
     if name in PATH_OR_NAME and isinstance(value, str) and value.startswith("~"):
-        return str(Path(value).expanduser())
+        return str(home_expanded(value))
     return value
 
 

@@ -188,3 +188,12 @@ class PushFailed(PrecisionConvertError):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+def home_expanded(raw: str | Path) -> Path:
+    """``raw`` with a leading ``~`` or ``~user`` expanded; a user this system does not know
+    is an :class:`InputError` (pathlib raises RuntimeError)."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:
+        raise InputError("no user's home folder matches its '~'", raw) from None
