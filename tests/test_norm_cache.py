@@ -150,6 +150,18 @@ def test_the_cache_can_be_disabled_or_moved(
     assert norm_cache.cache_dir() == tmp_path / "home" / ".cache" / "precision-convert"
 
 
+def test_a_cache_in_the_home_of_no_user_turns_the_cache_off_and_fails_nothing(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
+) -> None:
+    source = _model(tiny_model("llama"))
+    monkeypatch.setenv(norm_cache.CACHE_VARIABLE, "~pc-no-such-user/cache")
+    assert norm_cache.cache_dir() is None
+    assert norms.skeleton_norms(source) == norms.skeleton_norms(source, use_cache=False)
+    monkeypatch.delenv(norm_cache.CACHE_VARIABLE)
+    monkeypatch.setenv("XDG_CACHE_HOME", "~pc-no-such-user")
+    assert norm_cache.cache_dir() is None
+
+
 def test_remote_code_is_never_cached(
     cache: Path, tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY
 from precision_convert.core._version import __version__
+from precision_convert.core.errors import InputError, home_expanded
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +79,20 @@ class SkeletonNorms:
 
 
 def cache_dir() -> Path | None:
-    """Where entries are kept, or None when the cache is disabled."""
+    """Where entries are kept, or None when the cache is disabled or its folder names the
+    home of a user this system does not know: the cache only saves time, so a location it
+    cannot use turns it off, as an unwritable one does, instead of failing the conversion."""
     chosen = os.environ.get(CACHE_VARIABLE, "").strip()
     if chosen.lower() in _DISABLED:
         return None
-    if chosen:
-        return Path(chosen).expanduser()
     base = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(base).expanduser() if base else Path.home() / ".cache") / "precision-convert"
+    try:
+        if chosen:
+            return home_expanded(chosen)
+        return (home_expanded(base) if base else Path.home() / ".cache") / "precision-convert"
+    except (InputError, RuntimeError) as exc:  # RuntimeError: Path.home() without a home
+        logger.debug("norm cache off: %s", exc)
+        return None
 
 
 def cache_key(

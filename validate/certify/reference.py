@@ -26,7 +26,7 @@ from precision_convert.conversion.io.source import (
 )
 from precision_convert.conversion.io.staging import written_here
 from precision_convert.conversion.runtime.loader import read_record
-from precision_convert.core.errors import InputError
+from precision_convert.core.errors import InputError, home_expanded
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
     SELF_BASELINE,
@@ -68,7 +68,7 @@ def source_info(baseline: str | Path | None, converted: Path) -> SourceInfo:
     )
     if hub:
         return SourceInfo(path, f"{hub[1]}/{hub[2]}", hub[3], SOURCE_BASELINE)
-    if not Path(text).expanduser().exists():  # a Hub id resolved some other way
+    if not home_expanded(text).exists():  # a Hub id resolved some other way
         return SourceInfo(path, text, None, SOURCE_BASELINE)
     return SourceInfo(path, path.resolve().name, None, SOURCE_BASELINE)
 
