@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from precision_convert.api.conversion import convert
+from precision_convert.conversion.analysis import factors
+from precision_convert.conversion.runtime import memory
 from precision_convert.core.progress import LEDGER_VARIABLE
 from precision_convert.validation.probe.inputs.budgets import budget_for, fit_model
 from precision_convert.validation.probe.inputs.layouts import input_candidates
@@ -176,6 +178,32 @@ def test_large_allocations_are_mapped_only_inside_the_block_of_an_owned_heap() -
     assert _mapped_share("command", "inside") == pytest.approx(1.0, abs=0.01)
     assert _mapped_share("command", "after") == 0.0
     assert _mapped_share("library", "inside") == 0.0
+
+
+def test_every_forward_the_factor_hooks_record_runs_with_large_allocations_mapped(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16-safe runs no calibration: the fp32 baseline's factor hooks are the only ones, and
+    in the command's process their forwards run in the mapped block as calibration's do (a
+    265M certificate's heap grew 1.0 GiB past what was live in one run and not in another);
+    the threshold is the owned one again afterwards."""
+    thresholds: list[int] = []
+    monkeypatch.setattr(memory, "_owned", True)  # the command's process, heap left as it is
+    monkeypatch.setattr(memory, "_set_threshold", thresholds.append)
+    during: list[int | None] = []
+    hooks = factors.FactorRecorder.hooks
+
+    def spied(self: factors.FactorRecorder, model: torch.nn.Module) -> Iterator[Any]:
+        yield model.register_forward_pre_hook(
+            lambda *_: during.append(thresholds[-1] if thresholds else None)
+        )
+        yield from hooks(self, model)
+
+    monkeypatch.setattr(factors.FactorRecorder, "hooks", spied)
+    result = convert(tiny_model("llama"), to="bf16-safe", output=tmp_path / "out", coverage="quick")
+    assert result.certificate is not None and result.certificate.verdict == "pass"
+    assert during and set(during) == {memory.LARGE_ALLOCATION}, set(during)
+    assert thresholds[-1] == memory.OWNED_THRESHOLD
 
 
 def test_an_encoder_without_a_head_takes_the_levels_probe_size() -> None:
