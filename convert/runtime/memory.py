@@ -4,9 +4,9 @@ glibc raises its mmap threshold after a large free, so later tensors of that siz
 the heap, and freed heap pages stay in the process's RSS. Without a trim, a dropped fp32
 baseline (or a dropped block) keeps its memory while the next model loads: peak memory becomes
 baseline + candidate instead of the larger of the two. Within one forward no trim can help;
-in processes the command owns (:func:`own_heap`), calibration's recording hooks run with
-large allocations mapped afresh (:func:`large_allocations_mapped`), and everything else under
-a fixed threshold.
+in processes the command owns (:func:`own_heap`), recording hooks (calibration's, the fp32
+baseline's factor peaks) run with large allocations mapped afresh
+(:func:`large_allocations_mapped`), and everything else under a fixed threshold.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def large_allocations_mapped() -> Iterator[None]:
     """Inside the block, in a process whose heap the command owns (:func:`own_heap`), every
     allocation of :data:`LARGE_ALLOCATION` or more is mapped afresh and unmapped when freed.
 
-    Calibration's recording hooks hold small running statistics between a forward's large
-    activations, which is where glibc's heap grew past what is live (see
+    Recording hooks (calibration's, the fp32 baseline's factor peaks) hold small running
+    statistics between a forward's large activations, which is where glibc's heap grew past
+    what is live (see
     :func:`map_large_allocations`); elsewhere fresh mappings only cost page faults (kernel
     time equal to user time on language-model conversions), so the block is kept to them.
     Anywhere else (library calls, other C libraries) it changes nothing."""
