@@ -90,9 +90,9 @@ def large_allocations_mapped() -> Iterator[None]:
 
     Recording hooks (calibration's, the fp32 baseline's factor peaks) hold small running
     statistics between a forward's large activations, which is where glibc's heap grew past
-    what is live (see
-    :func:`map_large_allocations`); elsewhere fresh mappings only cost page faults (kernel
-    time equal to user time on language-model conversions), so the block is kept to them.
+    what is live (see :func:`map_large_allocations`); elsewhere fresh mappings only cost page
+    faults (kernel time equal to user time on language-model conversions), so the block is
+    kept to them.
     Anywhere else (library calls, other C libraries) it changes nothing."""
     global _open
     if not _owned:
