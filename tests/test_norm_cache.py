@@ -162,6 +162,23 @@ def test_a_cache_in_the_home_of_no_user_turns_the_cache_off_and_fails_nothing(
     assert norm_cache.cache_dir() is None
 
 
+def test_no_home_at_all_turns_the_cache_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HOME and no passwd entry for the process's uid (a container run as an arbitrary
+    uid): ``Path.home()`` raises, and the cache is off rather than the conversion failing."""
+    import pwd
+
+    for variable in (norm_cache.CACHE_VARIABLE, "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(variable, raising=False)
+
+    def unknown(uid: int) -> Any:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    with pytest.raises(RuntimeError):
+        Path.home()
+    assert norm_cache.cache_dir() is None
+
+
 def test_remote_code_is_never_cached(
     cache: Path, tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
