@@ -32,7 +32,6 @@ from precision_convert.validation.probe.run.attention import (
     same_function,
 )
 from precision_convert.validation.probe.run.execute import run_probes, select_inputs
-from precision_convert.validation.probe.run.session import UNBOUNDED
 
 #: More than any quick probe's eager scores take: none is held back for memory here.
 AMPLE = 1 << 40
@@ -181,21 +180,10 @@ def test_large_allocations_are_mapped_only_inside_the_block_of_an_owned_heap() -
     assert _mapped_share("library", "inside") == 0.0
 
 
-def _spy_factor_hooks(monkeypatch: pytest.MonkeyPatch, on_forward: Callable[[], None]) -> None:
-    """Call ``on_forward`` at every forward the factor hooks record."""
-    hooks = factors.FactorRecorder.hooks
-
-    def spied(self: factors.FactorRecorder, model: torch.nn.Module) -> Iterator[Any]:
-        yield model.register_forward_pre_hook(lambda *_: on_forward())
-        yield from hooks(self, model)
-
-    monkeypatch.setattr(factors.FactorRecorder, "hooks", spied)
-
-
 def test_every_forward_the_factor_hooks_record_runs_with_large_allocations_mapped(
     tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Plain fp16 runs no calibration: the fp32 baseline's factor hooks are the only ones, and
+    """bf16-safe runs no calibration: the fp32 baseline's factor hooks are the only ones, and
     in the command's process their forwards run in the mapped block as calibration's do (a
     265M certificate's heap grew 1.0 GiB past what was live in one run and not in another);
     the threshold is the owned one again afterwards."""
@@ -203,34 +191,19 @@ def test_every_forward_the_factor_hooks_record_runs_with_large_allocations_mappe
     monkeypatch.setattr(memory, "_owned", True)  # the command's process, heap left as it is
     monkeypatch.setattr(memory, "_set_threshold", thresholds.append)
     during: list[int | None] = []
-    _spy_factor_hooks(monkeypatch, lambda: during.append(thresholds[-1] if thresholds else None))
-    result = convert(tiny_model("llama"), to="fp16", output=tmp_path / "out", coverage="quick")
-    assert result.certificate is not None
+    hooks = factors.FactorRecorder.hooks
+
+    def spied(self: factors.FactorRecorder, model: torch.nn.Module) -> Iterator[Any]:
+        yield model.register_forward_pre_hook(
+            lambda *_: during.append(thresholds[-1] if thresholds else None)
+        )
+        yield from hooks(self, model)
+
+    monkeypatch.setattr(factors.FactorRecorder, "hooks", spied)
+    result = convert(tiny_model("llama"), to="bf16-safe", output=tmp_path / "out", coverage="quick")
+    assert result.certificate is not None and result.certificate.verdict == "pass"
     assert during and set(during) == {memory.LARGE_ALLOCATION}, set(during)
     assert thresholds[-1] == memory.OWNED_THRESHOLD
-
-
-def test_a_bf16_certificate_runs_no_factor_hooks_and_says_why(
-    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bf16 has fp32's exponent, so no context drives a value finite in fp32 past its range:
-    a bf16-safe certificate runs no factor hook and no context search, and says so."""
-    recorded: list[None] = []
-    _spy_factor_hooks(monkeypatch, lambda: recorded.append(None))
-    out = tmp_path / "out"
-    result = convert(tiny_model("llama"), to="bf16-safe", output=out, coverage="quick")
-    assert result.certificate is not None and result.certificate.verdict == "pass"
-    assert recorded == []
-    (component,) = json.loads((out / "precision_certificate.json").read_text())["components"]
-    assert component["calibration"] == {
-        "bounds": [],
-        "context_search": {"near_limit": 0, "searched": [], "not_searched": UNBOUNDED},
-        "not_bounded": UNBOUNDED,
-    }
-    triggers = component["inputs"]["triggers"]
-    not_searched = {"searched": False, "why": f"not searched: {UNBOUNDED}"}
-    assert triggers["bound"] == not_searched and triggers["pairs"] == not_searched
-    assert triggers["generation"]["searched"] is True
 
 
 def test_an_encoder_without_a_head_takes_the_levels_probe_size() -> None:

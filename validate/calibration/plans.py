@@ -270,7 +270,6 @@ def _fp32_sweep(
         coverage=lambda: used.fraction,
         before=lambda inputs, others: _expect(inputs, others, searching),
         attention=searching,
-        record_bounds=target.range_limited,
     )
     sized: SizedRun = recorded["sized"]
     inputs, predicted = size_growth(swept.inputs, sized)

@@ -75,8 +75,7 @@ class ComponentRecord:
     #: for a model without a choice of attention, or a certificate from before it was recorded.
     attention: dict[str, Any] | None = None
     #: What the fp32 sweep bounds and the search for the worst context found
-    #: (``{"bounds": [...], "context_search": {...}}``, and ``not_bounded``: why neither ran,
-    #: for a bf16 candidate); None where no fp32 session ran whole.
+    #: (``{"bounds": [...], "context_search": {...}}``); None where no fp32 session ran whole.
     calibration: dict[str, Any] | None = None
 
 

@@ -11,7 +11,6 @@ import torch
 
 from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import PlanRecord
-from precision_convert.core.dtypes import FP16
 from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
 from precision_convert.validation.probe.inputs.contexts import triggers
@@ -39,12 +38,6 @@ class Component:
     def compute_dtype(self) -> torch.dtype:
         found = self.record.compute
         return found.torch if found is not None else torch.float32
-
-    @property
-    def range_limited(self) -> bool:
-        """Whether it may compute in fp16, so that a context could drive a value past fp16's
-        limit: its record says fp16, or names no compute dtype."""
-        return self.record.compute in (None, FP16)
 
     @property
     def fp32_bytes(self) -> int:

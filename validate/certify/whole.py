@@ -153,7 +153,6 @@ def _baseline(
                 component, inputs, others, baseline=True, candidate=True
             ),
             attention=True,
-            record_bounds=component.range_limited,
         )
     return replace(swept, inputs=size_growth(swept.inputs, sized[-1])[0]) if sized else swept
 

@@ -412,14 +412,11 @@ def with_bounds(found: dict[str, Any], calibration: Mapping[str, Any] | None) ->
     """``found`` (:func:`triggers`) with ``bound`` and ``pairs`` as the fp32 session left them
     (its certificate ``calibration`` record): ``bound`` searched where factor peaks gave
     bounds, ``pairs`` where the worst-context search ran (a pair is a context of two ids; the
-    search looks for any context that drives a bound's channel up); both not searched, with
-    its reason, where the session was not bound (``not_bounded``: a bf16 candidate)."""
+    search looks for any context that drives a bound's channel up)."""
     if not found or not calibration:
         return found
     out = dict(found)
     bounds = calibration.get("bounds") or []
-    if why := calibration.get("not_bounded"):
-        out["bound"] = {"searched": False, "why": f"not searched: {why}"}
     if bounds:
         top = max(bounds, key=lambda b: float(b["bound"]))
         out["bound"] = {

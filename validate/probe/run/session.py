@@ -53,9 +53,6 @@ SEED = 0
 #: How a session runs probes on the fp32 model (and records what it needs while they run).
 Run = Callable[[Any, ModelInputs], Outputs]
 
-#: Why a session that does not ``record_bounds`` records no factor peaks and searches no context.
-UNBOUNDED = "the compute dtype has fp32's range: no context drives a finite fp32 value past it"
-
 
 @dataclass(frozen=True)
 class Swept:
@@ -78,17 +75,14 @@ class Swept:
     #: the context probes included, and the record of the search for the worst context.
     bounds: tuple[Bound, ...] = ()
     context_search: Mapping[str, Any] | None = None
-    #: Why no factor peaks were recorded, when the session did not ``record_bounds``.
-    not_bounded: str | None = None
 
     def calibration_record(self) -> dict[str, Any]:
         """The certificate's ``calibration`` record of this session: the bound table and
-        the context search (or why neither ran)."""
-        record = {
+        the context search."""
+        return {
             "bounds": [b.to_json() for b in self.bounds],
             "context_search": dict(self.context_search) if self.context_search else None,
         }
-        return record | ({"not_bounded": self.not_bounded} if self.not_bounded else {})
 
     @property
     def resolved(self) -> ModelInputs:
@@ -171,7 +165,6 @@ def fp32_session(
     device: torch.device,
     tokenizer: Any | None,
     component: str,
-    record_bounds: bool,
     directory: Path | None = None,
     supplied: Mapping[str, torch.Tensor] | None = None,
     check: Callable[[Outputs], None] | None = None,
@@ -186,13 +179,7 @@ def fp32_session(
     standing in for the rest where the two agree (:func:`~.attention.outputs_by_attention`;
     ``before`` is told the probes and how many other implementations will run them),
     ``check`` its outputs, and free it before returning, so that the next model to load is
-    the only one resident.
-
-    With ``record_bounds`` (the candidate computes in fp16, or its dtype is not recorded)
-    the sweep records factor peaks and bounds them, and searches for the worst contexts of
-    the bounds near fp16's limit; without (bf16, whose range is fp32's) neither runs: their
-    hooks cost the sweep a sixth of its time and decide nothing such a candidate is judged
-    on."""
+    the only one resident."""
     by_attention: dict[str, Outputs] = {}
     with freed(build(), device) as fp32:
         choices = attention_choices(fp32.model) if attention else None
@@ -200,8 +187,6 @@ def fp32_session(
         factors = FactorRecorder(fp32.model)
 
         def recorded(model: Any, probes: ModelInputs) -> Outputs:
-            if not record_bounds:
-                return run(model, probes)
             # The factor hooks keep small blocks live between a forward's activations, as
             # calibration's do: unless those are mapped, the heap grows past what is live (a
             # 265M bf16-safe baseline peaked 1.0 GiB higher in one run than in another).
@@ -219,19 +204,16 @@ def fp32_session(
             supplied=supplied,
             before=(lambda swept: before(swept, others)) if before is not None else None,
         )
-        if record_bounds:
-            inputs, outputs, searched = _worst_contexts(
-                fp32.model,
-                recorded,
-                inputs,
-                outputs,
-                factors.bounds(fp32.model),
-                settings,
-                time.perf_counter() - began,
-                device,
-            )
-        else:
-            searched = {"near_limit": 0, "searched": [], "not_searched": UNBOUNDED}
+        inputs, outputs, searched = _worst_contexts(
+            fp32.model,
+            recorded,
+            inputs,
+            outputs,
+            factors.bounds(fp32.model),
+            settings,
+            time.perf_counter() - began,
+            device,
+        )
         bounds = tuple(factors.bounds(fp32.model))  # the contexts' peaks included
         if choices is not None:
             choices, by_attention = outputs_by_attention(
@@ -258,7 +240,6 @@ def fp32_session(
         by_attention,
         bounds,
         searched,
-        None if record_bounds else UNBOUNDED,
     )
 
 
