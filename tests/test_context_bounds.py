@@ -179,6 +179,163 @@ def test_every_gated_form_is_bounded_per_channel(family: str) -> None:
     assert products[0].bound == pytest.approx(float(expected), rel=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_attention_kept_apart_or_fused_is_bounded(family: str) -> None:
+    """BERT keeps its value projection in ``attention.self`` and its output projection in
+    ``attention.output``; GPT-2 fuses query, key and value in one ``c_attn`` (values last) and
+    stores its ``Conv1D`` weights (in, out). Every block still gets both convex bounds, equal
+    to what the value vectors, recomputed here, and the projection's own weights give."""
+    import _models
+
+    torch.manual_seed(0)
+    model = (_models.gpt2() if family == "gpt2" else _models.bert()).eval()
+    seeded = [torch.Generator().manual_seed(k) for k in range(3)]
+    prompts = [torch.randint(0, 128, (2, 12), generator=g) for g in seeded]
+    bounds = {(r.module, r.side): r for r in _recorded(model, prompts).bounds(model)}
+    width = model.config.hidden_size
+    if family == "gpt2":
+        blocks = [(f"transformer.h.{k}.attn", "c_attn", "c_proj") for k in range(2)]
+    else:
+        blocks = [(f"encoder.layer.{k}.attention", "self.value", "output.dense") for k in range(2)]
+    modules = dict(model.named_modules())
+    peaks: dict[str, list[torch.Tensor]] = {block: [] for block, _, _ in blocks}
+    handles = [
+        modules[f"{block}.{value}"].register_forward_hook(
+            lambda m, args, out, block=block: peaks[block].append(
+                out[..., -width:].abs().amax((0, 1))  # GPT-2: (query, key, value)
+            )
+        )
+        for block, value, _ in blocks
+    ]
+    with torch.no_grad():
+        for prompt in prompts:
+            model(input_ids=prompt)
+    for handle in handles:
+        handle.remove()
+    for block, value, out in blocks:
+        value_peak = torch.stack(peaks[block]).amax(0)
+        projection = modules[f"{block}.{out}"]
+        # BERT's Linear weight is (out, in), GPT-2's Conv1D weight (in, out).
+        weight = projection.weight.detach().abs()
+        weight = weight if family == "gpt2" else weight.T
+        expected = (weight * value_peak[:, None]).sum(0) + projection.bias.detach().abs()
+        into, out_of = bounds[f"{block}.{out}", "input"], bounds[f"{block}.{out}", "output"]
+        assert into.kind == out_of.kind == "convex"
+        assert into.factors == (f"{block}.{value}",)
+        assert into.bound == pytest.approx(float(value_peak.max()), rel=1e-5)
+        assert out_of.bound == pytest.approx(float(expected.max()), rel=1e-5)
+        assert 0 < into.observed <= into.bound * (1 + 1e-5)
+        assert 0 < out_of.observed <= out_of.bound * (1 + 1e-5)
+
+
+def _gemma4_small_values() -> tuple[Any, FactorRecorder, float]:
+    """A Gemma 4 text model whose ``v_proj`` outputs are small (its weights scaled by 1e-2),
+    recorded on three prompts, and the largest value ``v_proj`` handed on."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+        vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(config).eval()
+    projections = [layer.self_attn.v_proj for layer in model.model.layers]
+    projected: list[float] = []
+    with torch.no_grad():
+        for projection in projections:
+            projection.weight.mul_(1e-2)
+    handles = [
+        p.register_forward_hook(lambda m, args, out: projected.append(float(out.abs().max())))
+        for p in projections
+    ]
+    seeded = [torch.Generator().manual_seed(k) for k in range(3)]
+    recorder = _recorded(model, [torch.randint(3, 128, (2, 12), generator=g) for g in seeded])
+    for handle in handles:
+        handle.remove()
+    return model, recorder, max(projected)
+
+
+def test_values_normalised_after_their_projection_are_bounded_as_attention_sees_them() -> None:
+    """Gemma 4 scales each head's values to unit RMS after ``v_proj`` (``v_norm``), so a
+    projection with small outputs still hands attention values near 1. The bound is taken from
+    the normalised values and holds what ``o_proj`` receives; from ``v_proj``'s outputs it
+    would sit far below it."""
+    model, recorder, projected = _gemma4_small_values()
+    convex = [r for r in recorder.bounds(model) if r.kind == "convex"]
+    assert all(0 < r.observed <= r.bound * (1 + 1e-5) for r in convex)
+    into = [r for r in convex if r.side == "input"]
+    assert [r.module for r in into] == [f"model.layers.{k}.self_attn.o_proj" for k in range(2)]
+    for row in into:
+        assert "v_norm" in row.conditional_on
+        assert row.observed > 10 * projected  # past every value v_proj handed on
+
+
+def test_a_bound_a_probe_passed_is_refuted_and_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blind to ``v_norm`` (as for names that mean another layout), the value bound is read
+    from ``v_proj`` and the probes themselves pass it: such a bound is set apart, so it makes
+    no islands and is not searched, and the session reports it under ``refuted``."""
+    from precision_convert.conversion.analysis import factors
+
+    monkeypatch.setattr(factors, "VALUE_NORM", "no_such_norm")
+    model, recorder, projected = _gemma4_small_values()
+    kept, refuted = factors.holding(recorder.bounds(model))
+    into = [r for r in refuted if r.side == "input"]
+    assert [r.module for r in into] == [f"model.layers.{k}.self_attn.o_proj" for k in range(2)]
+    assert all(r.bound <= projected < r.observed / 10 for r in into)
+    assert {r.module for r in refuted} == {r.module for r in into}
+    assert kept and all(r.holds for r in kept)
+
+
+def _lookalike(family: str) -> Any:
+    import transformers
+
+    small = {"vocab_size": 128, "num_attention_heads": 4}
+    if family == "gpt-bigcode":
+        config = transformers.GPTBigCodeConfig(
+            **small, n_embd=32, n_layer=1, multi_query=False, bos_token_id=0, eos_token_id=1
+        )
+        return transformers.GPTBigCodeForCausalLM(config)
+    if family == "longformer":
+        config = transformers.LongformerConfig(
+            **small, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+            attention_window=4, pad_token_id=1,
+        )  # fmt: skip
+        return transformers.LongformerModel(config)
+    llama_like = {**small, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    if family == "bitnet":
+        return transformers.BitNetForCausalLM(transformers.BitNetConfig(**llama_like))
+    return transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**llama_like))
+
+
+#: Blocks named as a bounded layout is, computing something else: (family, block, factor,
+#: projection, which sites of :class:`FactorRecorder` they would have been).
+LOOKALIKES = [
+    ("gpt-bigcode", "transformer.h.0.attn", "c_attn", "c_proj", "values"),
+    ("longformer", "encoder.layer.0.attention", "self.value", "output.dense", "values"),
+    ("bitnet", "model.layers.0.self_attn", "v_proj", "o_proj", "values"),
+    ("bitnet", "model.layers.0.mlp", "up_proj", "down_proj", "gated"),
+    ("diffllama", "model.layers.0.self_attn", "v_proj", "o_proj", "values"),
+]
+
+
+@pytest.mark.parametrize(("family", "block", "factor", "projection", "sites"), LOOKALIKES)
+def test_lookalike_names_of_another_layout_are_not_bounded(
+    family: str, block: str, factor: str, projection: str, sites: str
+) -> None:
+    """GPT-BigCode names its fused projection ``c_attn`` and its output ``c_proj`` as GPT-2
+    does, but interleaves query, key and value head by head; Longformer keeps BERT's
+    ``self.value`` and ``output.dense``, but its global tokens read ``value_global``; BitNet
+    normalises attention's output before ``o_proj`` and its MLP's product before
+    ``down_proj``; DiffLlama hands ``o_proj`` a normalised difference of two attentions. None
+    of those projections receives what the bound assumes, so none is bounded."""
+    model = _lookalike(family).eval()
+    modules = dict(model.named_modules())
+    assert {f"{block}.{factor}", f"{block}.{projection}"} <= modules.keys()  # the names
+    assert getattr(FactorRecorder(model), sites) == []
+
+
 def test_quick_records_bounds_and_no_search(zoo_converted: Callable[[str, str], Any]) -> None:
     """At ``quick`` the certificate carries the bound table and says the search did not run."""
     result = zoo_converted("llama", "fp16-safe")
@@ -189,6 +346,7 @@ def test_quick_records_bounds_and_no_search(zoo_converted: Callable[[str, str], 
     assert "model.layers.0.self_attn.o_proj" in modules
     assert all(row["bound"] >= row["observed_peak"] * (1 - 1e-5) for row in calibration["bounds"])
     assert calibration["context_search"] == {"not_searched": "no context search at quick"}
+    assert calibration["refuted"] == []
 
 
 def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ different tokens carry, and for both the fp32 sweep can bound what no probe reac
 * attention hands its output projection a convex combination of value vectors, head by head,
   so channel ``(h, d)`` of what ``o_proj`` receives is at most the peak of value channel ``d``
   of head ``h``'s key-value group, and ``o_proj``'s output channel ``i`` at most
-  ``sum_j |W_ij| * |v_j|max + |b_i|``.
+  ``sum_j |W_ij| * |v_j|max + |b_i|``. Where the value projection sits and whether it is
+  fused with the query and key projections is data (:data:`VALUE_NAMES`).
 
 The bounds are conditional on the factor peaks the sweep observed (a token whose up factor is
 larger than any probe showed is not covered), and the certificate says so. Each factor's peak
@@ -24,7 +25,7 @@ block ends, even on error.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +45,59 @@ GATED_NAMES = (
     ("wi_0", "wi_1", "wo", "act"),
     ("gate_up_proj", "gate_up_proj", "down_proj", "activation_fn"),
 )
-#: (value, output) child names of an attention block.
-VALUE_NAMES = (("v_proj", "o_proj"), ("v_proj", "out_proj"), ("v", "o"))
+
+
+@dataclass(frozen=True)
+class AttentionNames:
+    """Where an attention block keeps its value and output projections (paths below the
+    block). A ``fused`` value projection hands on query, key and value in turn along its last
+    dimension: the values are its last columns, as many as the output projection reads.
+    ``blocks``, when given, are the only block classes the names are known to mean that in
+    (elsewhere they may not: Longformer's ``self.value`` has a twin for global tokens,
+    GPT-BigCode's fused ``c_attn`` interleaves its heads)."""
+
+    value: str
+    out: str
+    fused: bool = False
+    blocks: tuple[str, ...] = ()
+
+
+#: The attention blocks bounded: Llama-likes and T5 (siblings ``v_proj``/``o_proj``, ``v``/``o``),
+#: CLIP (``out_proj``), BERT and its kin (``self.value`` feeding ``output.dense``) and GPT-2 (a
+#: fused ``c_attn``, transformers' ``Conv1D`` layers).
+VALUE_NAMES = (
+    AttentionNames("v_proj", "o_proj"),
+    AttentionNames("v_proj", "out_proj"),
+    AttentionNames("v", "o"),
+    AttentionNames(
+        "self.value",
+        "output.dense",
+        blocks=(
+            "BertAttention",
+            "RobertaAttention",
+            "XLMRobertaAttention",
+            "ElectraAttention",
+            "CamembertAttention",
+        ),
+    ),
+    AttentionNames("c_attn", "c_proj", fused=True, blocks=("GPT2Attention",)),
+)
+#: A child of the attention block that normalises the values after their projection (Gemma 3n
+#: and Gemma 4 scale each head's values to unit RMS): where present, its output, not the
+#: projection's, is what attention combines.
+VALUE_NORM = "v_norm"
+#: Children that normalise what a bounded projection receives: attention's output (BitNet's
+#: and Dory's ``attn_sub_norm``, Kosmos-2's ``inner_attn_ln``, DiffLlama's ``groupnorm`` after
+#: its difference of two softmaxes) or a gated MLP's product (their ``ffn_sub_norm``). There
+#: the projection receives neither a convex combination of values nor the product itself, so
+#: the block is not bounded.
+SUB_NORMS = ("attn_sub_norm", "inner_attn_ln", "groupnorm", "ffn_sub_norm")
 #: Sides of a bound (:attr:`Bound.kind`).
 PRODUCT = "product"
 CONVEX = "convex"
+#: How far past its bound a probe's own peak may sit from rounding alone (the bound and the
+#: peak are computed in fp32 by different reductions).
+ROUNDING = 1e-4
 
 
 @dataclass(frozen=True)
@@ -67,6 +116,11 @@ class Bound:
     factors: tuple[str, ...] = ()
     #: Id windows where the channel's factors peaked: where a search for the context starts.
     seeds: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def holds(self) -> bool:
+        """Whether the probes stayed within the bound (beyond rounding), as a bound must."""
+        return self.observed <= self.bound * (1 + ROUNDING)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -155,14 +209,28 @@ class _Values:
     value: str
     out: str
     head_dim: int | None
+    recorded: str  # the module whose output attention combines: the projection or its norm
+    columns: slice  # the recorded output's columns that are values
     values: _ChannelPeaks = field(default_factory=_ChannelPeaks)
     observed_in: float = 0.0
     observed_out: float = 0.0
 
 
-def _child(module: nn.Module, name: str) -> nn.Module | None:
-    found = getattr(module, name, None)
+def _child(module: nn.Module, path: str) -> nn.Module | None:
+    found: Any = module
+    for name in path.split("."):
+        found = getattr(found, name, None)
     return found if isinstance(found, nn.Module) else None
+
+
+def projection_weight(module: nn.Module | None) -> torch.Tensor | None:
+    """A projection's weight as (out, in): ``nn.Linear``'s, or transformers' ``Conv1D``'s
+    (GPT-2's, stored (in, out)); None for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    from transformers.pytorch_utils import Conv1D
+
+    return module.weight.T if isinstance(module, Conv1D) else None
 
 
 def _join(parent: str, child: str) -> str:
@@ -174,6 +242,8 @@ def _sites(model: nn.Module) -> tuple[list[_Gated], list[_Values]]:
     gated: list[_Gated] = []
     values: list[_Values] = []
     for name, module in model.named_modules():
+        if any(_child(module, norm) is not None for norm in SUB_NORMS):
+            continue
         for gate, up, down, act in GATED_NAMES:
             gate_m, up_m, down_m = (_child(module, n) for n in (gate, up, down))
             act_m = _child(module, act)
@@ -189,19 +259,31 @@ def _sites(model: nn.Module) -> tuple[list[_Gated], list[_Values]]:
                 continue
             gated.append(_Gated(name, _join(name, gate), _join(name, up), _join(name, down), act_m))
             break
-        for value, out in VALUE_NAMES:
-            v, o = _child(module, value), _child(module, out)
-            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear):
-                head_dim = getattr(module, "head_dim", None)
-                values.append(
-                    _Values(
-                        name,
-                        _join(name, value),
-                        _join(name, out),
-                        head_dim if isinstance(head_dim, int) else None,
-                    )
+        for names in VALUE_NAMES:
+            if names.blocks and type(module).__name__ not in names.blocks:
+                continue
+            v_weight = projection_weight(_child(module, names.value))
+            o_weight = projection_weight(_child(module, names.out))
+            if v_weight is None or o_weight is None:
+                continue
+            # A fused projection's values are as many columns as the output projection reads
+            # (an unfused one may hand on fewer: grouped-query heads share them).
+            width = o_weight.shape[1]
+            if names.fused and v_weight.shape[0] % width:
+                continue
+            head_dim = getattr(module, "head_dim", None)
+            normed = not names.fused and _child(module, VALUE_NORM) is not None
+            values.append(
+                _Values(
+                    name,
+                    _join(name, names.value),
+                    _join(name, names.out),
+                    head_dim if isinstance(head_dim, int) else None,
+                    _join(name, VALUE_NORM if normed else names.value),
+                    slice(-width, None) if names.fused else slice(None),
                 )
-                break
+            )
+            break
     return gated, values
 
 
@@ -233,7 +315,9 @@ class FactorRecorder:
                 yield modules[site.up].register_forward_hook(self._factor(site.ups))
             yield modules[site.down].register_forward_pre_hook(self._down(site))
         for values in self.values:
-            yield modules[values.value].register_forward_hook(self._factor(values.values))
+            yield modules[values.recorded].register_forward_hook(
+                self._factor(values.values, values.columns)
+            )
             yield modules[values.out].register_forward_hook(self._out(values))
 
     def _ids_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -255,10 +339,10 @@ class FactorRecorder:
 
         return hook
 
-    def _factor(self, peaks: _ChannelPeaks) -> Callable[..., None]:
+    def _factor(self, peaks: _ChannelPeaks, columns: slice = slice(None)) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
             if not UNRECORDED.get():
-                peaks.add(output, self._ids_for(output))
+                peaks.add(output, self._ids_for(output), columns=columns)
 
         return hook
 
@@ -306,16 +390,24 @@ class FactorRecorder:
                 )
             )
         for values in self.values:
-            projection = modules[values.out]
-            assert isinstance(projection, nn.Linear)  # as :func:`_sites` found it
-            out += _convex(values, projection)
+            out += _convex(values, modules[values.out])
         return out
 
 
-def _convex(values: _Values, projection: nn.Linear) -> list[Bound]:
+def holding(bounds: Sequence[Bound]) -> tuple[list[Bound], list[Bound]]:
+    """``bounds`` split into those the probes stayed within and those a probe passed. A probe
+    past its own bound shows the block is not the layout the bound assumes (names another
+    architecture shares, a step between the factors and the module the bound does not know),
+    so such a bound says nothing: it is reported, and neither makes islands nor is searched."""
+    return [b for b in bounds if b.holds], [b for b in bounds if not b.holds]
+
+
+def _convex(values: _Values, projection: nn.Module) -> list[Bound]:
     """The output projection's input and output bounds of one attention block."""
     peaks = values.values.peak
-    weight = projection.weight.detach().float()
+    found = projection_weight(projection)
+    assert found is not None  # as :func:`_sites` found it
+    weight = found.detach().float()
     if peaks is None or weight.shape[1] % peaks.numel():
         return []
     groups = weight.shape[1] // peaks.numel()
@@ -325,14 +417,14 @@ def _convex(values: _Values, projection: nn.Linear) -> list[Bound]:
     # o_proj input channel j = (head, d) reads value channel (head // groups, d).
     j = torch.arange(weight.shape[1])
     reads = peaks[(j // head_dim // groups) * head_dim + j % head_dim]
-    bias = projection.bias
+    bias = getattr(projection, "bias", None)
     sums = weight.abs() @ reads + (bias.detach().float().abs() if bias is not None else 0)
     row = int(sums.argmax())
     column = int((weight[row].abs() * reads).argmax())
     value_channel = int((column // head_dim // groups) * head_dim + column % head_dim)
     note = (
         f"each head's output is a convex combination of its value vectors: the per-channel "
-        f"peaks of {_last(values.value)} calibration saw"
+        f"peaks of {_last(values.recorded)} calibration saw"
     )
     seeds = _seeds(values.values, None, value_channel)
     return [

@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 
-from precision_convert.conversion.analysis.factors import Bound, FactorRecorder, recording_factors
+from precision_convert.conversion.analysis.factors import (
+    Bound,
+    FactorRecorder,
+    holding,
+    recording_factors,
+)
 from precision_convert.conversion.io.hashing import hash_paths
 from precision_convert.conversion.runtime.memory import freed, large_allocations_mapped
 from precision_convert.validation.probe.inputs.budgets import activation_allowance, budget_for
@@ -75,6 +80,9 @@ class Swept:
     #: the context probes included, and the record of the search for the worst context.
     bounds: tuple[Bound, ...] = ()
     context_search: Mapping[str, Any] | None = None
+    #: Bounds a probe passed (:func:`~precision_convert.conversion.analysis.factors.holding`):
+    #: reported, not used.
+    refuted: tuple[Bound, ...] = ()
 
     def calibration_record(self) -> dict[str, Any]:
         """The certificate's ``calibration`` record of this session: the bound table and
@@ -82,6 +90,7 @@ class Swept:
         return {
             "bounds": [b.to_json() for b in self.bounds],
             "context_search": dict(self.context_search) if self.context_search else None,
+            "refuted": [b.to_json() for b in self.refuted],
         }
 
     @property
@@ -209,12 +218,12 @@ def fp32_session(
             recorded,
             inputs,
             outputs,
-            factors.bounds(fp32.model),
+            holding(factors.bounds(fp32.model))[0],
             settings,
             time.perf_counter() - began,
             device,
         )
-        bounds = tuple(factors.bounds(fp32.model))  # the contexts' peaks included
+        bounds, refuted = holding(factors.bounds(fp32.model))  # the contexts' peaks included
         if choices is not None:
             choices, by_attention = outputs_by_attention(
                 fp32.model,
@@ -238,8 +247,9 @@ def fp32_session(
         (coverage() if coverage is not None else 1.0) * inputs.judged_share,
         choices,
         by_attention,
-        bounds,
+        tuple(bounds),
         searched,
+        tuple(refuted),
     )
 
 
