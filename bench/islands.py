@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,25 +36,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import zoo  # examples/zoo, on the path above
 
+from precision_convert.conversion.plan import Island
 from precision_convert.core.dtypes import FP16_MAX  # the bounds are reported as a share of it
 
 
 @contextmanager
-def bound_rule(on: bool) -> Any:
-    """The calibration's bound rule as shipped (``on``) or answering no islands."""
+def bound_rule(on: bool) -> Iterator[list[Island]]:
+    """The calibration's bound rule as shipped (``on``) or answering no islands; yields the
+    islands it answered, so a plan's bound islands are told from its others by where they came
+    from, not by their rule's wording."""
     from precision_convert.validation.calibration import plans
 
     shipped = plans._bound_islands
-    if not on:
-        plans._bound_islands = lambda *args, **kwargs: []
+    answered: list[Island] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> list[Island]:
+        islands = shipped(*args, **kwargs) if on else []
+        answered.extend(islands)
+        return islands
+
+    plans._bound_islands = recorded
     try:
-        yield
+        yield answered
     finally:
         plans._bound_islands = shipped
 
 
-def convert_once(source: Path, target: str, output: Path, coverage: str) -> dict[str, Any]:
-    """One certified conversion's islands, bounds, verdict, bytes and seconds."""
+def convert_once(
+    source: Path, target: str, output: Path, coverage: str, from_bounds: list[Island]
+) -> dict[str, Any]:
+    """One certified conversion's islands (those among ``from_bounds`` counted as the bound
+    rule's), bounds, verdict, bytes and seconds."""
     from precision_convert.api.conversion import convert
 
     began = time.perf_counter()
@@ -70,7 +83,7 @@ def convert_once(source: Path, target: str, output: Path, coverage: str) -> dict
             {
                 "component": component.name,
                 "islands": len(islands),
-                "bound_islands": sorted(i.name for i in islands if " bound " in i.rule),
+                "bound_islands": sorted(i.name for i in islands if i in from_bounds),
                 "fp32_share": round(component.plan.fp32_share, 5),
                 "bounds": len(bounds),
                 "highest_bound_share_of_fp16_max": round(
@@ -98,8 +111,8 @@ def family_row(name: str, root: Path, coverage: str) -> dict[str, Any]:
     def run(target: str, rule: bool) -> dict[str, Any]:
         output = root / f"{name}-{target}{'' if rule else '-without-bounds'}"
         shutil.rmtree(output, ignore_errors=True)
-        with bound_rule(rule):
-            ran = convert_once(source, target, output, coverage)
+        with bound_rule(rule) as from_bounds:
+            ran = convert_once(source, target, output, coverage, from_bounds)
         shutil.rmtree(output, ignore_errors=True)
         return ran
 
