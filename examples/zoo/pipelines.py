@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ._build import dtype_of, scaled, seeded, transformers_model
 from .encoders import (
     CLIP_BIGG_TEXT,
@@ -51,7 +53,9 @@ def diffusers_model(cls: type, config: dict[str, Any], seed: int) -> Any:
     values = {k: v for k, v in config.items() if not k.startswith("_") and k != "torch_dtype"}
     with seeded(seed):
         model = cls.from_config(values)
-    return model.to(dtype_of(config.get("torch_dtype"))).eval()
+    # diffusers' own ``to(dtype)`` warns that modules "should be kept in float32: []" even
+    # when the class keeps none; the module's cast of its floating-point tensors is the same.
+    return torch.nn.Module.to(model, dtype_of(config.get("torch_dtype"))).eval()
 
 
 TokenizerWriter = Callable[[Path], None]
