@@ -316,9 +316,11 @@ def interrupt(
     trial.stderr = child.stderr
     if not trial.interrupted or trial.returncode in (exit_code(trial.signal), -signal.SIGKILL):
         return
-    if trial.returncode == 0 and went_on < _LATE_S:
+    if trial.returncode in (0, -sig) and went_on < _LATE_S:
         # A signal that lands while the interpreter shuts down after the work is done (the
-        # command had already returned) changes nothing: a finished run, checked as one.
+        # command had already returned) changes nothing: a finished run, checked as one. Late
+        # in that shutdown the interpreter has put the signal's default action back, so the
+        # signal kills it (-sig); a kill before the work was done fails that check.
         trial.interrupted, trial.late = False, True
         return
     trial.swallowed = True
