@@ -217,10 +217,10 @@ class _Values:
 
 
 def _child(module: nn.Module, path: str) -> nn.Module | None:
-    found: Any = module
-    for name in path.split("."):
-        found = getattr(found, name, None)
-    return found if isinstance(found, nn.Module) else None
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # no such attribute, or not a module
+        return None
 
 
 def projection_weight(module: nn.Module | None) -> torch.Tensor | None:
