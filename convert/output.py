@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.io.context import IOContext
+from precision_convert.conversion.io.header import copied_metadata
 from precision_convert.conversion.io.source import ModelSource, variant_name
 from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, ModelPlan
@@ -80,7 +81,7 @@ def write_model(
     for weight_file in model.files:
         items = [(t, stored[t.name]) for t in weight_file.tensors]
         metadata = {
-            **weight_file.metadata,  # the source shard's own entries are kept
+            **copied_metadata(weight_file.metadata)[0],  # the source shard's own entries
             "format": "pt",
             RECORD_KEY: json.dumps(block, separators=(",", ":")),
         }
@@ -96,7 +97,7 @@ def write_model(
         written.append(name)
     if model.index_name is not None:
         index = {
-            "metadata": {**model.index_metadata, "total_size": total},
+            "metadata": {**copied_metadata(model.index_metadata)[0], "total_size": total},
             "weight_map": weight_map,
         }
         index_name = variant_name(model.index_name, variant)

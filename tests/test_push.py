@@ -253,6 +253,24 @@ def test_round_trip_to_a_new_repo(served: Served, hub: FakeHub, tmp_path: Path) 
     _assert_hub_holds_no_secret(hub)
 
 
+def test_a_push_names_the_code_it_publishes(served: Served, hub: FakeHub, tmp_path: Path) -> None:
+    """Python files a source carried (``auto_map`` modules) go up with the weights, and the
+    push says so: they run on every ``trust_remote_code=True`` load of the repo."""
+    out = _copy(served, tmp_path)
+    code = "modeling_custom.py"
+    (out / code).write_text("class Custom: ...\n", encoding="utf-8")
+    path = out / CERTIFICATE_NAME
+    record = json.loads(path.read_text(encoding="utf-8"))
+    record["files"][code] = _sha256((out / code).read_bytes())  # certified as the copy it is
+    path.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    write_card(Certificate.read(out), out)  # the card names the code too
+    done = _push(str(out), "ns/with-code")
+    assert done.exit_code == 0, done.output
+    notes = [line for line in done.stderr.splitlines() if "trust_remote_code" in line]
+    assert notes == [f"note: code that runs if you pass trust_remote_code, published: {code}"]
+    assert code in hub.repos["ns/with-code"].commits[hub.repos["ns/with-code"].refs["main"]]
+
+
 def test_pc_push_takes_token_and_endpoint(
     served: Served, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
 ) -> None:

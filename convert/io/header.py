@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,11 @@ from precision_convert.core.errors import InputError
 MAX_HEADER_BYTES = 100_000_000
 #: Dimensions a tensor may declare: real tensors have a handful; more is a hostile header.
 MAX_DIMS = 64
+#: A source's own metadata value (a shard's ``__metadata__`` entry, an index's ``metadata``
+#: entry) copied into the output at most this long: real ones are names, versions and short
+#: JSON; a larger one is not something a user expects a conversion to carry (a 95 MB value is
+#: a hostile file's way of doubling every output).
+COPIED_METADATA_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,22 @@ class SafetensorsHeader:
     tensors: tuple[TensorEntry, ...]  # in data-offset order
     metadata: dict[str, str]
     data_start: int
+
+
+def copied_metadata(metadata: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """The entries of a source's metadata an output keeps, and those it drops (key -> bytes):
+    an entry over :data:`COPIED_METADATA_LIMIT` bytes (key and value as UTF-8, a value that is
+    not a string as JSON) is dropped, and the certificate names it."""
+    kept: dict[str, Any] = {}
+    dropped: dict[str, int] = {}
+    for key, value in metadata.items():
+        text = key + (value if isinstance(value, str) else json.dumps(value))
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > COPIED_METADATA_LIMIT:
+            dropped[key] = size
+        else:
+            kept[key] = value
+    return kept, dropped
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

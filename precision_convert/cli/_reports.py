@@ -22,6 +22,7 @@ from rich.text import Text
 from precision_convert.cli._common import console, elide, out
 from precision_convert.core.dtypes import Target
 from precision_convert.core.folding import Role, fold
+from precision_convert.core.patterns import code_files
 
 if TYPE_CHECKING:
     from precision_convert.api.conversion import ConversionResult
@@ -220,6 +221,17 @@ def print_conversion(result: ConversionResult, *, full: bool = False) -> None:
     for component in result.components:
         for warning in component.plan.warnings:
             console.print(f"[yellow]warning[/]: {escape(warning)}")
+    if code := code_files(result.files):
+        console.print(code_note(code, "copied from the source"), highlight=False, soft_wrap=True)
+
+
+def code_note(files: Sequence[str], how: str) -> str:
+    """The line that says an output carries Python code a library runs on request: copied or
+    pushed with the weights, it should not travel without a word."""
+    return (
+        f"note: code that runs if you pass trust_remote_code, {how}: "
+        f"{', '.join(escape(f) for f in files)}"
+    )
 
 
 def share_text(share: float, has_islands: bool) -> str:

@@ -113,8 +113,10 @@ def push_and_report(
     """Push and say what happened on stderr (``with_url``: the URL too, for ``model --push``,
     whose stdout is the conversion's report); for ``push`` and for ``model … --push`` (call it
     inside :func:`~precision_convert.cli._common.reported_errors`, after validation)."""
+    from precision_convert.cli._reports import code_note
     from precision_convert.core.errors import PushFailed
     from precision_convert.core.hub_client import RETRIED_STATUSES
+    from precision_convert.core.patterns import code_files
     from precision_convert.hub import push_with_result
     from precision_convert.hub.errors import retry_wait_limit
 
@@ -143,6 +145,8 @@ def push_and_report(
                 time.sleep(wait)
     line = _report(result) + (f": {result.url}" if with_url else "")
     console.print(line, highlight=False, soft_wrap=True)
+    if code := code_files(result.uploaded):
+        console.print(code_note(code, "published"), highlight=False, soft_wrap=True)
     return result
 
 

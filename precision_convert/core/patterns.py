@@ -4,6 +4,7 @@ names, variant-named weight files and certificate files. Match them with ``fullm
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 _OWNER = r"[A-Za-z0-9][\w.-]*"
 _NAME = r"[\w.-]+"
@@ -44,3 +45,14 @@ def is_variant_file(path: str, variant: str) -> bool:
         and variant in (found["variant"], found["ivariant"])
         and "safetensors" in (found["ext"], found["iext"])
     )
+
+
+#: Files a library runs as code when the user passes ``trust_remote_code`` (transformers'
+#: ``auto_map`` modules, diffusers' custom pipelines and components): a copied source may
+#: carry them, and a push publishes them.
+CODE_FILE = re.compile(r".+\.py")
+
+
+def code_files(paths: Iterable[str]) -> list[str]:
+    """The files among ``paths`` (relative, ``/``-separated) that are Python code, sorted."""
+    return sorted(p for p in paths if CODE_FILE.fullmatch(p.rsplit("/", 1)[-1]))

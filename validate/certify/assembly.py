@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from precision_convert.conversion.io.finite import SourceRead
+from precision_convert.conversion.io.header import COPIED_METADATA_LIMIT, copied_metadata
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -141,6 +142,11 @@ def _certificate(
     ]
     if masks:
         notes.append(f"attention masks stored as ±inf by design: {', '.join(masks)}")
+    if dropped := _dropped_metadata(run.reference):
+        notes.append(
+            f"source metadata not copied (entries over {COPIED_METADATA_LIMIT // 1024} KiB): "
+            + ", ".join(dropped)
+        )
     if source.kind == SELF_BASELINE:
         notes.append(
             "a smoke check, not a certification: the baseline is the converted weights "
@@ -225,6 +231,22 @@ def _cannot_validate_lines(exc: CannotValidateError) -> list[str]:
     if "trust-remote-code" in str(exc):
         how += ", or trust the model's own code (--trust-remote-code) so it can be built"
     return [str(exc), how]
+
+
+def _dropped_metadata(reference: Source) -> list[str]:
+    """The baseline's metadata entries a conversion does not copy (too large), each as
+    ``file: 'key' (bytes)`` with a long key cut: the output's files no longer hold them."""
+    found = []
+    for component, model in models_of(reference).items():
+        where = f"{component}/" if component else ""
+        held = [(f.path.name, f.metadata) for f in model.files]
+        if model.index_name is not None:
+            held.append((model.index_name, model.index_metadata))
+        for name, metadata in held:
+            for key, size in copied_metadata(metadata)[1].items():
+                shown = key if len(key) <= 40 else key[:40] + "…"
+                found.append(f"{where}{name}: {shown!r} ({size:,} bytes)")
+    return found
 
 
 def _nonfinite(read: SourceRead) -> dict[str, list[dict[str, object]]]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from precision_convert.conversion.analysis.chart import CHART_NAME
 from precision_convert.core.dtypes import BY_TORCH_NAME, Target
-from precision_convert.core.patterns import REPO_ID
+from precision_convert.core.patterns import REPO_ID, code_files
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.card_sizes import sizes_run
@@ -202,6 +202,7 @@ def render(
     # the detail tables.
     lines += _why_failed(certificate)
     lines += _loading(certificate, repo_id)
+    lines += _code(certificate)
     lines += _limitations(certificate)
     lines += _parity(certificate)
     lines += _components(certificate)
@@ -406,6 +407,21 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
     if calls["pass"] or calls["fail"]:
         lines += ["(Every way of loading, in detail: the last section.)", ""]
     return lines
+
+
+def _code(certificate: Certificate) -> list[str]:
+    """The Python files the repository carries (copied from the source with the weights): a
+    library runs them only on ``trust_remote_code=True``, and a visitor should know first."""
+    files = code_files(certificate.files)
+    if not files:
+        return []
+    return [
+        "## Code",
+        "",
+        "This repository carries Python code copied from the source, which runs if you pass "
+        f"`trust_remote_code=True`: {', '.join(f'`{f}`' for f in files)}. Read it first.",
+        "",
+    ]
 
 
 #: Calls named in the loading summary before the rest are counted.
