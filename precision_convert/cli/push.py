@@ -70,6 +70,15 @@ def push_command(
             show_default=False,
         ),
     ] = None,
+    sign: Annotated[
+        Path | None,
+        typer.Option(
+            "--sign",
+            metavar="KEY",
+            help="Sign the certificate and the files it covers with this elliptic-curve private "
+            "key (PEM) before the upload (as validate --sign does); the signature goes up too.",
+        ),
+    ] = None,
 ) -> None:
     """Upload a converted model, only if its certificate passes and matches every file.
 
@@ -87,6 +96,8 @@ def push_command(
         )
 
     with reported_errors(on_disk):
+        if sign is not None:
+            _sign_before_push(converted, sign)
         result = push_and_report(
             converted,
             repo_id,
@@ -97,6 +108,20 @@ def push_command(
             token=token,
         )
         typer.echo(result.url)
+
+
+def _sign_before_push(converted: Path, key_file: Path) -> None:
+    """``--sign``: sign the output as ``validate --sign`` does; what is not certified is
+    refused as the push's gate refuses it (nothing signed, nothing uploaded)."""
+    from precision_convert.cli.validate import sign_output
+    from precision_convert.core.errors import NotAsCertified, PushRefused
+    from precision_convert.validation.certify.signing import private_key
+
+    key = private_key(key_file)
+    try:
+        sign_output(converted, key)
+    except NotAsCertified as exc:
+        raise PushRefused(exc.path, exc.problems) from None
 
 
 def push_and_report(

@@ -15,6 +15,7 @@ from precision_convert.cli._common import (
     ReportLevel,
     ReportOption,
     VerboseOption,
+    console,
     emit_json,
     reported_errors,
     step_progress,
@@ -22,6 +23,7 @@ from precision_convert.cli._common import (
 
 if TYPE_CHECKING:
     from precision_convert.validation.certify.certificate import Certificate
+    from precision_convert.validation.certify.signing import Key
 
 
 def validate_command(
@@ -72,6 +74,25 @@ def validate_command(
             "certified (the card regenerated and compared too); runs no model.",
         ),
     ] = False,
+    sign: Annotated[
+        Path | None,
+        typer.Option(
+            "--sign",
+            metavar="KEY",
+            help="Sign the certificate and the files it covers with this elliptic-curve private "
+            "key (PEM), offline, once certified: writes precision_certificate.sig (needs the "
+            "signing extra). With --verify: sign an output certified already.",
+        ),
+    ] = None,
+    public_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--public-key",
+            metavar="FILE",
+            help="With --verify: require a signature made with this public key's private half "
+            "(PEM); prints its fingerprint.",
+        ),
+    ] = None,
     report: ReportOption = ReportLevel.summary,
     verbose: VerboseOption = False,
     json_output: Annotated[
@@ -85,8 +106,10 @@ def validate_command(
         from precision_convert.validation.certify.runner import validate
         from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
+        key = _key(sign, public_key, verify)
+
     if verify:
-        verify_only(converted, json_output)
+        verify_only(converted, json_output, key)
         return
 
     def on_disk() -> str:
@@ -113,6 +136,8 @@ def validate_command(
         except CannotValidateError:
             note_unvalidated(converted)
             raise
+        if key is not None and certificate.passed:  # only what is certified is signed
+            certificate = sign_output(converted, key)
         if json_output:
             emit_json(certificate.to_dict())
         else:
@@ -120,13 +145,21 @@ def validate_command(
         require_pass(certificate, converted)
 
 
-def verify_only(converted: Path, json_output: bool) -> None:
+def verify_only(converted: Path, json_output: bool, key: Key | None = None) -> None:
     """``--verify``: the one verifier ``push`` and ``batch --resume`` use too, offline; exit 1
-    naming each file at fault (or a verdict other than pass)."""
+    naming each file at fault (or a verdict other than pass). ``key``: a public key whose
+    signature is required (exit 1 without one), or a private key to sign with once verified."""
+    from precision_convert.validation.certify import signing
     from precision_convert.validation.certify.verify import verify
 
     with reported_errors():
+        if key is not None and key.private:
+            sign_output(converted, key)  # verifies first: only what is certified is signed
         checked = verify(converted)
+        if key is not None and not key.private:
+            signing.check(checked, key)
+    recorded = checked.certificate.signature
+    checked_signer = key is not None and not key.private
     if json_output:
         emit_json(
             {
@@ -134,13 +167,52 @@ def verify_only(converted: Path, json_output: bool) -> None:
                 "certificate": checked.certificate_name,
                 "verdict": checked.certificate.verdict,
                 "files": len(checked.files),
+                "signature": recorded and {**recorded, "checked": checked_signer},
             }
         )
+        return
+    typer.echo(
+        f"verified: {len(checked.files)} files match {checked.certificate_name} "
+        f"(verdict {checked.certificate.verdict})"
+    )
+    if recorded is None:
+        typer.echo("unsigned: the hashes show accidental change, not who wrote the files")
+        return
+    signer = f"the public key sha256:{recorded['public_key_sha256']}"
+    if checked_signer:  # the certificate names the key it is signed with (signing.check)
+        typer.echo(f"signed: {recorded['file']} verifies with {signer}")
     else:
         typer.echo(
-            f"verified: {len(checked.files)} files match {checked.certificate_name} "
-            f"(verdict {checked.certificate.verdict})"
+            f"signed: {recorded['file']} (by {signer}, as the certificate says; "
+            "--public-key FILE checks it)"
         )
+
+
+def _key(sign: Path | None, public_key: Path | None, verify: bool) -> Key | None:
+    """The key ``--sign`` or ``--public-key`` names, read (exit 2 when unusable), before
+    anything runs."""
+    from precision_convert.core.errors import InputError
+    from precision_convert.validation.certify import signing
+
+    if public_key is not None and not verify:
+        raise InputError("--public-key checks a signature: use it with --verify")
+    if sign is not None and public_key is not None:
+        raise InputError("--sign and --public-key: sign or check a signature, not both at once")
+    if sign is not None:
+        return signing.private_key(sign)
+    return signing.public_key(public_key) if public_key is not None else None
+
+
+def sign_output(converted: Path, key: Key) -> Certificate:
+    """Sign ``converted`` with ``key`` and say so (stderr: stdout holds the report); for
+    ``validate --sign`` and ``push --sign``."""
+    from precision_convert.validation.certify.signing import sign
+
+    certificate = sign(converted, key)
+    signature = (certificate.signature or {}).get("file")
+    line = f"signed: {signature} with the key sha256:{key.fingerprint}"
+    console.print(line, highlight=False, soft_wrap=True)
+    return certificate
 
 
 def require_pass(certificate: Certificate, converted: Path, *, calibrated: bool = True) -> None:

@@ -1,5 +1,6 @@
 """The names this tool reads and writes by pattern, one definition each: Hub ids, variant
-names, variant-named weight files and certificate files. Match them with ``fullmatch``."""
+names, variant-named weight files, certificate files and their signatures. Match them with
+``fullmatch``."""
 
 from __future__ import annotations
 
@@ -28,11 +29,19 @@ CERTIFICATE_NAME = "precision_certificate.json"
 #: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
 #: written with ``--variant`` (it sits beside the source repo's files, under its own name).
 CERTIFICATE_FILE = re.compile(rf"precision_certificate(?:\.(?P<variant>{_VARIANT}))?\.json")
+#: The signature of a certificate and the files it covers (``validate --sign``), beside it:
+#: ``precision_certificate.sig`` or ``precision_certificate.<variant>.sig``.
+SIGNATURE_FILE = re.compile(rf"precision_certificate(?:\.(?P<variant>{_VARIANT}))?\.sig")
 
 
 def certificate_name(variant: str | None) -> str:
     """The file name of the certificate of an output written with ``variant`` (or without)."""
     return f"precision_certificate.{variant}.json" if variant else CERTIFICATE_NAME
+
+
+def signature_name(variant: str | None) -> str:
+    """The file name of the signature of the certificate :func:`certificate_name` names."""
+    return certificate_name(variant).removesuffix(".json") + ".sig"
 
 
 def is_variant_file(path: str, variant: str) -> bool:

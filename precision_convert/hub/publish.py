@@ -18,11 +18,18 @@ from precision_convert.core.errors import (
     NotAsCertified,
     PushRefused,
 )
-from precision_convert.core.patterns import CERTIFICATE_FILE, REPO_ID, is_variant_file
+from precision_convert.core.patterns import (
+    CERTIFICATE_FILE,
+    REPO_ID,
+    SIGNATURE_FILE,
+    is_variant_file,
+    signature_name,
+)
 from precision_convert.hub.errors import hub_errors
 from precision_convert.hub.upload import addition, changed_file, same_content
 from precision_convert.validation.certify.card import base_model_id, render_card, stored_in
 from precision_convert.validation.certify.certificate import CARD_NAME
+from precision_convert.validation.certify.signing import signature_file
 from precision_convert.validation.certify.verify import Verified, verify
 
 if TYPE_CHECKING:
@@ -30,7 +37,8 @@ if TYPE_CHECKING:
 
 
 #: Remote files a new-repo push replaces when its output lacks them: whatever decides what
-#: loads (weights, shard indexes, certificates). Documentation and other files are left alone.
+#: loads (weights, shard indexes, certificates; and their signatures, see :func:`_new_repo`).
+#: Documentation and other files are left alone.
 _LOAD_BEARING = re.compile(
     r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf)"
     r"|\.(safetensors|bin)\.index(\.[\w-]+)?\.json"
@@ -72,10 +80,12 @@ def check(converted: str | Path) -> Verified:
 
 
 def _variant_paths(checked: Verified) -> list[str]:
-    """The variant-named weight files and index, plus the variant's certificate."""
+    """The variant-named weight files and index, plus the variant's certificate (and its
+    signature, when signed)."""
     assert checked.variant is not None
     found = [p for p in checked.files if is_variant_file(p, checked.variant)]
-    return sorted({*found, checked.certificate_name})
+    signature = signature_file(checked)
+    return sorted({*found, checked.certificate_name, *([signature] if signature else [])})
 
 
 def _for_repo(checked: Verified, repo_id: str) -> Verified:
@@ -243,7 +253,9 @@ def _new_repo(request: _Request) -> PushResult:
     plan = _target(request, title)
     remote = set(api.list_repo_files(request.repo_id, revision=plan.parent))
     stale = sorted(
-        p for p in remote - set(paths) if _LOAD_BEARING.search(p) and p != ".gitattributes"
+        p
+        for p in remote - set(paths)
+        if (_LOAD_BEARING.search(p) or SIGNATURE_FILE.fullmatch(p)) and p != ".gitattributes"
     )
     description = _summary(checked, paths)
     if stale:
@@ -273,7 +285,11 @@ def _variant_pr(request: _Request) -> PushResult:
     if differing:
         raise PushRefused(checked.directory, differing)
     variant = checked.variant
-    stale = sorted(p for p in remote if is_variant_file(p, variant) and p not in paths)
+    stale = sorted(
+        p
+        for p in remote
+        if (is_variant_file(p, variant) or p == signature_name(variant)) and p not in paths
+    )
     description = "\n\n".join([_summary(checked, paths), "---", _card_body(checked.card)])
     return _commit(request, plan, title, description, paths, stale, "variant-pr")
 
@@ -415,6 +431,11 @@ def _summary(checked: Verified, paths: list[str]) -> str:
         f"- files: {len(paths)} in this commit; every file's sha256 is in "
         f"`{checked.certificate_name}`",
     ]
+    if cert.signature is not None:
+        lines.append(
+            f"- signed: `{cert.signature['file']}` (OpenSSF model-signing), by the key whose "
+            f"public half's sha256 is `{cert.signature['public_key_sha256']}`"
+        )
     if cert.failures:
         lines += ["", "Failures:", *(f"- {line}" for line in cert.failures)]
     return "\n".join(lines)

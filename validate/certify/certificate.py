@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.core.errors import CertificateError, FileSystemError
-from precision_convert.core.patterns import CERTIFICATE_FILE, CERTIFICATE_NAME, certificate_name
+from precision_convert.core.patterns import (
+    CERTIFICATE_FILE,
+    CERTIFICATE_NAME,
+    SIGNATURE_FILE,
+    certificate_name,
+)
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 
 CARD_NAME = "README.md"
@@ -137,6 +142,13 @@ class Certificate:
     tool: dict[str, str] = field(default_factory=dict)
     #: Every way of loading, checked or not (absent in certificates written before it existed).
     load_paths: list[LoadPath] = field(default_factory=list)
+    #: What ``validate --sign`` signed this certificate and the files it covers with:
+    #: ``{"file": "precision_certificate.sig", "public_key_sha256": <hex>}`` (the signature
+    #: file beside it, and the sha256 of the signer's public key as DER SubjectPublicKeyInfo);
+    #: None: unsigned. The signature is written after the certificate, so ``files`` cannot hold
+    #: its hash: it is the one file checked by its own means
+    #: (:mod:`~precision_convert.validation.certify.signing`).
+    signature: dict[str, str] | None = None
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     schema: str = SCHEMA
 
@@ -370,7 +382,8 @@ def write(
 ) -> Path:
     """Write the certificate, and ``with_files`` (name: text; the card), all or none of them
     (see :func:`write_atomically`), replacing any other certificate in ``directory`` (a
-    re-validation under another variant name)."""
+    re-validation under another variant name) and any signature but the one ``certificate``
+    records (a signature of the certificate replaced signs nothing here)."""
     root = Path(directory)
     path = root / certificate.file_name
     files = {path: compact_json(certificate.to_dict()) + "\n"}
@@ -379,6 +392,10 @@ def write(
     for stale in certificate_files(root):
         if stale != path.name:
             (root / stale).unlink()
+    signature = (certificate.signature or {}).get("file")
+    for entry in root.iterdir():
+        if SIGNATURE_FILE.fullmatch(entry.name) and entry.name != signature:
+            entry.unlink()
     return path
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from precision_convert.conversion.io.hashing import HashedFile, hash_paths
 from precision_convert.core.errors import InputError, NotAsCertified, one_line
-from precision_convert.core.patterns import is_variant_file
+from precision_convert.core.patterns import SIGNATURE_FILE, is_variant_file
 from precision_convert.validation.certify.card import render_card
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
@@ -49,7 +49,9 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
 
     It passes when there is exactly one certificate, its verdict is ``pass``, it is named for
     the variant it records, every file it covers is there with the same sha256 and nothing
-    else is (hidden paths aside), and the card is the one the certificate renders.
+    else is (hidden paths aside, and the signature it lists, which must be there), and the card
+    is the one the certificate renders. Whose signature it is takes a public key:
+    :func:`~precision_convert.validation.certify.signing.check`.
 
     Args:
         blocks: keep a digest per block of each large file (for an upload that re-reads them;
@@ -76,6 +78,7 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
     files = hash_paths(root, paths, blocks=blocks)
     covered = {p: f.sha256 for p, f in files.items() if not _uncovered(p)}
     problems += differences(covered, certificate)
+    problems += _signature_problems(paths, certificate)
     if variant is not None and not any(is_variant_file(p, variant) for p in covered):
         problems.append(f"{certificate_name}: no {variant!r}-variant weight file beside it")
 
@@ -118,8 +121,9 @@ def differences(digests: Mapping[str, str], certificate: Certificate) -> list[st
 
 def hash_files(directory: str | Path) -> dict[str, str]:
     """sha256 of every file a certificate covers (relative POSIX paths): every file under
-    ``directory`` but the certificate and the card (written after the hashes are taken: the
-    card quotes the certificate) and hidden paths (``.cache``, ``.git``)."""
+    ``directory`` but the certificate, the card and a signature (written after the hashes are
+    taken: the card quotes the certificate, the signature signs it) and hidden paths
+    (``.cache``, ``.git``)."""
     root = Path(directory)
     covered = [p for p in listing(root) if not _uncovered(p)]
     return {p: f.sha256 for p, f in hash_paths(root, covered).items()}
@@ -159,5 +163,19 @@ def _certificate(root: Path, paths: list[str]) -> tuple[str, Certificate]:
 
 
 def _uncovered(path: str) -> bool:
-    """The certificate and the card: written after the hashes are taken."""
-    return path == CARD_NAME or bool(CERTIFICATE_FILE.fullmatch(path))
+    """The certificate, the card and a signature: written after the hashes are taken."""
+    return path == CARD_NAME or any(p.fullmatch(path) for p in (CERTIFICATE_FILE, SIGNATURE_FILE))
+
+
+def _signature_problems(paths: list[str], certificate: Certificate) -> list[str]:
+    """The signature the certificate lists is there, and no other is: the one file it cannot
+    hash (the signature is written after it, and signs it) is exempt only by being listed."""
+    listed = (certificate.signature or {}).get("file")
+    problems = [
+        f"{path}: not covered by the certificate (it lists {listed or 'no signature'})"
+        for path in paths
+        if SIGNATURE_FILE.fullmatch(path) and path != listed
+    ]
+    if listed is not None and listed not in paths:
+        problems.append(f"{listed}: missing (the certificate lists it as its signature)")
+    return problems
