@@ -421,6 +421,8 @@ def test_push_uploads_the_signature_to_a_new_repo(
     assert done.exit_code == 0, done.output
     pushed = hub.files("ns/tiny-signed")
     assert pushed[SIGNATURE] == (signed / SIGNATURE).read_bytes()
+    repo = hub.repos["ns/tiny-signed"]
+    assert keys.fingerprint in repo.messages[repo.refs["main"]][1]  # the commit's description
     # Whoever downloads the repo verifies it with model-signing's own verifier.
     snapshot = Path(snapshot_download("ns/tiny-signed", local_dir=tmp_path / "download"))
     _model_signing_verifies(snapshot, snapshot / SIGNATURE, keys.public)
@@ -443,6 +445,21 @@ def test_a_variant_pr_carries_its_signature(
         snapshot_download(SOURCE_REPO, revision=revision, local_dir=tmp_path / "download")
     )
     _model_signing_verifies(snapshot, snapshot / SIGNATURE, keys.public)
+
+
+@needs_signing
+def test_an_unsigned_push_removes_the_signature_an_earlier_one_left(
+    signed: Path, served: Served, hub: FakeHub, tmp_path: Path
+) -> None:
+    """A signature of another certificate must not stay beside the new one."""
+    assert _cli("push", str(signed), "ns/tiny-resigned").exit_code == 0
+    assert SIGNATURE in hub.files("ns/tiny-resigned")
+    plain = tmp_path / "plain"
+    shutil.copytree(served.output, plain)
+    done = _cli("push", str(plain), "ns/tiny-resigned")
+    assert done.exit_code == 0, done.output
+    assert "1 stale files removed" in done.stderr
+    assert SIGNATURE not in hub.files("ns/tiny-resigned")
 
 
 @needs_signing

@@ -265,9 +265,12 @@ def _why_not(checked: Verified, key: Key) -> str | None:
             return f"{name}: does not verify with the key sha256:{key.fingerprint} (altered)"
         # ValueError for a key or file mismatch; a damaged file raises whatever its parsers do.
         except Exception as exc:
-            if str(exc).startswith("Key mismatch"):
+            message = str(exc)
+            if message.startswith("Key mismatch"):
                 return f"{name}: made with another key, not sha256:{key.fingerprint}"
-            changed = _changed_since_signing(checked, root / name)
+            # The signature verified, then the files differed ("Cannot use": one is gone).
+            files_differ = message.startswith(("Signature mismatch", "Cannot use"))
+            changed = _changed_since_signing(checked, root / name) if files_differ else []
             if changed:
                 return f"{name}: {', '.join(changed)} changed since signing"
             return f"{name}: does not verify ({one_line(exc)})"
