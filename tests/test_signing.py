@@ -183,6 +183,23 @@ def test_a_signed_certificate_verifies_under_its_public_key(unsigned: Path, keys
 
 
 @needs_signing
+def test_signing_and_checking_are_offline(
+    unsigned: Path, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Key-based signing needs no transparency log, no identity provider: no connection."""
+    import socket
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a network call: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    for key in (["--sign", str(keys.private)], ["--public-key", str(keys.public)]):
+        done = _cli("validate", str(unsigned), "--verify", *key)
+        assert done.exit_code == 0, done.output
+
+
+@needs_signing
 def test_signing_again_with_the_same_key_keeps_the_signature(signed: Path, keys: Keys) -> None:
     """A signature is not reproducible byte for byte: signing what this key signed already
     keeps it, so pushing the same output again commits nothing new."""
