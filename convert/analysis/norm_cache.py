@@ -1,5 +1,5 @@
-"""A user-level cache of what skeleton analysis found: which modules of a class are norms, and
-which share a parameter (tied weights).
+"""A user-level cache of what skeleton analysis found: which modules of a class are norms,
+which share a parameter (tied weights), and the names of its state dict.
 
 Building a skeleton imports the model's library (transformers alone takes seconds to import)
 to learn a handful of module names that depend only on the class, its config and the installed
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 CACHE_VARIABLE = "PRECISION_CONVERT_CACHE"
 _DISABLED = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
 #: Bump when the layout of an entry or the meaning of its key changes.
-SCHEMA = 2
+SCHEMA = 3
 #: Top-level config fields that name, date or type a checkpoint without shaping its modules
 #: (and our own record, written into converted configs under either name).
 IGNORED_CONFIG_KEYS = frozenset(
@@ -70,12 +70,14 @@ _MAX_ENTRY_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class SkeletonNorms:
-    """What a skeleton says: its normalization modules, its base-model prefix, and the groups
-    of modules that hold one parameter between them (a head tied to the embedding)."""
+    """What a skeleton says: its normalization modules, its base-model prefix, the groups of
+    modules that hold one parameter between them (a head tied to the embedding), and the keys
+    of its state dict (the names its tensors load under)."""
 
     modules: frozenset[str]
     prefix: str
     tied: tuple[tuple[str, ...], ...] = ()
+    state_keys: frozenset[str] = frozenset()
 
 
 def cache_dir() -> Path | None:
@@ -158,11 +160,15 @@ def load(key: Mapping[str, Any]) -> SkeletonNorms | None:
         or not all(
             isinstance(g, list) and all(isinstance(m, str) for m in g) for g in entry["tied"]
         )
+        or not isinstance(entry.get("state_keys"), list)
+        or not all(isinstance(k, str) for k in entry["state_keys"])
     ):
         logger.debug("ignoring a norm cache entry that does not match its key: %s", path)
         return None
     tied = tuple(tuple(group) for group in entry["tied"])
-    return SkeletonNorms(frozenset(entry["modules"]), entry["prefix"], tied)
+    return SkeletonNorms(
+        frozenset(entry["modules"]), entry["prefix"], tied, frozenset(entry["state_keys"])
+    )
 
 
 def store(key: Mapping[str, Any], found: SkeletonNorms) -> None:
@@ -176,6 +182,7 @@ def store(key: Mapping[str, Any], found: SkeletonNorms) -> None:
             "modules": sorted(found.modules),
             "prefix": found.prefix,
             "tied": [list(group) for group in found.tied],
+            "state_keys": sorted(found.state_keys),
         }
     )
     temporary = None

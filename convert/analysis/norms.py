@@ -45,8 +45,9 @@ def normalization_modules(source: ModelSource, *, trust_remote_code: bool = Fals
 def skeleton_norms(
     source: ModelSource, *, trust_remote_code: bool = False, use_cache: bool = True
 ) -> SkeletonNorms | None:
-    """The normalization modules of ``source``'s skeleton, in the skeleton's own names; None
-    when no skeleton can be built. Read from the cache when it holds them (``use_cache``)."""
+    """The normalization modules of ``source``'s skeleton (and the rest of
+    :class:`SkeletonNorms`), in the skeleton's own names; None when no skeleton can be built.
+    Read from the cache when it holds them (``use_cache``)."""
     if not trust_remote_code and builders.uses_remote_code(source, trust_remote_code=False):
         return None  # remote code is never run to find norms; names serve instead
     key = None
@@ -64,6 +65,7 @@ def skeleton_norms(
         ),
         getattr(model, "base_model_prefix", "") or "",
         _tied_groups(model),
+        frozenset(model.state_dict()),
     )
     if key is not None:
         norm_cache.store(key, found)
