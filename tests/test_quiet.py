@@ -9,6 +9,9 @@ warning filters and the bar switches read as before once the last stage is left.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -197,3 +200,29 @@ def test_a_library_that_propagates_to_the_root_is_heard_once(bars_on: None) -> N
     finally:
         transformers_logging.disable_propagation()
     assert heard == ["transformers.modeling_utils: MISSING keys: lm_head"]
+
+
+_BARS_UNDER_THE_ENVIRONMENT = """
+import sys, warnings
+warnings.simplefilter("error")  # huggingface_hub warns when a call fights its environment
+from precision_convert.core.quiet import quiet_libraries
+with quiet_libraries():
+    imported_at_entry = "transformers" in sys.modules
+    from transformers.utils import logging as transformers_logging  # imported inside the stage
+    inside = transformers_logging.is_progress_bar_enabled()
+print(imported_at_entry, inside, transformers_logging.is_progress_bar_enabled())
+"""
+
+
+def test_bars_held_off_by_the_hub_environment_need_no_transformers_import() -> None:
+    """Under ``HF_HUB_DISABLE_PROGRESS_BARS=1`` (the command sets it) a stage leaves
+    transformers unimported, and transformers imported inside it draws no bars."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BARS_UNDER_THE_ENVIRONMENT],
+        env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "False"]

@@ -1,6 +1,7 @@
 """A command starts at little more than the cost of importing torch: once the norm cache holds a
-dense model's skeleton, ``model --no-validate`` imports none of transformers' loading machinery
-(``transformers.conversion_mapping``, ``torch.distributed.tensor``: seconds at every start).
+dense model's skeleton, ``model --no-validate`` imports neither transformers nor its loading
+machinery (``transformers.conversion_mapping``, ``torch.distributed.tensor``: seconds at every
+start).
 
 A checkpoint stored under names transformers renames on load (Mixtral's per-expert weights)
 still asks transformers' rules, so its fused experts stay islands whole (test_moe_experts.py).
@@ -69,6 +70,9 @@ def test_a_dense_model_converts_without_the_loading_machinery(
     )
     assert "precision_convert.conversion.analysis.runtime_names" in modules  # it was asked
     assert not [m for m in LOADING if m in modules]
+    # Nor transformers at all: the cache answers for the skeleton, and the command's
+    # HF_HUB_DISABLE_PROGRESS_BARS holds transformers' bars off without switching them.
+    assert "transformers" not in modules
 
 
 def test_stored_expert_names_still_ask_transformers_rules(

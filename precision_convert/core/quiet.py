@@ -52,8 +52,9 @@ LOGGERS = ("", "transformers", "diffusers", "huggingface_hub", "torch")
 #: Loggers whose records are ours: never held back.
 OWN_LOGGER = "precision_convert"
 #: The modules holding each library's bar switch (``is_progress_bar_enabled`` and
-#: ``enable_``/``disable_progress_bar``). transformers' is imported at the first stage (the
-#: stages use transformers anyway); diffusers' only when a stage asks for it or diffusers is
+#: ``enable_``/``disable_progress_bar``). transformers' is imported at the first stage (most
+#: stages use transformers) unless huggingface_hub's environment switch holds its bars off
+#: anyway (the command sets it); diffusers' only when a stage asks for it or diffusers is
 #: already imported, since its import costs seconds a transformers model never needs.
 BAR_SWITCHES = {
     "transformers": "transformers.utils.logging",
@@ -181,7 +182,9 @@ class _Installed:
         for library, module_name in BAR_SWITCHES.items():
             if library in self.bars:
                 continue
-            wanted = library in libraries or library == "transformers"
+            wanted = library in libraries or (
+                library == "transformers" and not _hub_bars_off_by_environment()
+            )
             if not wanted and module_name not in sys.modules:
                 continue
             try:
@@ -206,6 +209,15 @@ class _Installed:
             if was_on:
                 importlib.import_module(BAR_SWITCHES[library]).enable_progress_bar()
         self.bars = {}
+
+
+def _hub_bars_off_by_environment() -> bool:
+    """Whether ``HF_HUB_DISABLE_PROGRESS_BARS`` holds huggingface_hub's bars off: transformers
+    imported under it starts with its own off and no call turns either on, so a stage need
+    not import transformers (most of a second at the command's start) to switch them."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_DISABLE_PROGRESS_BARS is True
 
 
 _lock = threading.Lock()
