@@ -19,7 +19,12 @@ from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
 from precision_convert.core.dtypes import FP16_MAX, FP32, TARGETS, DType, Target, from_config_string
 from precision_convert.core.errors import InputError, did_you_mean
-from precision_convert.core.names import matches_self_or_ancestor, units, validate_pattern
+from precision_convert.core.names import (
+    matches_self_or_ancestor,
+    module_of,
+    units,
+    validate_pattern,
+)
 from precision_convert.recipes import ISLAND_REASONS, Recipe
 
 #: Its key in a diffusers model's config: diffusers warns about every config key its class does
@@ -88,6 +93,9 @@ class ModelPlan:
     islands: tuple[Island, ...]
     config_flags: Mapping[str, Any]
     warnings: tuple[str, ...]
+    #: Tied parameters: every other name of a stored tensor (``lm_head.weight``) -> its stored
+    #: name (``model.embed_tokens.weight``); the loaded model holds both, in one dtype.
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def compute(self) -> DType:
@@ -136,6 +144,7 @@ class ModelPlan:
             islands={i.name: i.reason for i in sorted(self.islands, key=lambda i: i.name)},
             recipe=self.recipe,
             plan_sha256=self.sha256,
+            tied=dict(sorted(self.tied.items())),
         )
 
 
@@ -153,6 +162,7 @@ class PlanRecord:
     islands: Mapping[str, str] = field(default_factory=dict)  # fp32 name -> reason
     recipe: str | None = None
     plan_sha256: str | None = None
+    tied: Mapping[str, str] = field(default_factory=dict)  # other name -> stored tensor name
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -171,29 +181,36 @@ class PlanRecord:
             "islands": dict(self.islands),
             "recipe": self.recipe,
             "plan_sha256": self.plan_sha256,
+            # Absent, not empty, where nothing is tied: such a record reads as before.
+            "tied": dict(self.tied) or None,
         }
         return {**{k: v for k, v in written.items() if v is not None}, **self.extra}
 
     @classmethod
     def from_dict(cls, data: Any) -> PlanRecord:
         """Read a record; ``ValueError`` when it is not an object with an ``fp32_modules``
-        list and an ``islands`` object."""
+        list and ``islands`` and ``tied`` objects (a record without ``tied``, as versions
+        before it wrote, ties nothing)."""
         if not isinstance(data, dict):
             raise ValueError("not an object")
         modules, islands = data.get("fp32_modules", []), data.get("islands", {})
+        tied = data.get("tied", {})
         if not isinstance(modules, list) or not isinstance(islands, dict):
             raise ValueError("fp32_modules must be a list and islands an object")
+        if not isinstance(tied, dict):
+            raise ValueError("tied must be an object")
         return cls(
             **{k: _text(data.get(k)) for k in _RECORD_TEXT_FIELDS},
             fp32_modules=tuple(str(m) for m in modules),
             islands={str(k): str(v) for k, v in islands.items()},
+            tied={str(k): str(v) for k, v in tied.items()},
             extra={k: v for k, v in data.items() if k not in _RECORD_FIELDS},
         )
 
 
 #: The record's fields that hold one string, and all of its fields.
 _RECORD_TEXT_FIELDS = ("version", "target", "compute_dtype", "recipe", "plan_sha256")
-_RECORD_FIELDS = frozenset({*_RECORD_TEXT_FIELDS, "fp32_modules", "islands"})
+_RECORD_FIELDS = frozenset({*_RECORD_TEXT_FIELDS, "fp32_modules", "islands", "tied"})
 
 
 def _text(value: Any) -> str | None:
@@ -225,11 +242,13 @@ def build_plan(
 ) -> ModelPlan:
     """Decide the stored dtype of every tensor for ``target``.
 
-    ``tied``: modules that share a stored module's weights (``lm_head`` ->
-    ``model.embed_tokens``, see
-    :func:`~precision_convert.conversion.analysis.norms.tied_modules`). A recipe rule or a
-    ``--keep-fp32`` pattern naming either keeps both in fp32: the weight is stored once, and a
-    module holding it beside tensors of another dtype could not run.
+    ``tied``: parameters that share a stored tensor (``lm_head.weight`` ->
+    ``model.embed_tokens.weight``, see
+    :func:`~precision_convert.conversion.analysis.norms.tied_tensors`). A recipe rule, a
+    ``--keep-fp32`` pattern or any other island naming either module keeps both in fp32: the
+    weight is stored once, and a module holding it beside tensors of another dtype could not
+    run. The plan lists the module that stores nothing of its own (``lm_head``) as an island
+    too, with its holder's reason, so its record says what loads.
 
     ``runtime``: stored unit -> the module the model runs it as, where the library renames or
     fuses it on load (see
@@ -246,6 +265,9 @@ def build_plan(
 
     unit_set = set(all_units)
     run_names = dict(runtime or {})
+    # Tied parameters whose stored tensor is planned: the unit each name belongs to.
+    ties = {alias: holder for alias, holder in (tied or {}).items() if holder in unit_of}
+    tied_units = {alias: _unit_of_alias(alias, holder, unit_of) for alias, holder in ties.items()}
 
     def named(pattern: str) -> dict[str, str]:
         """Unit -> how ``pattern`` names it: itself, or a module sharing its weights."""
@@ -253,11 +275,13 @@ def build_plan(
         for unit, run_as in sorted(run_names.items()):
             if unit in unit_set and matches_self_or_ancestor(pattern, run_as):
                 hits.setdefault(unit, f" (run as {run_as})")
-        for alias, holder in sorted((tied or {}).items()):
-            if holder in unit_set and matches_self_or_ancestor(pattern, alias):
-                hits.setdefault(holder, f" ({alias} shares its weights)")
-            if alias in unit_set and holder in hits:
-                hits.setdefault(alias, f" (it shares {holder}'s weights)")
+        for alias, holder in sorted(ties.items()):
+            alias_unit, holder_unit = tied_units[alias], unit_of[holder]
+            if matches_self_or_ancestor(pattern, alias_unit):
+                hits.setdefault(alias_unit, "")
+                hits.setdefault(holder_unit, f" ({alias_unit} shares its weights)")
+            if holder_unit in hits:
+                hits.setdefault(alias_unit, f" (it shares {holder_unit}'s weights)")
         return hits
 
     def keep(unit: str, reason: str, rule: str) -> None:
@@ -301,6 +325,8 @@ def build_plan(
             warnings.append(f"{name}: {problem}; stored in fp16 anyway (target {target})")
     for island in _fused_with(islands, run_names):
         keep(island.name, island.reason, island.rule)
+    for island in _tied_with(islands, ties, tied_units, unit_of):
+        keep(island.name, island.reason, island.rule)
 
     compute = decoded.compute
     planned = tuple(
@@ -313,9 +339,11 @@ def build_plan(
         )
         for t in tensors
     )
-    # An island whose unit holds no floating tensor keeps nothing: leave it out of the record.
+    # An island whose unit holds no floating tensor keeps nothing: leave it out of the record,
+    # unless it holds a tied tensor another island stores (the head tied to the embedding).
     float_units = {t.unit for t in planned if t.source.is_float}
-    kept = tuple(islands[u] for u in sorted(islands) if u in float_units)
+    held = {tied_units[a] for a, h in ties.items() if unit_of[h] in islands}
+    kept = tuple(islands[u] for u in sorted(islands) if u in float_units or u in held)
     return ModelPlan(
         decoded,
         recipe.name,
@@ -323,7 +351,36 @@ def build_plan(
         kept,
         dict(recipe.config_flags(target)),
         tuple(warnings),
+        ties,
     )
+
+
+def _unit_of_alias(alias: str, holder: str, unit_of: Mapping[str, str]) -> str:
+    """The unit a tied parameter's other name belongs to: its own when stored, else its
+    module's (a tensor held directly by a container is its own unit, as its holder is)."""
+    if alias in unit_of:
+        return unit_of[alias]
+    return alias if unit_of[holder] == holder else module_of(alias)
+
+
+def _tied_with(
+    islands: Mapping[str, Island],
+    ties: Mapping[str, str],
+    tied_units: Mapping[str, str],
+    unit_of: Mapping[str, str],
+) -> list[Island]:
+    """Islands for the units holding a tied parameter whose other holder is an island: one
+    parameter holds one dtype, so each name of it follows the island (the embedding kept for
+    its range keeps the head tied to it, and the head's own bias)."""
+    out: list[Island] = []
+    for alias, holder in sorted(ties.items()):
+        alias_unit, holder_unit = tied_units[alias], unit_of[holder]
+        for kept, follows in ((holder_unit, alias_unit), (alias_unit, holder_unit)):
+            island = islands.get(kept)
+            if island is not None and follows not in islands:
+                out.append(Island(follows, island.reason, f"{island.rule} (tied to {kept})"))
+                break
+    return out
 
 
 def _fused_with(islands: Mapping[str, Island], runtime: Mapping[str, str]) -> list[Island]:

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 CACHE_VARIABLE = "PRECISION_CONVERT_CACHE"
 _DISABLED = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
 #: Bump when the layout of an entry or the meaning of its key changes.
-SCHEMA = 3
+SCHEMA = 4  # 3: the state dict's keys kept; 4: tied groups name parameters, not modules
 #: Top-level config fields that name, date or type a checkpoint without shaping its modules
 #: (and our own record, written into converted configs under either name).
 IGNORED_CONFIG_KEYS = frozenset(
@@ -71,8 +71,8 @@ _MAX_ENTRY_BYTES = 64 * 1024 * 1024
 @dataclass(frozen=True)
 class SkeletonNorms:
     """What a skeleton says: its normalization modules, its base-model prefix, the groups of
-    modules that hold one parameter between them (a head tied to the embedding), and the keys
-    of its state dict (the names its tensors load under)."""
+    parameter names that are one parameter (a head's weight tied to the embedding's), and the
+    keys of its state dict (the names its tensors load under)."""
 
     modules: frozenset[str]
     prefix: str

@@ -72,36 +72,49 @@ def skeleton_norms(
     return found
 
 
-def tied_modules(source: ModelSource, *, trust_remote_code: bool = False) -> dict[str, str]:
-    """Modules that share a parameter with a module the checkpoint stores it under (a head
-    tied to the embedding: ``lm_head`` -> ``model.embed_tokens``); each in checkpoint names
-    where it stores tensors of its own, else as the model names it. Empty when no skeleton can
-    be built.
+def tied_tensors(source: ModelSource, *, trust_remote_code: bool = False) -> dict[str, str]:
+    """Parameters that share their storage with a tensor the checkpoint stores (a head tied
+    to the embedding: ``lm_head.weight`` -> ``model.embed_tokens.weight``): every name of the
+    skeleton's shared parameter that the checkpoint does not store -> the one it stores. Names
+    are the checkpoint's where it stores the tensor's module, else the model's. Empty when no
+    skeleton can be built.
 
     The checkpoint stores a tied parameter once, under one of its names, so a user's name for
-    the other module matches no stored tensor of it; this says which stored one it is."""
+    the other module matches no stored tensor of it; this says which stored one it is. A name
+    the checkpoint stores too is its own tensor, not an alias: transformers leaves such names
+    untied when their values differ (a T5 whose config unties the head stores all four)."""
     found = skeleton_norms(source, trust_remote_code=trust_remote_code)
     if found is None:
         return {}
-    stored = {module_of(t.name) for t in source.tensors()}
+    names = {t.name for t in source.tensors()}
+    modules = {module_of(name) for name in names}
     out: dict[str, str] = {}
     for group in found.tied:
-        named = [(stored_spelling(m, found.prefix, stored), m) for m in group]
-        holder = next((name for name, _ in named if name is not None), None)
+        spelled = [_spelled(name, found.prefix, names, modules) for name in group]
+        holder = next((name for name, stored in spelled if stored), None)
         if holder is None:
             continue
-        out.update({name or model_name: holder for name, model_name in named if name != holder})
+        out.update({name: holder for name, stored in spelled if not stored})
     return out
 
 
+def _spelled(parameter: str, prefix: str, names: set[str], modules: set[str]) -> tuple[str, bool]:
+    """``parameter`` as the checkpoint spells it, and whether the checkpoint stores it: its
+    own stored name, else its module's stored spelling with its own leaf, else as is."""
+    stored = stored_spelling(parameter, prefix, names)
+    if stored is not None:
+        return stored, True
+    module, _, leaf = parameter.rpartition(".")
+    owner = stored_spelling(module, prefix, modules) if module else None
+    return (f"{owner}.{leaf}" if owner else parameter), False
+
+
 def _tied_groups(model: Any) -> tuple[tuple[str, ...], ...]:
-    """Groups of module names holding one parameter object between them, sorted."""
-    holders: dict[int, set[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for param in module._parameters.values():
-            if param is not None:
-                holders.setdefault(id(param), set()).add(name)
-    return tuple(sorted({tuple(sorted(names)) for names in holders.values() if len(names) > 1}))
+    """Groups of parameter names (``lm_head.weight``) that are one parameter object, sorted."""
+    names: dict[int, set[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), set()).add(name)
+    return tuple(sorted({tuple(sorted(group)) for group in names.values() if len(group) > 1}))
 
 
 def _is_normalization(module: Any) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from precision_convert.api.options import ConversionOptions, OptionKeywords
-from precision_convert.conversion.analysis.norms import normalization_modules, tied_modules
+from precision_convert.conversion.analysis.norms import normalization_modules, tied_tensors
 from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.finite import SourceRead, read_source
@@ -175,13 +175,9 @@ def plan_model(
         norms = set()
     if ranges is None and decoded.range_limited:
         ranges = scan_ranges(tensors if pool is None else [PooledTensor(t, pool) for t in tensors])
-    # Names that only a module sharing a stored one's weights answers to (a tied lm_head),
-    # wherever a pattern may name one: the user's, or a -safe target's recipe rules.
-    tied = (
-        tied_modules(model, trust_remote_code=trust_remote_code)
-        if keep_fp32 or (decoded.safe and chosen.rules_for(decoded.value))
-        else {}
-    )
+    # Names that only a module sharing a stored one's weights answers to (a tied lm_head):
+    # what a pattern may name, what follows an island, and what the record lists as tied.
+    tied = tied_tensors(model, trust_remote_code=trust_remote_code)
     # The modules the model runs where they differ from the stored ones (fused MoE experts):
     # what a pattern may name, and what islands must cover whole.
     runtime = (

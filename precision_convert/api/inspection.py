@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_convert.conversion.analysis.norms import normalization_modules
+from precision_convert.conversion.analysis.norms import normalization_modules, tied_tensors
 from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
 from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
+from precision_convert.conversion.runtime.record import read_record
 from precision_convert.core.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
+from precision_convert.core.errors import InputError, one_line
 from precision_convert.core.names import units
 from precision_convert.core.quiet import quiet_libraries
 from precision_convert.recipes import match as match_recipe
@@ -29,7 +31,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Hazard:
-    kind: str  # "mixed-dtype", "fp16-overflow", "fp16-flush", "non-finite", "config-dtype"
+    # "mixed-dtype", "fp16-overflow", "fp16-flush", "non-finite", "config-dtype", "record"
+    kind: str
     name: str
     detail: str
 
@@ -52,6 +55,10 @@ class ComponentReport:
     modules: list[ModuleRow]
     hazards: list[Hazard]
     islands: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> name -> reason
+    # Other names of stored tensors (a tied head's weight) -> the stored name.
+    tied: dict[str, str] = field(default_factory=dict)
+    # The precision_convert record of a converted model, as written (None: not converted).
+    record: dict[str, Any] | None = None
     calibration: Calibration | None = None
     chart: Path | None = None
 
@@ -106,6 +113,8 @@ class ComponentReport:
             ],
             "hazards": [{"kind": h.kind, "name": h.name, "detail": h.detail} for h in self.hazards],
             "islands": self.islands,
+            "tied": self.tied,
+            "record": self.record,
             "calibration": calibration,
         }
 
@@ -235,6 +244,12 @@ def _inspect_model(
     recipe = match_recipe(model.library, model.class_name, model.model_type)
     norms = normalization_modules(model, trust_remote_code=trust_remote_code)
     runtime = runtime_modules(model, trust_remote_code=trust_remote_code)  # fused experts
+    tied = tied_tensors(model, trust_remote_code=trust_remote_code)
+    try:
+        record = read_record(model)
+    except InputError as exc:  # pc.load would refuse it: a hazard, not a reason to stop
+        record = None
+        hazards.append(Hazard("record", model.config_name, one_line(exc)))
     islands = {
         target: {
             i.name: i.reason
@@ -244,6 +259,7 @@ def _inspect_model(
                 recipe=recipe,
                 normalization=norms,
                 ranges=ranges,
+                tied=tied,
                 runtime=runtime,
             ).islands
         }
@@ -259,6 +275,8 @@ def _inspect_model(
         modules,
         hazards,
         islands,
+        tied,
+        record.to_dict() if record is not None else None,
     )
     if chart is not None:
         _calibrate(report, model, chart, trust_remote_code, norms, ranges, probes)

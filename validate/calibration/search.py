@@ -26,11 +26,12 @@ from precision_convert.conversion.analysis.activations import (
     carriage,
     search_islands,
 )
-from precision_convert.conversion.io.source import ModelSource
+from precision_convert.conversion.io.source import ModelSource, open_source
 from precision_convert.conversion.output import write_model
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
+from precision_convert.conversion.runtime.record import loaded_mismatch
 from precision_convert.core.names import module_of
 from precision_convert.validation.calibration.watch import (
     CARRIED,
@@ -132,7 +133,11 @@ class _Search:
         it is the plan written."""
         last = self.last if self.last.get("plan") == plan.sha256 else {}
         return PriorRuns(
-            self.swept, last.get("weights"), last.get("outputs"), last.get("by_attention", {})
+            self.swept,
+            last.get("weights"),
+            last.get("outputs"),
+            last.get("by_attention", {}),
+            last.get("mismatch"),
         )
 
 
@@ -323,11 +328,19 @@ def _candidate_passes(
                 weights=weights_digest(directory),
                 outputs=by_attention.pop(None),
                 by_attention=by_attention,
+                mismatch=_record_mismatch(candidate.model, directory),
             )
             return True
         except RUN_ERRORS as exc:
             logger.info("candidate failed to run: %s", exc)
             return False
+
+
+def _record_mismatch(model: Any, directory: Path) -> str | None:
+    """How the dtypes of the candidate ``model`` loaded from ``directory`` disagree with the
+    record written there (validation's check, made here where ``pc.load`` built it)."""
+    written = open_source(directory)
+    return loaded_mismatch(model, written) if isinstance(written, ModelSource) else None
 
 
 def _run_until_failure(

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
+from precision_convert.conversion.runtime.record import loaded_mismatch
 from precision_convert.core.errors import one_line
 from precision_convert.core.progress import expect, stage
 from precision_convert.validation.certify.components import (
@@ -84,7 +86,9 @@ def _validate_whole(
     metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
     if shared is not None and shared.candidate is not None:
         compared = compare_outputs(component.name, frozen, base_out, shared.candidate, thresholds)
-        errors: list[str] = []
+        # Calibration's pc.load of these very files was checked against their record.
+        mismatch = shared.candidate_mismatch
+        errors = [f"{component.name or 'model'}: {mismatch}"] if mismatch else []
     else:
         compared, errors = _compare_candidate(
             lambda: load(
@@ -98,6 +102,7 @@ def _validate_whole(
             thresholds,
             device,
             component.compute_dtype,
+            recorded=component.converted,
         )
     metrics += compared
     errors += predicted_failures(component, swept.inputs)
@@ -190,16 +195,22 @@ def _compare_candidate(
     thresholds: Mapping[str, float],
     device: torch.device,
     dtype: torch.dtype | None = None,
+    *,
+    recorded: ModelSource | None = None,
 ) -> tuple[list[Measurement], list[str]]:
     """The converted model (or pipeline) through ``pc.load``, run on ``inputs`` and compared
     with the baseline's outputs; freed before returning, so the library's own loads that
-    follow come in one at a time. A candidate that fails to run is an error, not a crash."""
+    follow come in one at a time. A candidate that fails to run is an error, not a crash, and
+    so is a model whose parameters' dtypes are not the ones the record of ``recorded`` (the
+    files it was loaded from) says (:func:`loaded_mismatch`)."""
     with freed(device=device) as candidate:
         try:
             candidate.model = load_candidate()
+            mismatch = loaded_mismatch(candidate.model, recorded) if recorded else None
+            errors = [f"{name or 'model'}: {mismatch}"] if mismatch else []
             with stage("pc.load"):
                 outputs = run_probes(candidate.model, inputs, device, dtype)
-            return compare_outputs(name, inputs, baseline, outputs, thresholds), []
+            return compare_outputs(name, inputs, baseline, outputs, thresholds), errors
         except RUN_ERRORS as exc:
             what = "pipeline" if name == "pipeline" else "model"
             return [], [f"{name or 'model'}: the converted {what} failed to run: {one_line(exc)}"]

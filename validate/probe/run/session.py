@@ -117,12 +117,15 @@ class PriorRuns:
     fp32 session, and the outputs of the last candidate it checked through ``pc.load`` (under
     the default attention implementation and each other one) with the digest of that
     candidate's weight files (:func:`weights_digest`): when the output's files are byte for
-    byte the same, ``pc.load`` of the output gives these very outputs."""
+    byte the same, ``pc.load`` of the output gives these very outputs, and the dtypes that
+    candidate loaded in disagreed with its record as ``candidate_mismatch`` says (None: they
+    agreed)."""
 
     swept: Swept
     candidate_weights: str | None = None
     candidate: Outputs | None = None
     candidate_by_attention: Mapping[str, Outputs] = field(default_factory=dict)
+    candidate_mismatch: str | None = None
 
 
 def weights_digest(directory: Path) -> str:
