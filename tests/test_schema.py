@@ -97,6 +97,15 @@ def test_inspect_json_matches_its_schema(tiny_model: Any, tmp_path: Path) -> Non
     _assert_valid("inspect", payload)
 
 
+def test_inspect_json_of_a_converted_model_matches_its_schema(converted: Any) -> None:
+    """A converted model's record and its tied head are part of the documented report."""
+    payload = json.loads(json.dumps(inspect_source(converted.output).to_json(), default=str))
+    component = payload["components"][0]
+    assert component["record"]["plan_sha256"] == converted.components[0].plan.sha256
+    assert component["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    _assert_valid("inspect", payload)
+
+
 def test_a_certificate_is_read_back_against_its_schema(converted: Any, tmp_path: Path) -> None:
     """What a reader trusts is what the schema describes: a field of the wrong kind, an
     unknown one or another format version is refused by name, and push refuses it."""
