@@ -19,6 +19,10 @@ LEVELS = ("quick", "standard", "thorough")
 DEFAULT_LEVEL = "standard"
 #: The context search's share of the certificate's floor at ``standard``: at most a quarter.
 CONTEXT_SEARCH_SHARE = 0.25
+#: The longest sequence any probe runs, whatever the level or the config says: a config may
+#: declare 2^31 positions, and a forward of more than a million tokens fits no accelerator
+#: today. Positions past it are recorded as untested (:func:`~.positions.reach`).
+LONGEST_SEQUENCE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class Budget:
 
     level: str
     #: Longest sequence swept; the model's position limit when that is smaller. None: the
-    #: whole position range, however long.
+    #: whole position range, up to :data:`LONGEST_SEQUENCE`.
     max_length: int | None
     #: Lengths doubling from :data:`~.token_probes.FIRST_LENGTH` to the longest (else only
     #: the longest).
@@ -66,7 +70,8 @@ class Budget:
     #: side) may take: 2 GiB holds SDXL's VAE at 1024 px (512 MiB at its first level) and a
     #: UNet at 128x128 latents; a bigger forward is recorded as not run.
     declared_activation_bytes: int = 2 << 30
-    #: Whether declared image and latent sides run at all (declared frame counts always do).
+    #: Whether declared image and latent sides run at all (declared frame counts run at every
+    #: level, where one forward fits ``declared_activation_bytes``).
     declared_sides: bool = True
     #: Share of the certificate's floor (comparing by hand: the fp32 sweep and the candidate's
     #: sweep of the same probes, estimated as twice the fp32 sweep's time) the search for the

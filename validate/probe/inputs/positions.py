@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from precision_convert.core import interrupts
 from precision_convert.validation.probe.inputs.budgets import Budget
 from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
@@ -82,14 +83,17 @@ def position_probes(
     if not cap or not addressable or start >= spec.limit:
         return []
     width = min(POSITION_ROW, spec.limit)
-    starts = list(range(start, spec.limit, width))
-    starts[-1] = min(starts[-1], spec.limit - width)  # full rows, the last ends at the limit
+    # Row i starts at start + i * width, the last one moved back to end at the limit; only
+    # the rows run are made, so a declared limit of 2^31 costs no more than a short one.
+    rows = -(-(spec.limit - start) // width)
     trimmed = "logits_to_keep" in parameters_of(model.forward)
     per_probe = trimmed_tokens if trimmed and not budget.memory_bound else budget.tokens_per_probe
     rows_per_probe = max(1, per_probe // width)
-    if len(starts) > cap * rows_per_probe:  # spread evenly, first and last kept
-        picks = torch.linspace(0, len(starts) - 1, cap * rows_per_probe).round().long()
-        starts = [starts[i] for i in sorted(set(picks.tolist()))]
+    picked: Sequence[int] = range(rows)
+    if rows > cap * rows_per_probe:  # spread evenly, first and last kept
+        spread = torch.linspace(0, rows - 1, cap * rows_per_probe).round().long()
+        picked = sorted(set(spread.tolist()))
+    starts = [min(start + i * width, spec.limit - width) for i in picked]
     offset = table_offset(model)
     probes = []
     for first in range(0, len(starts), rows_per_probe):
@@ -169,35 +173,40 @@ def reach(inputs: ModelInputs) -> dict[str, Any]:
 
 
 def _token_reach(probes: Sequence[Probe], limits: Mapping[str, Any]) -> dict[str, Any]:
+    """Vocabulary, positions and context reached, in memory that grows with the probes run,
+    never with the declared vocabulary or position limit (a config may declare 2^31)."""
     arg = str(limits["argument"])
     vocab, limit = int(limits["vocab_size"]), int(limits["position_limit"])
-    seen = torch.zeros(vocab, dtype=torch.bool)
-    covered = torch.zeros(limit, dtype=torch.bool)
+    seen: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []  # covered positions, [first, stop)
     for probe in probes:
+        interrupts.check()  # a signal some library swallowed still ends the run here
         ids = probe.kwargs.get(arg)
         if not isinstance(ids, torch.Tensor) or not ids.dim():
             continue
         flat = ids.reshape(-1)
-        seen[flat[(flat >= 0) & (flat < vocab)]] = True
+        seen.append(flat[(flat >= 0) & (flat < vocab)].unique())
         if probe.sweep.get("kind") == "positions":
             row = int(probe.sweep["row"])
-            for start in probe.sweep["starts"]:
-                covered[start : start + row] = True
+            spans += [(start, start + row) for start in probe.sweep["starts"]]
         else:
-            covered[: int(ids.shape[-1])] = True
+            spans.append((0, int(ids.shape[-1])))
+    covered = _union(spans, limit)
+    reached = sum(stop - first for first, stop in covered)
+    ids_reached = int(torch.cat(seen).unique().numel()) if seen else 0
     context = longest_row(probes, arg)
     positions: dict[str, Any] = {
         "limit": limit,
-        "reached": int(covered.sum()),
-        "untested": _ranges(~covered),
+        "reached": reached,
+        "untested": _listed(_gaps(covered, limit)),
     }
-    if not limits.get("position_ids") and not bool(covered.all()):
+    if not limits.get("position_ids") and reached < limit:
         positions["why"] = "the forward takes no position_ids: positions past the context run"
     return {
         "vocabulary": {
             "size": vocab,
-            "reached": int(seen.sum()),
-            "untested_ids": vocab - int(seen.sum()),
+            "reached": ids_reached,
+            "untested_ids": vocab - ids_reached,
         },
         "positions": positions,
         "context": {
@@ -208,15 +217,34 @@ def _token_reach(probes: Sequence[Probe], limits: Mapping[str, Any]) -> dict[str
     }
 
 
-def _ranges(mask: torch.Tensor) -> list[Any]:
-    """The runs of True in ``mask`` as inclusive ``[first, last]`` pairs (the first
-    :data:`LISTED_RANGES`, then a count of the rest)."""
-    if not bool(mask.any()):
-        return []
-    edges = torch.diff(mask.to(torch.int8), prepend=torch.tensor([0]), append=torch.tensor([0]))
-    firsts = (edges == 1).nonzero().flatten().tolist()
-    lasts = ((edges == -1).nonzero().flatten() - 1).tolist()
-    runs: list[Any] = [[a, b] for a, b in zip(firsts, lasts, strict=True)]
+def _union(spans: Sequence[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """``spans`` (each ``[first, stop)``) cut to ``[0, limit)`` and merged where they touch or
+    overlap, in order."""
+    merged: list[tuple[int, int]] = []
+    for first, stop in sorted((max(0, a), min(limit, b)) for a, b in spans):
+        if first >= stop:
+            continue
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((first, stop))
+    return merged
+
+
+def _gaps(covered: Sequence[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """What ``covered`` (merged, in order) leaves of ``[0, limit)``, as ``[first, stop)``."""
+    gaps, edge = [], 0
+    for first, stop in covered:
+        if first > edge:
+            gaps.append((edge, first))
+        edge = stop
+    return [*gaps, (edge, limit)] if edge < limit else gaps
+
+
+def _listed(gaps: Sequence[tuple[int, int]]) -> list[Any]:
+    """``gaps`` as inclusive ``[first, last]`` pairs (the first :data:`LISTED_RANGES`, then a
+    count of the rest)."""
+    runs: list[Any] = [[first, stop - 1] for first, stop in gaps]
     if len(runs) > LISTED_RANGES:
         runs = [*runs[:LISTED_RANGES], f"{len(runs) - LISTED_RANGES} more ranges"]
     return runs

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from precision_convert.validation.probe.inputs.budgets import Budget
+from precision_convert.validation.probe.inputs.budgets import LONGEST_SEQUENCE, Budget
 from precision_convert.validation.probe.inputs.layouts import BATCH
 from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
@@ -454,7 +454,7 @@ def _length_probes(made: _TokenProbes, vocabulary_size: int) -> list[Probe]:
     spec, budget = made.spec, made.budget
     if spec.fixed is not None:
         return []
-    top = spec.limit if budget.max_length is None else min(spec.limit, budget.max_length)
+    top = min(spec.limit, budget.max_length or LONGEST_SEQUENCE)
     lengths = []
     if budget.doubling:
         n = FIRST_LENGTH
