@@ -64,6 +64,12 @@ PIXEL_SIDE = 64
 #: Latent frames for video models; 2 also differs from any channel count, which is what tells
 #: the (B, C, F, H, W) and (B, F, C, H, W) layouts apart.
 LATENT_FRAMES = 2
+#: Most a length read from a config may size a layout's tensor to (conditioning tokens,
+#: spectrogram frames, a temporal compression): far above any real model's (CogVideoX's 226
+#: text tokens, an audio transformer's 1024 frames), so only a hostile number is cut.
+DECLARED_LENGTH_CAP = 1 << 14
+#: The same for raw audio samples (wav2vec2's conv strides multiply to 320 a frame).
+DECLARED_SAMPLES_CAP = 1 << 20
 #: Denoising timestep fed to diffusion models: mid-schedule on the usual 0..1000 scale, and
 #: exact in fp16 and bf16 so baseline and candidate see the same value.
 TIMESTEP = 500.0
@@ -110,7 +116,7 @@ class _Ctx:
 
 
 def _side(value: Any, default: int, cap: int) -> int:
-    """A spatial size from a config value (int or [h, w]), capped to keep inference cheap."""
+    """A size from a config value (int or [h, w]), capped to keep inference cheap."""
     if isinstance(value, list | tuple):
         value = value[0]
     side = int(value) if value else default
@@ -199,9 +205,10 @@ def _speech_layouts(ctx: _Ctx) -> list[dict[str, torch.Tensor]]:
         if strides:
             # Raw audio: enough samples for ~24 output frames of the conv feature encoder.
             samples = math.prod(strides) * 24 + sum(ctx.cfg("conv_kernel") or [0])
+            samples = min(samples, DECLARED_SAMPLES_CAP)
             layouts.append({"input_values": 0.1 * ctx.randn("input_values", BATCH, samples)})
         if mel:
-            frames = int(ctx.cfg("max_length") or 64)
+            frames = _side(ctx.cfg("max_length"), 64, DECLARED_LENGTH_CAP)
             layouts.append({"input_values": ctx.randn("input_values", BATCH, frames, int(mel))})
     return layouts
 
@@ -347,7 +354,7 @@ def _latent_layouts(ctx: _Ctx, name: str) -> list[dict[str, Any]]:
 def _text_tokens(ctx: _Ctx) -> int:
     """Text length of a denoiser's conditioning: fixed where positional embeddings need it
     (CogVideoX's ``max_text_seq_length``), short otherwise."""
-    return int(ctx.cfg("max_text_seq_length") or TEXT_LEN // 2 + 2)
+    return _side(ctx.cfg("max_text_seq_length"), TEXT_LEN // 2 + 2, DECLARED_LENGTH_CAP)
 
 
 def _encoder_states(ctx: _Ctx) -> dict[str, torch.Tensor]:
@@ -432,7 +439,7 @@ def _denoiser_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
 def _autoencoder_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     channels = int(ctx.cfg("in_channels") or 3)
     side = _side(ctx.cfg("sample_size", "sample_height"), PIXEL_SIDE, PIXEL_SIDE)
-    frames = 1 + int(ctx.cfg("temporal_compression_ratio") or 4)
+    frames = 1 + _side(ctx.cfg("temporal_compression_ratio"), 4, DECLARED_LENGTH_CAP)
     video = ctx.cfg("temporal_compression_ratio") is not None
     four = smooth_image(ctx.gen("sample"), BATCH, channels, side, side)
     five = smooth_image(ctx.gen("sample"), BATCH, channels, frames, side, side)

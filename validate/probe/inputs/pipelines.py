@@ -9,11 +9,12 @@ Two calls of a prompt, two denoising steps and a decode:
   generate (SD-style: ``unet.config.sample_size * vae_scale_factor``, 1024 px for SDXL's
   declaration; CogVideoX: ``sample_frames``, 49). Overflow can grow with the image side and
   frame count, so a run at small sizes alone passes a pipeline that is NaN at its defaults.
-  The default frame count always runs; the default side where the level runs declared sides
-  (:attr:`~.budgets.Budget.declared_sides`) and the largest fp32 activation of the call (the
-  denoiser's tokens, the VAE's decode) fits :attr:`~.budgets.Budget.declared_activation_bytes`,
-  else the small side, and the sizes record says why. The call is the library's default:
-  untiled unless the pipeline tiles by default.
+  The default frame count runs where the call at the small sides fits
+  :attr:`~.budgets.Budget.declared_activation_bytes`; the default side where the level runs
+  declared sides (:attr:`~.budgets.Budget.declared_sides`) and the largest fp32 activation of
+  the call (the denoiser's tokens, the VAE's decode) fits it, else the small side; the sizes
+  record says why. The call is the library's default: untiled unless the pipeline tiles by
+  default.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from precision_convert.validation.probe.inputs.budgets import Budget, bytes_per_token
 from precision_convert.validation.probe.inputs.layouts import (
+    DECLARED_LENGTH_CAP,
     LATENT_FRAMES,
     SENTENCES,
     _side,
@@ -67,31 +69,46 @@ def pipeline_inputs(pipe: Any, budget: Budget, *, seed: int = 0) -> ModelInputs:
     config = denoiser.config if denoiser is not None else None
     text_tokens = config_get(config, "max_text_seq_length")
     if "max_sequence_length" in params and text_tokens:
-        kwargs["max_sequence_length"] = int(text_tokens)
+        kwargs["max_sequence_length"] = _side(text_tokens, 0, DECLARED_LENGTH_CAP)
     small, default = dict(kwargs), dict(kwargs)
     sizes: dict[str, Any] = {}
+    sides = bool(scale and "height" in params and "width" in params and config is not None)
+    small_side = {
+        axis: _side(
+            config_get(config, f"sample_{axis}") or config_get(config, "sample_size"),
+            budget.pipeline_latent_side,
+            budget.pipeline_latent_side,
+        )
+        * int(scale or 1)
+        for axis in (("height", "width") if sides else ())
+    }
     temporal = getattr(pipe, "vae_scale_factor_temporal", None)
     if "num_frames" in params and temporal:
         small["num_frames"] = default["num_frames"] = 1 + int(temporal) * (LATENT_FRAMES - 1)
         frames = _default_frames(params, config)
         if frames is not None:
-            default["num_frames"] = frames
-            sizes["frames"] = {"declared": frames, "run": max(frames, small["num_frames"])}
-    if config is not None and scale and "height" in params and "width" in params:
-        latent_side = budget.pipeline_latent_side
-        sides: dict[str, int] = {}
+            # Sized by what runs: the declared count where the call at the small sides fits.
+            if not sides or (
+                _activation_bytes(pipe, denoiser, small_side, frames, int(scale or 1))
+                <= budget.declared_activation_bytes
+            ):
+                default["num_frames"] = frames
+            run = max(default["num_frames"], small["num_frames"])
+            sizes["frames"] = _size(frames, run, budget, side=False)
+    if sides:
+        side_of: dict[str, int] = {}
         declared: dict[str, int | None] = {}
         for axis in ("height", "width"):
             value = config_get(config, f"sample_{axis}") or config_get(config, "sample_size")
-            small[axis] = _side(value, latent_side, latent_side) * int(scale)
-            declared[axis] = _side(value, 0, 1 << 30) * int(scale) or None
-            sides[axis] = declared[axis] or small[axis]
+            small[axis] = small_side[axis]
+            declared[axis] = _side(value, 0, 1 << 30) * int(scale or 1) or None
+            side_of[axis] = declared[axis] or small[axis]
         fits = budget.declared_sides and (
-            _activation_bytes(pipe, denoiser, sides, default.get("num_frames"), int(scale))
+            _activation_bytes(pipe, denoiser, side_of, default.get("num_frames"), int(scale or 1))
             <= budget.declared_activation_bytes
         )
         for axis in ("height", "width"):
-            default[axis] = sides[axis] if fits else small[axis]
+            default[axis] = side_of[axis] if fits else small[axis]
             sizes[axis] = _size(declared[axis], max(default[axis], small[axis]), budget)
     image_side = 8 * budget.pipeline_latent_side  # an image input's side without a height
     probes = [_probe(SMALL, small, params, seed, image_side)]

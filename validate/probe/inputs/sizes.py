@@ -7,8 +7,9 @@ small built probes, a sweep runs:
 
 - an autoencoder's encode and decode at its ``sample_size`` (pixels a side);
 - a denoiser at its declared latent frames (``sample_frames`` through the temporal
-  compression, or ``num_frames``), always, and at its ``sample_size`` (``sample_height`` /
-  ``sample_width``) latents a side.
+  compression, or ``num_frames``), at every level where one forward at the built side fits
+  :attr:`~.budgets.Budget.declared_activation_bytes`, and at its ``sample_size``
+  (``sample_height`` / ``sample_width``) latents a side.
 
 A side runs where the level runs declared sides (:attr:`~.budgets.Budget.declared_sides`:
 ``standard``, the default, and ``thorough``) and one forward's largest activation fits its
@@ -125,13 +126,16 @@ def _cheap(activation_bytes: int) -> bool:
     return activation_bytes <= GROWTH_ACTIVATION_BYTES
 
 
-def _size(declared: int | None, run: int, budget: Budget) -> dict[str, Any]:
-    """A size's record; a declared side larger than the one run says why it was not run."""
+def _size(
+    declared: int | None, run: int | None, budget: Budget, *, side: bool = True
+) -> dict[str, Any]:
+    """A size's record; a declared size larger than the one run says why it was not run
+    (``side``: a side, which a level may run none of; frame counts run at every level)."""
     record: dict[str, Any] = {"declared": declared, "run": run}
-    if declared is not None and declared > run:
+    if declared is not None and declared > (run or 0):
         record["not_run"] = (
             f"the {budget.level} level runs no declared sides (standard and thorough do)"
-            if not budget.declared_sides
+            if side and not budget.declared_sides
             else f"one forward is over the {budget.level} level's declared_activation_bytes "
             f"({budget.declared_activation_bytes >> 20} MiB for one activation)"
         )
@@ -198,14 +202,20 @@ def _denoiser(
     )
     side = declared_side(config)
     frames = declared_frames(config) if frame_axis is not None else None
-    run_frames = max(frames or 0, built_frames or 0) or None
     patch = _first(config_value(config, "patch_size")) or 1
     per_token = bytes_per_token(model, logits=False)
+    # Declared frames run at every level, at the built side, where one forward fits: a
+    # config may declare a million frames, and the probe is sized by what runs, not by it.
+    frames_fit = (frames or 0) * (built_side // patch) ** 2 * per_token
+    if frames is not None and frames_fit > budget.declared_activation_bytes:
+        run_frames = built_frames
+    else:
+        run_frames = max(frames or 0, built_frames or 0) or None
     fits = _fits((run_frames or 1) * ((side or built_side) // patch) ** 2 * per_token, budget)
     run_side = side if side is not None and side > built_side and fits else built_side
     record: dict[str, Any] = {"latent_side": _size(side, run_side, budget)}
     if frame_axis is not None:
-        record["latent_frames"] = {"declared": frames, "run": run_frames}
+        record["latent_frames"] = _size(frames, run_frames, budget, side=False)
     made = Latents(template, latent_name, latent.shape, frame_axis, chosen.seed, budget)
     probes = [
         made.probe(s, built_frames, GROWTH)
