@@ -21,6 +21,7 @@ import importlib
 import json
 import linecache
 import logging
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -90,6 +91,15 @@ def uses_remote_code(source: ModelSource, *, trust_remote_code: bool) -> bool:
     return trust_remote_code or _native_transformers_class(source) is None
 
 
+#: Bytes of tensors the weight files do not hold that building a model may allocate beyond
+#: the weights' own fp32 size: buffers its library computes from the config (rotary tables,
+#: position ids, sincos position embeddings) and parameters larger than those stored. A
+#: config that declares 10^9 positions, 10^6 frames or a 10^9 vocabulary would otherwise
+#: have the library allocate gigabytes before anything runs; a real model's buffers are a
+#: small part of its weights (CogVideoX-2B's 49-frame position table: 136 MB of 6.6 GB).
+UNSTORED_ALLOWANCE = 256 << 20
+
+
 def build_skeleton(
     source: ModelSource, *, trust_remote_code: bool = False, cls: ModelClass | None = None
 ) -> nn.Module:
@@ -99,6 +109,7 @@ def build_skeleton(
 
     chosen = adapter(source)
     cls = cls or model_class(source, trust_remote_code=trust_remote_code)
+    check_declared_sizes(source, cls, trust_remote_code=trust_remote_code)
     with library_errors(source, cls), init_empty_weights(include_buffers=False):
         model = chosen.skeleton(source, cls, trust_remote_code)
     tie_weights = getattr(model, "tie_weights", None)
@@ -118,8 +129,42 @@ def build_pretrained(
     ``dtype`` (OpenCLIP: its skeleton filled from the files)."""
     chosen = adapter(source)
     cls = cls or model_class(source, trust_remote_code=trust_remote_code)
+    check_declared_sizes(source, cls, trust_remote_code=trust_remote_code)
     with library_errors(source, cls):
         return chosen.pretrained(source, cls, dtype, trust_remote_code)
+
+
+def check_declared_sizes(source: ModelSource, cls: ModelClass, *, trust_remote_code: bool) -> None:
+    """Refuse a config whose model would take more memory in tensors the weight files do not
+    hold than the weights take in fp32 (and than :data:`UNSTORED_ALLOWANCE`): measured on a
+    build with every tensor on the meta device, so nothing is allocated.
+
+    Raises:
+        CannotBuildModel: naming the largest such tensor and its shape.
+    """
+    from accelerate import init_empty_weights
+
+    try:
+        with init_empty_weights(include_buffers=True):
+            model = adapter(source).skeleton(source, cls, trust_remote_code)
+    except Exception:  # code that needs real values at construction: the real build decides
+        return
+    stored = sum(math.prod(t.shape) for t in source.tensors())
+    tensors = {name: (4 * p.numel(), p.shape) for name, p in model.named_parameters()}
+    buffers = {name: (b.numel() * b.element_size(), b.shape) for name, b in model.named_buffers()}
+    extra = sum(size for size, _ in tensors.values()) - 4 * stored
+    unstored = sum(size for size, _ in buffers.values()) + max(0, extra)
+    if unstored <= max(UNSTORED_ALLOWANCE, 4 * stored):
+        return
+    tensors.update(buffers)
+    largest = max(tensors, key=lambda name: tensors[name][0])
+    raise CannotBuildModel(
+        f"{source.library} would allocate {unstored / 2**30:.1f} GiB that the weights "
+        f"({4 * stored / 2**20:.1f} MiB in fp32) do not hold to build {cls.__name__} from it "
+        f"(largest: {largest} {list(tensors[largest][1])}): a size it declares (positions, "
+        "vocabulary, sample size, frames) is out of range",
+        source.root / source.config_name,
+    )
 
 
 def key_map(model: nn.Module, source: ModelSource) -> KeyMap:
