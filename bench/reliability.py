@@ -109,11 +109,13 @@ def main() -> int:
     return 0 if not summary["failed"] and not failed_cases else 1
 
 
-#: The deterministic cases: each a fault injected at a known point, or two writers of one
-#: output raced, with what the tool must leave behind checked.
+#: The deterministic cases: each a fault injected at a known point, two writers of one output
+#: raced, or a resource run short, with what the tool must leave behind checked.
 CASES = {
     "file system": "tests/reliability/test_file_system.py",
     "concurrent writers": "tests/reliability/test_concurrency.py",
+    # a full disk, a small memory budget, declared sizes no probe can run, SIGTERM among them
+    "resources": "tests/reliability/test_resources.py",
 }
 
 
