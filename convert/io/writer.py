@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from precision_convert.conversion.io import tensors as _tensors
 from precision_convert.conversion.io.context import IOContext
 from precision_convert.conversion.io.tensors import LazyTensor
+from precision_convert.core import interrupts
 from precision_convert.core.dtypes import DType
 
 if TYPE_CHECKING:
@@ -105,6 +106,9 @@ def _write(
         sink.append(memoryview(header))
         for tensor, dtype in items:
             for chunk in tensor.chunks(io.reads):
+                # A signal that some code caught and dropped still stops the write here,
+                # one chunk after it arrived, instead of after the whole file.
+                interrupts.check()
                 consumed = chunk.numel() * tensor.dtype.itemsize
                 sink.append_cast(chunk, dtype)
                 del chunk  # frees its read buffer for the next chunk

@@ -11,7 +11,11 @@ every ``finally`` and context manager like a Ctrl-C. The exit code is ``128 + si
 Code that catches ``BaseException`` can swallow the exception: it was seen once in 50 trials
 while torch imported numpy, and the command then ran on as if nothing had been asked. So the
 handler also records each signal, and the two steps that cannot be taken back, renaming an
-output into place and the Hub commit, call :func:`check` first. Installing a signal handler
+output into place and the Hub commit, call :func:`check` first; so do long loops (each chunk
+the writer casts, each probe the bookkeeping of what probes reached reads), so that a run
+stops within a step of the signal. The handler runs between Python bytecodes only: one long
+torch op delays it, which is why no probe is sized by a declared number a config may blow
+up (positions, sides, frames), only by what runs. Installing a signal handler
 changes the process, so only code that owns its process (the command, a batch worker) calls
 :func:`watch`; for a library caller nothing is recorded and :func:`check` never fires.
 """
