@@ -134,6 +134,14 @@ def build_pretrained(
         return chosen.pretrained(source, cls, dtype, trust_remote_code)
 
 
+#: Configs :func:`check_declared_sizes` has passed in this process (see there).
+_SIZES_CHECKED: set[tuple[str, str, int]] = set()
+
+
+def _canonical_config(config: Mapping[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, default=str)
+
+
 def check_declared_sizes(source: ModelSource, cls: ModelClass, *, trust_remote_code: bool) -> None:
     """Refuse a config whose model would take more memory in tensors the weight files do not
     hold than the weights take in fp32 (and than :data:`UNSTORED_ALLOWANCE`): measured on a
@@ -144,17 +152,23 @@ def check_declared_sizes(source: ModelSource, cls: ModelClass, *, trust_remote_c
     """
     from accelerate import init_empty_weights
 
+    stored = sum(math.prod(t.shape) for t in source.tensors())
+    # A run builds the same model many times (baseline, candidates, each way of loading): the
+    # answer depends on the class, the config and the stored size only, so it is found once.
+    key = (f"{cls.__module__}.{cls.__qualname__}", _canonical_config(source.config), stored)
+    if key in _SIZES_CHECKED:
+        return
     try:
         with init_empty_weights(include_buffers=True):
             model = adapter(source).skeleton(source, cls, trust_remote_code)
     except Exception:  # code that needs real values at construction: the real build decides
         return
-    stored = sum(math.prod(t.shape) for t in source.tensors())
     tensors = {name: (4 * p.numel(), p.shape) for name, p in model.named_parameters()}
     buffers = {name: (b.numel() * b.element_size(), b.shape) for name, b in model.named_buffers()}
     extra = sum(size for size, _ in tensors.values()) - 4 * stored
     unstored = sum(size for size, _ in buffers.values()) + max(0, extra)
     if unstored <= max(UNSTORED_ALLOWANCE, 4 * stored):
+        _SIZES_CHECKED.add(key)
         return
     tensors.update(buffers)
     largest = max(tensors, key=lambda name: tensors[name][0])
