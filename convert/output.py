@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.io.context import IOContext
+from precision_convert.conversion.io.finite import SourceWatch
 from precision_convert.conversion.io.header import copied_metadata
 from precision_convert.conversion.io.source import ModelSource, variant_name
 from precision_convert.conversion.io.writer import write_file
@@ -49,6 +50,7 @@ def write_model(
     *,
     io: IOContext | None = None,
     variant: str | None = None,
+    watch: SourceWatch | None = None,
 ) -> list[str]:
     """Write ``model`` under ``plan`` into the existing directory ``out_dir``; returns the
     files written, relative to it.
@@ -59,10 +61,15 @@ def write_model(
     ``variant`` names the weight files as the Hub's variant of the source (``model.fp16.
     safetensors``…) and keeps the source's config unchanged, so the files can be added to the
     source repo beside its own: the dtype map travels in every shard's metadata only.
+
+    ``watch`` is the run's read of its source (:class:`SourceWatch`): each weight file is
+    hashed and checked as it is read here, not read once more for that.
     """
     if io is None:
         with IOContext() as own:
-            return write_model(model, plan, out_dir, on_progress, io=own, variant=variant)
+            return write_model(
+                model, plan, out_dir, on_progress, io=own, variant=variant, watch=watch
+            )
     block = plan.record(__version__).to_dict()
     stored = {t.name: t.stored for t in plan.tensors}
     written: list[str] = []
@@ -79,7 +86,8 @@ def write_model(
     weight_map: dict[str, str] = {}
     total = 0
     for weight_file in model.files:
-        items = [(t, stored[t.name]) for t in weight_file.tensors]
+        tensors = weight_file.tensors if watch is None else watch.watched(weight_file)
+        items = [(t, stored[t.name]) for t in tensors]
         metadata = {
             **copied_metadata(weight_file.metadata)[0],  # the source shard's own entries
             "format": "pt",

@@ -1,31 +1,49 @@
 """A source whose own weights hold NaN or ±inf is not certified.
 
-The read that hashes the source checks every floating tensor in the same pass: a broken
-source is refused before anything is written (exit 2, the tensor named); with
-``--allow-nonfinite-source`` it goes on and the certificate fails, naming the tensors and the
-probes its fp32 baseline could not answer, which count against coverage. Attention masks
-stored as ±inf by design are reported, not refused.
+The read that hashes the source checks every floating tensor in the same pass (in a
+conversion, the writer's own read): a broken source is refused with nothing written at the
+target (exit 2, the tensor named); with ``--allow-nonfinite-source`` it goes on and the
+certificate fails, naming the tensors and the probes its fp32 baseline could not answer,
+which count against coverage. Attention masks stored as ±inf by design are reported, not
+refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
+import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import _batch
 import _models
 import pytest
 import torch
-from _corrupt import assert_one_error_line, tree_digest
+from _corrupt import (
+    assert_one_error_line,
+    raw_safetensors,
+    shard,
+    tiny_source,
+    tree_digest,
+)
 from jsonschema import Draft202012Validator
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+import precision_convert.api.conversion as conversion
 import precision_convert.conversion.io.finite as finite
 from precision_convert.api.conversion import convert
 from precision_convert.cli.main import app
+from precision_convert.conversion.io import tensors as tensors_module
+from precision_convert.conversion.io.context import PREFETCH_THREAD
+from precision_convert.conversion.io.header import read_header
 from precision_convert.conversion.io.source import open_source
+from precision_convert.conversion.io.writer import write_file
 from precision_convert.errors import InputError
 from precision_convert.validation.certify.certificate import CERTIFICATE_NAME, measurements
 
@@ -221,3 +239,193 @@ allow_nonfinite_source = true
     assert not (run.output_dir / "refused-bf16").exists()
     assert allowed["status"] == "failed" and allowed["verdict"] == "fail", allowed
     assert "Traceback" not in run.stderr
+
+
+def test_nan_in_the_last_tensor_of_the_last_shard(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The check rides on the writer's reads, so the last tensor of the last shard is read
+    after every other shard was written: the run is still refused in one line, and the
+    staged shards go with it (no output directory, no staging, no lock), the source as it
+    was."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model("mistral-7b-v0.3"), src)
+    last = sorted(src.glob("*.safetensors"))[-1]
+    entry = read_header(last).tensors[-1]
+    assert entry.dtype.is_float and entry.nbytes
+    nan = torch.tensor([float("nan")], dtype=entry.dtype.torch).view(torch.uint8)
+    with last.open("r+b") as f:
+        f.seek(entry.begin)
+        f.write(nan.numpy().tobytes())
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    result = _cli("model", str(src), "--to", "bf16-safe", "--no-validate", "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert_one_error_line(result.stderr, f"{entry.name} (1 NaN)", "--allow-nonfinite-source")
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert tree_digest(src) == before
+
+
+class _SourceReads:
+    """Every read of ``files`` through ``os.open`` + ``os.pread[v]`` or ``Path.open``, as
+    (file, offset, bytes), but the prefetch thread's (it only warms the page cache for the
+    reads counted here), while ``counting``."""
+
+    def __init__(self, files: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        self.files = {f.resolve() for f in files}
+        self.reads: list[tuple[Path, int, int]] = []
+        self.counting = True
+        self._fds: dict[int, Path] = {}
+        real_open, real_close, real_io_open = os.open, os.close, io.open
+        real_preadv, real_pread = os.preadv, os.pread
+
+        def os_open(path: Any, *args: Any, **kwargs: Any) -> int:
+            fd = real_open(path, *args, **kwargs)
+            if self._watched(path):
+                self._fds[fd] = Path(path).resolve()
+            return fd
+
+        def os_close(fd: int) -> None:
+            self._fds.pop(fd, None)
+            real_close(fd)
+
+        def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+            n = real_preadv(fd, buffers, offset, *args)
+            self._record(self._fds.get(fd), offset, n)
+            return n
+
+        def pread(fd: int, size: int, offset: int) -> bytes:
+            data = real_pread(fd, size, offset)
+            self._record(self._fds.get(fd), offset, len(data))
+            return data
+
+        def io_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+            opened = real_io_open(file, *args, **kwargs)
+            return (
+                _CountedFile(opened, Path(file).resolve(), self) if self._watched(file) else opened
+            )
+
+        monkeypatch.setattr(os, "open", os_open)
+        monkeypatch.setattr(os, "close", os_close)
+        monkeypatch.setattr(os, "preadv", preadv)
+        monkeypatch.setattr(os, "pread", pread)
+        monkeypatch.setattr(io, "open", io_open)
+
+    def _watched(self, path: Any) -> bool:
+        return isinstance(path, str | Path) and Path(path).resolve() in self.files
+
+    def _record(self, path: Path | None, offset: int, size: int) -> None:
+        if path is None or not self.counting or not size:
+            return
+        if threading.current_thread().name.startswith(PREFETCH_THREAD):
+            return
+        self.reads.append((path, offset, size))
+
+    def times_read(self, path: Path) -> list[int]:
+        """How many times each byte of ``path`` was read."""
+        times = [0] * path.stat().st_size
+        for file, offset, size in self.reads:
+            if file == path.resolve():
+                for i in range(offset, offset + size):
+                    times[i] += 1
+        return times
+
+
+class _CountedFile:
+    """A file object whose reads ``reads`` records."""
+
+    def __init__(self, opened: Any, path: Path, reads: _SourceReads) -> None:
+        self._opened, self._path, self._reads = opened, path, reads
+
+    def read(self, size: int = -1) -> bytes:
+        offset = self._opened.tell()
+        data = self._opened.read(size)
+        self._reads._record(self._path, offset, len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        offset = self._opened.tell()
+        n = self._opened.readinto(buffer)
+        self._reads._record(self._path, offset, n or 0)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._opened, name)
+
+    def __enter__(self) -> _CountedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._opened.close()
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["no-validate", "certified"])
+def test_a_conversion_reads_each_source_byte_once(
+    validate: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's reads are the source's one read: every weight byte is read once, the
+    headers (parsed when the source is opened) aside; the certificate records the sha256 of
+    each whole file, the bytes the writer did not read (header, padding) included. Counted
+    up to the certificate's own run of the fp32 model, which loads the weights to run them."""
+    src = _llama(tmp_path / "src", 0.5)
+    shard(src, ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"])
+    weights = sorted(src.glob("*.safetensors"))
+    reads = _SourceReads(weights, monkeypatch)
+    certify = conversion._certify
+
+    def certify_uncounted(*args: Any, **kwargs: Any) -> Any:
+        reads.counting = False
+        return certify(*args, **kwargs)
+
+    monkeypatch.setattr(conversion, "_certify", certify_uncounted)
+    result = convert(src, to="bf16-safe", output=tmp_path / "out", validate=validate,
+                     coverage="quick")  # fmt: skip
+    for path in weights:
+        data_start = read_header(path).data_start
+        times = reads.times_read(path)
+        assert set(times[data_start:]) == {1}, path.name
+        assert min(times) >= validate, path.name  # hashed whole when certified
+    if validate:
+        assert result.certificate.source["files"] == {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in weights
+        }
+
+
+def test_the_writer_hashes_whole_files_with_gaps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file with padding between its tensors and bytes after the last one, read by the
+    writer in chunks that straddle tensors: its digest is hashlib's over the whole file and
+    the read finds what a read up front finds."""
+    monkeypatch.setattr(tensors_module, "CHUNK_BYTES", 100)
+    values = torch.randn(37)
+    values[3] = float("inf")
+    parts = {
+        "a": ("F32", [37], values.numpy().tobytes(), b"\x01" * 12),
+        "ids": ("I64", [5], torch.arange(5).numpy().tobytes(), b"\x02" * 3),
+        "c": ("F16", [50], torch.randn(50).half().view(torch.int16).numpy().tobytes(), b"tail"),
+    }
+    header: dict[str, object] = {}
+    data = b""
+    for name, (code, shape, raw, padding) in parts.items():
+        header[name] = {
+            "dtype": code,
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
+        data += raw + padding
+    src = tiny_source(tmp_path / "src")
+    raw_safetensors(src / "model.safetensors", header, data)
+    models = {"": open_source(src)}
+    watch = finite.SourceWatch(src, models, allow_nonfinite=True)
+    watch.read_ahead()
+    [weight_file] = models[""].files
+    out = tmp_path / "out.safetensors"
+    write_file(out, [(t, t.dtype) for t in watch.watched(weight_file)], {})
+    read = watch.result()
+    whole = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    assert read.files == {"model.safetensors": whole}
+    assert read.nonfinite == {"": (finite.NonFinite("a", 0, 1),)}
+    assert read == finite.read_source(src, models)
+    assert torch.equal(load_file(out)["a"], values)

@@ -4,31 +4,35 @@ for NaN and ±inf in the same read.
 A source whose own weights are not finite cannot be certified against: its fp32 baseline
 answers NaN where the weight is used, so the probes there judge nothing. The check rides on
 the read that hashes the source for the certificate, so it costs no second pass over the
-data: a safetensors file is read front to back in blocks of at most ``BLOCK_BYTES`` (memory
-stays flat whatever the tensor sizes), each block fed to the hash and, where it holds a
-floating tensor's values, to the check. A pickle checkpoint's tensors are already in memory
-(``torch.load(mmap=True)``): they are checked as they are, the file hashed beside them.
+data: a safetensors file's tensors are read in order in bounded chunks (memory stays flat
+whatever the tensor sizes), each chunk fed to the hash and, for a floating tensor, to the
+check; the bytes between tensors (the header, any padding) are read for the hash in blocks of
+at most ``BLOCK_BYTES``. A conversion does not read its source for this: the writer's own
+reads of the tensors it converts are watched (:class:`SourceWatch`). A pickle checkpoint's
+tensors are already in memory (``torch.load(mmap=True)``): they are checked as they are, the
+file hashed beside them, before anything is written.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from precision_convert.conversion.io.hashing import BLOCK_BYTES, HASH_THREADS
-from precision_convert.conversion.io.source import ModelSource
-from precision_convert.conversion.io.tensors import FileTensor, LazyTensor
+from precision_convert.conversion.io.source import ModelSource, WeightFile
+from precision_convert.conversion.io.tensors import BufferPool, FileTensor, LazyTensor
+from precision_convert.core.dtypes import DType
 from precision_convert.core.errors import InputError
 from precision_convert.core.progress import ledger_span
 
 if TYPE_CHECKING:
-    from hashlib import _Hash
-
     import torch
 
 #: A Hub cache blob is named by its sha256: taken as it is, not hashed again.
@@ -107,94 +111,260 @@ class SourceRead:
             )
 
 
-@ledger_span("read and hash the source")
 def read_source(root: Path, models: Mapping[str, ModelSource]) -> SourceRead:
     """Hash every weight file of ``models`` (by component; "" for a single model) and check
-    their floating tensors, files in parallel, each in one read."""
-    jobs = [(c, f.path, f.tensors) for c, model in models.items() for f in model.files]
-
-    def one(job: tuple[str, Path, Sequence[LazyTensor]]) -> tuple[str, list[NonFinite]]:
-        try:
-            return _read_file(job[1], job[2])
-        except OSError as exc:  # gone, unreadable or cut short since its header was read
-            raise InputError(f"cannot read the weights: {exc.strerror or exc}", job[1]) from None
-
-    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        results = list(pool.map(one, jobs))
-    files: dict[str, str] = {}
-    found: dict[str, list[NonFinite]] = {c: [] for c in models}
-    for (component, path, _), (digest, in_file) in zip(jobs, results, strict=True):
-        files[path.relative_to(root).as_posix()] = digest
-        found[component] += in_file
-    broken = {c: tuple(f) for c, f in found.items() if f}
-    return SourceRead(dict(sorted(files.items())), broken)
+    their floating tensors, files in parallel, each in one read. Nothing is refused here:
+    the caller decides (:meth:`SourceRead.refuse_broken`)."""
+    watch = SourceWatch(root, models, allow_nonfinite=True)
+    watch.read_ahead(everything=True)
+    return watch.result()
 
 
-def _read_file(path: Path, tensors: Sequence[LazyTensor]) -> tuple[str, list[NonFinite]]:
-    """``path``'s sha256 and its non-finite floating tensors, from one read of its bytes."""
-    resolved = path.resolve()
-    blob = resolved.parent.name == "blobs" and _BLOB.fullmatch(resolved.name)
-    stored = [t for t in tensors if isinstance(t, FileTensor) and t.path == path]
-    if len(stored) != len(tensors):  # a pickle's tensors, already in memory
-        found = [f for t in tensors if t.dtype.is_float for f in _check(t.name, t.chunks())]
-        if blob:
-            return resolved.name, found
-        with resolved.open("rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest(), found
-    digest = None if blob else hashlib.sha256()
-    found = _stream(resolved, sorted(stored, key=lambda t: t.begin), digest)
-    return (resolved.name if digest is None else digest.hexdigest()), found
+class SourceWatch:
+    """A conversion's one read of its source's weight files, riding on the writer's reads.
+
+    :meth:`watched` hands the writer a file's tensors wrapped so that each chunk it reads is
+    fed to the file's sha256 (in file order; the bytes it does not read, the header and any
+    padding, are read here in between) and each floating tensor's chunks are checked for NaN
+    and ±inf as they pass. A broken tensor stops the write at once, unless
+    ``allow_nonfinite``: the tensors not read yet are checked, so the refusal names them all,
+    as a read before the write would (the output is staged, so nothing reaches the target).
+
+    :meth:`read_ahead` reads now the files the writer cannot watch (a pickle checkpoint's
+    tensors are in memory, not read in file order), or every file when the weights are used
+    before the write (calibration runs the model on them), and refuses a broken source then.
+    Without ``hashed`` (nothing will certify the output), the files are only checked.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        models: Mapping[str, ModelSource],
+        *,
+        allow_nonfinite: bool,
+        hashed: bool = True,
+    ) -> None:
+        self.root = root
+        self.allow_nonfinite = allow_nonfinite
+        self._files = [
+            _FileCheck(component, f.path, f.tensors, hashed)
+            for component, model in models.items()
+            for f in model.files
+        ]
+        self._by_path = {f.path: f for f in self._files}
+
+    def read_ahead(self, *, everything: bool = False) -> None:
+        """Read the files the writer cannot watch (with ``everything``, all of them) now, in
+        parallel, and refuse a broken source unless ``allow_nonfinite``.
+
+        Raises:
+            InputError: a file that cannot be read, or broken weights (see
+                :meth:`SourceRead.refuse_broken`).
+        """
+        ahead = [f for f in self._files if everything or not f.streamed]
+        if not ahead:
+            return
+        with ledger_span("read and hash the source"), ThreadPoolExecutor(HASH_THREADS) as pool:
+            list(pool.map(_FileCheck.read, ahead))
+        self._read().refuse_broken(self.root, self.allow_nonfinite)
+
+    def watched(self, weight_file: WeightFile) -> tuple[LazyTensor, ...]:
+        """``weight_file``'s tensors for the writer, in file order: hashed and checked as
+        they are read (as they are, when the file was read ahead)."""
+        check = self._by_path[weight_file.path]
+        if check.done:
+            return weight_file.tensors
+        stop = None if self.allow_nonfinite else self._refuse
+        return tuple(_Watched(t, check, stop) for t in check.stored)
+
+    def result(self) -> SourceRead:
+        """What the read found, once the writer has read every file: each file's sha256 (the
+        bytes after its last tensor hashed here) and its broken tensors."""
+        for check in self._files:
+            check.finish()
+        return self._read()
+
+    def _refuse(self) -> None:
+        """A tensor the writer read is broken and not allowed: check the tensors not read yet
+        (not hashed: nothing will be certified) and refuse, naming them all."""
+        for check in self._files:
+            check.check_the_rest()
+        self._read().refuse_broken(self.root, self.allow_nonfinite)
+
+    def _read(self) -> SourceRead:
+        files: dict[str, str] = {}
+        found: dict[str, list[NonFinite]] = {}
+        for check in self._files:
+            if check.sha256 is not None:
+                files[check.path.relative_to(self.root).as_posix()] = check.sha256
+            found.setdefault(check.component, []).extend(check.nonfinite())
+        broken = {c: tuple(f) for c, f in found.items() if f}
+        return SourceRead(dict(sorted(files.items())), broken)
 
 
-def _stream(path: Path, tensors: Sequence[FileTensor], digest: _Hash | None) -> list[NonFinite]:
-    """Read ``path`` front to back in blocks into ``digest``, checking each floating tensor's
-    blocks (aligned to its element size) as they pass."""
-    import torch
+class _FileCheck:
+    """One weight file read once: its sha256 fed in file order from the pieces its reader
+    reads (the bytes between them read here), and its floating tensors' NaN and ±inf counted
+    as their chunks pass."""
 
-    buffer = bytearray(BLOCK_BYTES)
-    found: list[NonFinite] = []
-    with path.open("rb") as f:
-        position = 0
+    def __init__(
+        self, component: str, path: Path, tensors: Sequence[LazyTensor], hashed: bool
+    ) -> None:
+        self.component = component
+        self.path = path
+        self.resolved = path.resolve()
+        blob = self.resolved.parent.name == "blobs" and _BLOB.fullmatch(self.resolved.name)
+        self.tensors = tensors
+        stored = [t for t in tensors if isinstance(t, FileTensor) and t.path == path]
+        #: Every tensor read from the file itself: the writer's reads can feed its digest.
+        self.streamed = len(stored) == len(tensors)
+        self.stored = sorted(stored, key=lambda t: (t.begin, t.end))
+        self.sha256: str | None = self.resolved.name if blob and hashed else None
+        self.digest = hashlib.sha256() if hashed and not blob else None
+        self.position = 0  # bytes fed to the digest
+        self.found: dict[str, NonFinite] = {}
+        self.checked: set[str] = set()
+        self.done = False
 
-        def feed(end: int, itemsize: int = 1) -> Iterable[memoryview]:
-            nonlocal position
-            step = BLOCK_BYTES - BLOCK_BYTES % itemsize
-            while position < end:
-                view = memoryview(buffer)[: min(step, end - position)]
-                if f.readinto(view) != len(view):
+    def read(self) -> None:
+        """Read the whole file now, not as the writer goes."""
+        with _reading(self.path):
+            if self.streamed:
+                for tensor in self.stored:
+                    for _ in _Watched(tensor, self, None).chunks():
+                        pass
+            else:  # a pickle's tensors, already in memory: checked as they are, file hashed
+                self.check_the_rest()
+                if self.digest is not None:
+                    with self.resolved.open("rb") as f:
+                        self.sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+                    self.digest = None
+            self.finish()
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        """Hash ``data``, the file's bytes from ``offset`` on (the bytes before it that were
+        not fed yet are read here first)."""
+        if self.digest is None:
+            return
+        if offset < self.position:
+            raise ValueError(f"{self.path}: bytes from {offset} fed after {self.position}")
+        self._feed_gap(offset)
+        self.digest.update(data)
+        self.position += len(data)
+
+    def checked_tensor(self, name: str, nan: int, inf: int) -> NonFinite | None:
+        """Record ``name``'s counts; the tensor when it holds NaN or ±inf."""
+        self.checked.add(name)
+        if not (nan or inf):
+            return None
+        self.found[name] = NonFinite(name, nan, inf)
+        return self.found[name]
+
+    def check_the_rest(self) -> None:
+        """Check the floating tensors no reader has checked yet (their bytes not hashed)."""
+        for tensor in self.tensors:
+            if tensor.name not in self.checked:
+                nan, inf = _count_all(tensor.chunks()) if tensor.dtype.is_float else (0, 0)
+                self.checked_tensor(tensor.name, nan, inf)
+
+    def finish(self) -> None:
+        """Complete the read: the file's bytes not fed yet hashed, its tensors no reader
+        checked checked. Idempotent."""
+        if self.done:
+            return
+        self.check_the_rest()
+        if self.digest is not None:
+            self._feed_gap(None)
+            self.sha256 = self.digest.hexdigest()
+        self.done = True
+
+    def nonfinite(self) -> list[NonFinite]:
+        """The broken tensors found so far, in file order."""
+        return [self.found[t.name] for t in self.tensors if t.name in self.found]
+
+    def _feed_gap(self, end: int | None) -> None:
+        """Hash the file's bytes from what was fed so far to ``end`` (None: its end), in
+        blocks of at most ``BLOCK_BYTES``."""
+        assert self.digest is not None
+        if end == self.position:
+            return
+        with _reading(self.path), self.resolved.open("rb", buffering=0) as f:
+            end = os.fstat(f.fileno()).st_size if end is None else end
+            buffer = memoryview(bytearray(max(0, min(BLOCK_BYTES, end - self.position))))
+            f.seek(self.position)
+            while self.position < end:
+                got = f.readinto(buffer[: end - self.position])
+                if not got:
                     raise OSError("unexpected end of file (the file changed since it was opened)")
-                if digest is not None:
-                    digest.update(view)
-                position += len(view)
-                yield view
-
-        def skip(end: int) -> None:
-            for _ in feed(end):
-                pass
-
-        for t in tensors:
-            skip(t.begin)  # the header, and any padding between tensors
-            if t.dtype.is_float:
-                views = feed(t.end, t.dtype.itemsize)
-                found += _check(t.name, (torch.frombuffer(v, dtype=t.dtype.torch) for v in views))
-            else:
-                skip(t.end)
-        if digest is not None:
-            while block := f.readinto(buffer):
-                digest.update(memoryview(buffer)[:block])
-    return found
+                self.digest.update(buffer[:got])
+                self.position += got
 
 
-def _check(name: str, blocks: Iterable[torch.Tensor]) -> list[NonFinite]:
-    """NaN and ±inf counted over one tensor's ``blocks``. The common all-finite block costs
-    one sum (a NaN or ±inf anywhere makes it non-finite; a finite block whose sum overflows
-    is only counted, and found clean): several times faster than ``isfinite`` on each value."""
-    import torch
+@dataclass(frozen=True)
+class _Watched:
+    """``tensor`` whose chunks feed its file's digest and its NaN/±inf count as they are
+    read; ``stop`` is called when it turns out to hold them."""
 
+    tensor: FileTensor
+    file: _FileCheck
+    stop: Callable[[], None] | None
+
+    @property
+    def name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def dtype(self) -> DType:
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    def chunks(self, pool: BufferPool | None = None) -> Iterator[torch.Tensor]:
+        import torch
+
+        offset, nan, inf = self.tensor.begin, 0, 0
+        for chunk in self.tensor.chunks(pool):
+            raw = chunk.view(torch.uint8)
+            self.file.feed(offset, raw.numpy().data)
+            offset += raw.numel()
+            if self.dtype.is_float:
+                counted = _count(chunk)
+                nan, inf = nan + counted[0], inf + counted[1]
+            del raw
+            yield chunk
+        found = self.file.checked_tensor(self.name, nan, inf)
+        if found is not None and not found.by_design and self.stop is not None:
+            self.stop()
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A weight file that cannot be read (gone, unreadable or cut short since its header was
+    read): one line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise InputError(f"cannot read the weights: {exc.strerror or exc}", path) from None
+
+
+def _count_all(blocks: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """NaN and ±inf counted over one tensor's ``blocks``."""
     nan = inf = 0
     for block in blocks:
-        wide = torch.float64 if block.dtype == torch.float64 else torch.float32
-        if not bool(torch.isfinite(block.sum(dtype=wide))):
-            nan += int(torch.isnan(block).sum())
-            inf += int(torch.isinf(block).sum())
-    return [NonFinite(name, nan, inf)] if nan or inf else []
+        counted = _count(block)
+        nan, inf = nan + counted[0], inf + counted[1]
+    return nan, inf
+
+
+def _count(block: torch.Tensor) -> tuple[int, int]:
+    """NaN and ±inf in ``block``. The common all-finite block costs one sum (a NaN or ±inf
+    anywhere makes it non-finite; a finite block whose sum overflows is only counted, and
+    found clean): several times faster than ``isfinite`` on each value."""
+    import torch
+
+    wide = torch.float64 if block.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(block.sum(dtype=wide))):
+        return 0, 0
+    return int(torch.isnan(block).sum()), int(torch.isinf(block).sum())

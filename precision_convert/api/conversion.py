@@ -16,7 +16,7 @@ from precision_convert.api.options import ConversionOptions, OptionKeywords
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_tensors
 from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.context import IOContext
-from precision_convert.conversion.io.finite import SourceRead, read_source
+from precision_convert.conversion.io.finite import SourceRead, SourceWatch
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -311,23 +311,28 @@ def _convert(
             trust_remote_code=options.trust_remote_code, warn_of_cuts=not run.validate,
         )  # fmt: skip
     models = _models(opened)
-    # The source's weights, read once before anything is planned or written: hashed for the
-    # certificate, and refused when they hold NaN or ±inf.
-    read = read_source(root, models)
-    read.refuse_broken(root, options.allow_nonfinite_source)
     if options.variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
     if options.calibrate is None:  # on where fp16's range is at stake
         options = replace(options, calibrate=target.safe and target.range_limited)
+    # The source's weights, read once: hashed for the certificate (when one is made), and
+    # refused when they hold NaN or ±inf. The writer's reads are that read, but calibration
+    # runs the model on the weights before anything is written, and a pickle's tensors are
+    # in memory already: those are read now, before anything is planned.
+    watch = SourceWatch(
+        root, models, allow_nonfinite=options.allow_nonfinite_source, hashed=run.validate
+    )
+    watch.read_ahead(everything=bool(options.calibrate) and target.safe)
     # Validated in the staging directory and renamed into place with its certificate, so the
     # target holds nothing or a complete, certified output, however the run is stopped.
     # Calibration's probe outputs wait on disk for validation, which reuses them.
     with staged, _probe_outputs(bool(options.calibrate) and run.validate):
         components, written = _plan_and_write(
-            opened, models, staged, target, options, data, run.on_progress
+            opened, models, staged, target, options, data, run.on_progress, watch
         )
         certificate = None
         if run.validate:
+            read = watch.result()
             prior = {
                 c.name: c.calibration.runs
                 for c in components
@@ -355,9 +360,9 @@ def _certify(
     read: SourceRead,
 ) -> Certificate:
     """Validate the staged output against ``root`` (reusing ``prior``: calibration's probe
-    runs, by component, and ``read``: the source's weights as read up front); a run that
-    cannot validate keeps its output, with the failing certificate that says what is
-    missing."""
+    runs, by component, and ``read``: the source's weights as the conversion read them); a
+    run that cannot validate keeps its output, with the failing certificate that says what
+    is missing."""
     from precision_convert.validation.certify.runner import validate
     from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL
 
@@ -387,8 +392,10 @@ def _plan_and_write(
     options: ConversionOptions,
     data: CalibrationData | None,
     on_progress: ProgressHook | None,
+    watch: SourceWatch,
 ) -> tuple[list[ConvertedComponent], list[str]]:
-    """Plan every model and write the output into the staging directory."""
+    """Plan every model and write the output into the staging directory, the writer's reads
+    of the source watched by ``watch``."""
     # The run's buffers and prefetch thread: all released, the thread joined, before
     # validation (whether the conversion succeeds or fails).
     with IOContext() as io:
@@ -415,7 +422,7 @@ def _plan_and_write(
         ]
         try:
             written = _write(
-                opened, models, components, staged.path, on_progress, io, options.variant
+                opened, models, components, staged.path, on_progress, io, options.variant, watch
             )
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", staged.given) from None
@@ -503,6 +510,7 @@ def _write(
     on_progress: ProgressHook | None,
     io: IOContext,
     variant: str | None,
+    watch: SourceWatch,
 ) -> list[str]:
     written: list[str] = []
     if isinstance(opened, PipelineSource):
@@ -515,8 +523,9 @@ def _write(
         out_dir = staging / name if name else staging
         out_dir.mkdir(exist_ok=True)
         files = write_model(
-            models[name], component.plan, out_dir, on_progress, io=io, variant=variant
-        )
+            models[name], component.plan, out_dir, on_progress, io=io, variant=variant,
+            watch=watch,
+        )  # fmt: skip
         if component.calibration is not None:
             files.append(_write_chart(component, out_dir))
         written += [f"{name}/{f}" if name else f for f in files]
