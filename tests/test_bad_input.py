@@ -590,6 +590,27 @@ def test_real_process_exit_2_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / MARKER).exists()
 
 
+def test_a_deleted_working_directory(tmp_path: Path) -> None:
+    """A shell left in a folder deleted under it: one line saying so, before any work."""
+    src = tiny_source(tmp_path / "src")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    before = tree_digest(src)
+    in_gone = ["sh", "-c", 'cd "$0" && rmdir "$0" && exec "$@"', str(gone)]
+    proc = subprocess.run(
+        [*in_gone, *cli_command(), "model", str(src), "--to", "bf16", "--no-validate"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert_one_error_line(proc.stderr, "the current directory no longer exists")
+    assert proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert tree_digest(src) == before
+
+
 # -- sources and data that used to end in a traceback ----------------------------------------
 
 

@@ -11,15 +11,31 @@ on a CPU, so they are ``slow``; the same checks on GPT-2 at ``--coverage quick``
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from _corrupt import (
+    TINY_CONFIG,
+    TINY_STATE,
+    assert_one_error_line,
+    cli_command,
+    cli_env,
+    tiny_source,
+)
 from _terminal import Run, run_command
+from typer.testing import CliRunner
 
 from precision_convert.cli import _common
+from precision_convert.cli.main import app
+from precision_convert.core.errors import printable
 from precision_convert.core.progress import Heartbeat
 from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
 
@@ -146,3 +162,152 @@ def test_a_silent_stretch_gets_a_heartbeat_line(capsys: pytest.CaptureFixture[st
         re.fullmatch(r"progress: validation › baseline: still running \(\d+ s so far\)", b)
         for b in beats
     ), lines
+
+
+# -- what reaches the terminal: names as data, any encoding, a reader that goes away ---------
+
+#: A name that would change the terminal's title and colour if printed raw, holds HTML, and
+#: holds rich markup that rich refuses (a closing tag nothing opened). As a folder name its
+#: "/" makes two folders; the path still spells it whole.
+HOSTILE = "\x1b]0;pwned\x07\x1b[31m<img src=x onerror=alert(1)>[red]x[/bold]"
+
+
+def _hostile_tiny(root: Path) -> Path:
+    """The hand-made tiny source in a folder named :data:`HOSTILE`, its class and one of
+    its tensors named so too."""
+    state = {**TINY_STATE, f"{HOSTILE}.weight": torch.ones(4)}
+    src = tiny_source(root / HOSTILE, state)
+    config = {**TINY_CONFIG, "architectures": [HOSTILE]}
+    (src / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return src
+
+
+def _shown_escaped(*streams: str) -> None:
+    """The hostile name reached the streams as its escapes, never as bytes a terminal runs,
+    and its markup printed as it is."""
+    for text in streams:
+        assert "\x1b" not in text and "\x07" not in text, repr(text)
+    assert printable(HOSTILE) in "".join(streams)
+
+
+def _invoke(args: list[str]) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"{args}: escaped {result.exception!r}\n{result.stderr}")
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_model_and_inspect_print_a_hostile_name_escaped(tmp_path: Path) -> None:
+    src = _hostile_tiny(tmp_path / "src")
+    out = tmp_path / "out" / HOSTILE
+    code, stdout, stderr = _invoke(
+        ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(out), "--report", "full"]
+    )
+    assert code == 0, stderr
+    _shown_escaped(stdout, stderr)
+    assert stdout.startswith(f"{printable(str(src))} → {printable(str(out))} (bf16)")
+    code, stdout, stderr = _invoke(["inspect", str(src)])
+    assert code == 0, stderr
+    _shown_escaped(stdout, stderr)
+    assert f"{printable(HOSTILE)}: {printable(HOSTILE)} — recipe" in stdout  # the class name
+    assert f"│ {printable(HOSTILE)} " in stdout  # the tensor's module
+
+
+@pytest.fixture(scope="module")
+def smoke_checked_bert(
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Tiny BERT converted without a certificate into a folder named :data:`HOSTILE`: a
+    ``validate`` without a baseline (a smoke check, exit 1) prints its whole report there."""
+    from precision_convert.api.conversion import convert
+
+    out = tmp_path_factory.mktemp("smoke") / HOSTILE / "bert"
+    return convert(tiny_model("bert"), "bf16-safe", out, validate=False).output
+
+
+def test_validate_prints_a_hostile_name_escaped(smoke_checked_bert: Path) -> None:
+    code, stdout, stderr = _invoke(["validate", str(smoke_checked_bert), "--coverage", "quick"])
+    assert code == 1, stderr  # a smoke check never certifies
+    _shown_escaped(stdout, stderr)
+    assert f"written: {printable(str(smoke_checked_bert / CERTIFICATE_NAME))}" in stdout
+    assert stdout.rstrip().endswith("verdict: smoke-pass")
+
+
+def _run(args: list[str], *, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*cli_command(), *args], env=env or cli_env(), stderr=subprocess.PIPE, **popen
+    )
+
+
+def _no_traceback(stderr: bytes) -> str:
+    text = stderr.decode("utf-8", "replace")
+    for sign in ("Traceback", "Exception ignored", "BrokenPipeError", "UnicodeEncodeError"):
+        assert sign not in text, text
+    return text
+
+
+def test_a_stdout_that_is_not_utf8_gets_ascii_reports(tmp_path: Path) -> None:
+    """``LANG=C``: the reports spell their symbols and tables in ASCII; ``--json`` parses."""
+    src = tiny_source(tmp_path / "src")
+    env = {k: v for k, v in cli_env().items() if not k.startswith(("LC_", "LANG", "PYTHONIO"))}
+    env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+    runs = {
+        "model": ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(tmp_path / "o")],
+        "inspect": ["inspect", str(src)],
+        "json": ["inspect", str(src), "--json"],
+    }
+    procs = {name: _run(args, env=env, stdout=subprocess.PIPE) for name, args in runs.items()}
+    printed = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        _no_traceback(stderr)
+        printed[name] = stdout.decode("ascii")  # raises on any byte that is not ASCII
+    assert printed["model"].startswith(f"{src} -> {tmp_path / 'o'} (bf16)\n+---")
+    assert "TinyTestModel: TinyTestModel - recipe generic" in printed["inspect"]
+    assert json.loads(printed["json"])["components"]
+
+
+def _reader_gone_at_once() -> int:
+    """A pipe's write end whose reader has already gone: every write to it fails (EPIPE)."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+def test_a_reader_that_goes_away_is_no_error(tmp_path: Path) -> None:
+    """``| head -1``: what is not read is dropped, the work is done, exit 0, no traceback."""
+    src = tiny_source(tmp_path / "src")
+    runs = {
+        "model": ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(tmp_path / "a")],
+        "json": ["inspect", str(src), "--json"],
+    }
+    procs = {}
+    for name, args in runs.items():
+        gone = _reader_gone_at_once()
+        procs[name] = _run(args, stdout=gone)
+        os.close(gone)
+    # As head does it: the first line read, then the pipe closed.
+    procs["head"] = _run(
+        ["model", str(src), "--to", "bf16", "--no-validate", "-o", str(tmp_path / "b")],
+        stdout=subprocess.PIPE,
+    )
+    head = procs["head"].stdout
+    assert head is not None
+    assert head.readline().startswith(f"{src} → ".encode())
+    head.close()
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, _no_traceback(stderr))
+        _no_traceback(stderr)
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+
+
+def test_a_failed_check_keeps_exit_1_when_the_reader_has_gone(smoke_checked_bert: Path) -> None:
+    """The verdict wins over a closed stdout: the check still fails, saying so on stderr."""
+    gone = _reader_gone_at_once()
+    proc = _run(["validate", str(smoke_checked_bert), "--coverage", "quick"], stdout=gone)
+    os.close(gone)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1
+    assert_one_error_line(_no_traceback(stderr), "not certified: a smoke check that passed")

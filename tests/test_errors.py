@@ -4,14 +4,16 @@ exception becomes a line of a message."""
 from __future__ import annotations
 
 import errno
+import io
 from pathlib import Path
 
 import pytest
 import typer
+from rich.console import Console
 
 import precision_convert.core.errors as errors
-from precision_convert.cli._common import reported_errors
-from precision_convert.core.errors import one_line
+from precision_convert.cli._common import encodable, literal, reported_errors
+from precision_convert.core.errors import one_line, printable
 from precision_convert.validation.certify.certificate import Certificate
 
 #: One instance of every error class, with the exit code the command gives it.
@@ -73,3 +75,20 @@ def test_reading_several_certificates_is_refused_as_the_verifier_refuses(tmp_pat
         f"{tmp_path}: more than one certificate "
         "(precision_certificate.fp16.json, precision_certificate.json)"
     )
+
+
+def test_data_in_markup_prints_as_it_is_with_its_control_characters_escaped() -> None:
+    """``literal``: the one way data enters a line of rich markup."""
+    name = "a\x1b[31m\x07[red]b[/bold]\u202e"
+    console = Console(record=True, file=io.StringIO(), width=200)
+    console.print(f"[green]{literal(name)}[/]")
+    assert console.export_text() == "a\\x1b[31m\\x07[red]b[/bold]\\u202e\n"
+    assert printable(literal(name)) == literal(name)  # no control character is left
+
+
+def test_text_a_stream_cannot_encode_is_spelled_in_ascii() -> None:
+    assert encodable("a → b — ≤ 0.1 ✗ …", "utf-8") == "a → b — ≤ 0.1 ✗ …"
+    assert encodable("a → b — ≤ 0.1 ✗ …", "ascii") == "a -> b - <= 0.1 x ..."
+    assert encodable("modèle → x", "ascii") == "mod\\xe8le -> x"
+    assert encodable("modèle → x", "latin-1") == "modèle -> x"
+    assert encodable("→", "no-such-encoding") == "->"

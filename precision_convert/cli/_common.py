@@ -7,17 +7,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
+from rich.segment import Segment
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from precision_convert.core.errors import InputError, home_expanded
+from precision_convert.core.errors import InputError, home_expanded, printable
 from precision_convert.core.progress import shorten
 
 #: Columns of a line written off a terminal (a log, a file, a pipe) when ``COLUMNS`` does not
@@ -26,10 +28,72 @@ from precision_convert.core.progress import shorten
 UNBOUNDED_WIDTH = 10_000
 
 
+def literal(value: object) -> str:
+    """``value`` (a name, a path, a config string, a message) as rich markup that prints it
+    as it is: its control characters shown as escapes by :func:`printable`, the one escaping
+    of text for a terminal, and its ``[`` taken literally, never as markup. Every piece of
+    data a command prints inside markup goes through here; a line printed without markup goes
+    through :func:`printable` itself."""
+    return escape(printable(str(value)))
+
+
+#: The reports' own symbols, spelled in ASCII for a stream that cannot encode them (a
+#: ``LANG=C`` terminal or log): ``a -> b``, ``<= 0.01``, not ``\u2192`` nor a crash.
+ASCII_SPELLINGS = str.maketrans(
+    {
+        "→": "->",
+        "—": "-",
+        "–": "-",
+        "…": "...",
+        "›": ">",
+        "≤": "<=",
+        "≥": ">=",
+        "±": "+/-",
+        "×": "x",
+        "✓": "ok",
+        "✗": "x",
+        "█": "#",
+        "·": ".",
+    }
+)
+
+
+def encodable(text: str, encoding: str) -> str:
+    """``text`` as a stream of ``encoding`` can take it: unchanged where it can, else with the
+    reports' symbols in ASCII (:data:`ASCII_SPELLINGS`) and whatever else it cannot encode (a
+    name's letters) as Python's backslash escapes."""
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        spelled = text.translate(ASCII_SPELLINGS)
+        return spelled.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:  # an encoding Python does not know: ASCII is read by every one
+        return encodable(text, "ascii")
+    return text
+
+
+def reader_gone(stream: IO[str]) -> None:
+    """``stream``'s reader has gone (``| head -1`` read what it wanted): point its file
+    descriptor at the null device, so what the command still writes there is dropped and the
+    interpreter's last flush at exit has nothing to fail on. The command goes on with its
+    work and exits as it would have (0, or 1 when its check failed): a reader that stops
+    reading is no error of the run."""
+    with contextlib.suppress(OSError, ValueError):  # a stream with no descriptor (a test's)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+
+
 class _Console(Console):
     """A rich console as wide as its lines when it writes to no terminal (rich would wrap at
     80 columns, or at the width of whatever terminal its other streams reach, splitting words
-    and URLs); ``COLUMNS`` still sets a width, and a terminal keeps its own."""
+    and URLs); ``COLUMNS`` still sets a width, and a terminal keeps its own.
+
+    What it writes is :func:`encodable` on its stream (rich already draws tables in ASCII on
+    a stream that is not UTF-8), and a stream whose reader has gone silences it
+    (:func:`reader_gone`) where rich would exit 1."""
 
     def _size(self) -> ConsoleDimensions:
         size = Console.size.fget(self)  # type: ignore[attr-defined]
@@ -38,6 +102,13 @@ class _Console(Console):
         return size
 
     size = property(_size, Console.size.fset)  # type: ignore[attr-defined]
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return encodable(super()._render_buffer(buffer), self.encoding)
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        reader_gone(self.file)
 
 
 #: Progress, warnings and notes: stderr, so they never mix into a report or ``--json`` output.
@@ -86,7 +157,7 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
     SIGTERM and SIGHUP likewise, exit 143 and 129 (see :mod:`precision_convert.core.interrupts`).
     """
     from precision_convert.core import interrupts
-    from precision_convert.core.errors import FileSystemError, PrecisionConvertError, printable
+    from precision_convert.core.errors import FileSystemError, PrecisionConvertError
 
     try:
         try:
@@ -99,7 +170,7 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
         if os.environ.get(DEBUG_VARIABLE):
             raise
         for line in str(exc).splitlines() or [""]:  # several problems (a manifest's): a line each
-            print(f"precision-convert: {printable(line)}", file=sys.stderr)
+            say(line)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt as exc:
         say(f"{interrupts.stopped_by(exc)}; {on_disk()}")
@@ -107,15 +178,34 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
 
 
 def say(line: str) -> None:
-    """One ``precision-convert: ...`` line on stderr. A stderr that is gone (the terminal of
-    a SIGHUP) loses the line; the exit code still says what happened."""
+    """One ``precision-convert: ...`` line on stderr, :func:`printable` (a name in it cannot
+    write to the terminal). A stderr that is gone (the terminal of a SIGHUP) loses the line;
+    the exit code still says what happened."""
     with contextlib.suppress(OSError):
-        print(f"precision-convert: {line}", file=sys.stderr, flush=True)
+        print(f"precision-convert: {printable(line)}", file=sys.stderr, flush=True)
+
+
+def write_out(text: str) -> None:
+    """``text`` on stdout, outside the report console (a JSON document, a URL, a line of
+    ``--verify``), written as that console writes: :func:`encodable`, and dropped once the
+    reader has gone (:func:`reader_gone`)."""
+    try:
+        sys.stdout.write(encodable(text, sys.stdout.encoding or "utf-8"))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        reader_gone(sys.stdout)
+
+
+def out_line(line: str) -> None:
+    """One line of a command's result on stdout outside a report (a URL, ``--verify``'s
+    lines): :func:`printable`, then as :func:`write_out` writes."""
+    write_out(f"{printable(line)}\n")
 
 
 def emit_json(payload: Any) -> None:
-    """The one machine-readable result of a command, on stdout."""
-    sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    """The one machine-readable result of a command, on stdout: ASCII whatever the stream's
+    encoding (``json.dumps`` escapes the rest), so it parses on any terminal or pipe."""
+    write_out(json.dumps(payload, indent=2, default=str) + "\n")
 
 
 @contextmanager
@@ -161,9 +251,10 @@ def _library_lines(verbose: bool) -> Iterator[None]:
 
 
 def _print_line(text: str) -> None:
-    """``text`` through the console as one line: taken literally (no markup) and left to the
-    terminal to wrap, so a long line is still one line to a log or a reader of the stream."""
-    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+    """``text`` through the console as one line: taken literally (no markup, control
+    characters escaped) and left to the terminal to wrap, so a long line is still one line to
+    a log or a reader of the stream."""
+    console.print(printable(text), markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 @contextmanager
@@ -222,7 +313,7 @@ def _progress_display(description: str) -> Iterator[Callable[[str, int], None]]:
 
         def advance(label: str, n: int) -> None:
             shown = shorten(f"{description} {label}", max(20, console.width - LABEL_MARGIN))
-            progress.update(task, advance=n, description=shown)
+            progress.update(task, advance=n, description=literal(shown))
 
         with reporting(steps.report, _print_line):
             yield advance
@@ -259,7 +350,7 @@ class _PlainSteps:
 
     def write(self, line: str) -> None:
         with contextlib.suppress(OSError):  # a closed stderr loses the line, not the run
-            print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
+            print(f"{PROGRESS_PREFIX}{printable(line)}", file=sys.stderr, flush=True)
         self.heartbeat.touch()
 
     def _still(self, silent: float) -> None:
@@ -311,7 +402,8 @@ class _StepDisplay:
                 self.progress.remove_task(task)
             # The stages before the model go first, then the words after its class name.
             short = shorten(label, max(20, console.width - LABEL_MARGIN))
-            task = self.tasks[label] = self.progress.add_task(short, total=total, count="")
+            task = self.progress.add_task(literal(short), total=total, count="")
+            self.tasks[label] = task
         self.last[label] = done
         if total is not None and done >= total:
             self.progress.remove_task(task)
@@ -414,8 +506,11 @@ def one_line_usage_errors(app: typer.Typer) -> None:
         context = getattr(exc, "ctx", None)
         see = f"; see {context.command_path} --help" if context is not None else ""
         if message:  # no message: the help was asked for by giving no arguments, and shown
-            print(f"precision-convert: {message[:1].lower()}{message[1:]}{see}", file=sys.stderr)
+            say(f"{message[:1].lower()}{message[1:]}{see}")
         sys.exit(exc.exit_code)
+    except BrokenPipeError:  # the help's reader has gone (a command's output is handled inside)
+        reader_gone(sys.stdout)
+        sys.exit(0)
     except typer.Abort:
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

@@ -15,12 +15,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from precision_convert.cli._common import console, elide, out
+from precision_convert.cli._common import console, elide, literal, out
 from precision_convert.core.dtypes import Target
+from precision_convert.core.errors import printable
 from precision_convert.core.folding import Role, fold
 from precision_convert.core.patterns import code_files
 
@@ -40,17 +40,26 @@ MAX_NEAR_ROLES = 20
 SUMMARY_ROWS = 8
 
 
+#: A table cell: text printed as it is (:func:`cell`), or a styled :class:`Text`.
+Cell = str | Text
+
+
+def cell(value: Cell) -> Text:
+    """A table cell as rich prints it: a string is data (a name, a probe, a number), its
+    control characters escaped and its ``[`` never markup; a :class:`Text` is styled as made."""
+    return value if isinstance(value, Text) else Text(printable(value))
+
+
 def print_table(
-    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Iterable[int] = ()
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[Cell]], *, right: Iterable[int] = ()
 ) -> None:
-    """Print ``title`` and a table whose first column (a module name, plain text) is elided in
-    the middle so the table fits the report console's width; other cells may hold rich markup.
-    The title is a line of its own: a rich table title is padded with trailing blanks."""
+    """Print ``title`` and a table whose first column (a module name) is elided in the middle
+    so the table fits the report console's width. Every cell is taken literally (:func:`cell`):
+    a style comes only from a :class:`Text` made by the report. The title is a line of its
+    own: a rich table title is padded with trailing blanks."""
     aligned = set(right)
-    widths = [
-        max([len(h), *(Text.from_markup(r[i]).cell_len for r in rows)])
-        for i, h in enumerate(headers)
-    ]
+    cells = [[cell(value) for value in row] for row in rows]
+    widths = [max([len(h), *(r[i].cell_len for r in cells)]) for i, h in enumerate(headers)]
     # Each column costs its padding (2) and a border (1), plus the table's closing border.
     name_width = max(MIN_NAME_WIDTH, out.width - sum(widths[1:]) - 3 * len(headers) - 1)
     table = Table()
@@ -63,9 +72,12 @@ def print_table(
             min_width=widths[i] if i in aligned else None,
             overflow="ellipsis" if i == 0 else "fold",
         )
-    for row in rows:
-        table.add_row(escape(elide(row[0], name_width)), *row[1:])
-    out.print(escape(title), soft_wrap=True)
+    for row in cells:
+        name = row[0]
+        if name.cell_len > name_width:  # a name is plain text: elided as text
+            name = Text(elide(name.plain, name_width), style=name.style)
+        table.add_row(name, *row[1:])
+    out.print(literal(title), soft_wrap=True)
     out.print(table)
 
 
@@ -153,10 +165,13 @@ def _print_hazards(component: ComponentReport) -> None:
         for role in roles[:MAX_HAZARD_ROLES]:
             first = details[role.members[0]]
             also = f" (and {len(role.members) - 1} more like it)" if role.repeated else ""
-            out.print(f"[red]{kind}[/] {escape(role.label)}: {escape(first)}{also}", soft_wrap=True)
+            out.print(
+                f"[red]{literal(kind)}[/] {literal(role.label)}: {literal(first)}{also}",
+                soft_wrap=True,
+            )
         if len(roles) > MAX_HAZARD_ROLES:
             rest = sum(len(r.members) for r in roles[MAX_HAZARD_ROLES:])
-            out.print(f"[red]{kind}[/] … {rest} more modules (see --json)")
+            out.print(f"[red]{literal(kind)}[/] … {rest} more modules (see --json)")
 
 
 def _print_calibration(component: ComponentReport) -> None:
@@ -175,7 +190,7 @@ def _print_calibration(component: ComponentReport) -> None:
                 role.label,
                 f"{max(row['max_in'] for row in worst):.4g}",
                 f"{max(row['max_out'] for row in worst):.4g}",
-                f"[{style}]{headroom:.3g}x[/]" if style else f"{headroom:.3g}x",
+                Text(f"{headroom:.3g}x", style=style),
                 islands_cell(role, islands),
             ]
         )
@@ -187,9 +202,9 @@ def _print_calibration(component: ComponentReport) -> None:
         out.print("[green]no module comes within 8x of fp16's limit[/]")
     assert component.calibration is not None
     for warning in component.calibration.warnings:
-        console.print(f"[yellow]warning[/]: {escape(warning)}")
+        console.print(f"[yellow]warning[/]: {literal(warning)}")
     if component.chart is not None:
-        out.print(f"chart: {component.chart}")
+        out.print(f"chart: {literal(component.chart)}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- model
@@ -198,15 +213,15 @@ def _print_calibration(component: ComponentReport) -> None:
 def print_conversion(result: ConversionResult, *, full: bool = False) -> None:
     """``model``'s summary: one row per component, then (with ``full``) each component's
     islands folded by role; the plan's warnings go to stderr."""
-    out.print(escape(f"{result.source} → {result.output} ({result.target})"), soft_wrap=True)
+    out.print(literal(f"{result.source} → {result.output} ({result.target})"), soft_wrap=True)
     table = Table()
     for column in ("component", "recipe", "fp32 modules", "fp32 share", "warnings"):
         table.add_column(column)
     for component in result.components:
         summary = component.summary()
         table.add_row(
-            component.name or component.class_name or "model",
-            summary["recipe"],
+            cell(component.name or component.class_name or "model"),
+            cell(summary["recipe"]),
             str(summary["fp32_modules"]),
             share_text(component.plan.fp32_share, bool(component.plan.islands)),
             str(len(summary["warnings"])),
@@ -220,7 +235,7 @@ def print_conversion(result: ConversionResult, *, full: bool = False) -> None:
             print_islands(f"{name}: fp32 islands", units, islands)
     for component in result.components:
         for warning in component.plan.warnings:
-            console.print(f"[yellow]warning[/]: {escape(warning)}")
+            console.print(f"[yellow]warning[/]: {literal(warning)}")
     if code := code_files(result.files):
         console.print(code_note(code, "copied from the source"), highlight=False, soft_wrap=True)
 
@@ -230,7 +245,7 @@ def code_note(files: Sequence[str], how: str) -> str:
     pushed with the weights, it should not travel without a word."""
     return (
         f"note: code that runs if you pass trust_remote_code, {how}: "
-        f"{', '.join(escape(f) for f in files)}"
+        f"{', '.join(literal(f) for f in files)}"
     )
 
 
@@ -262,8 +277,10 @@ def note_uncertified(converted: Path, source: str) -> None:
     """Say (on stderr) that a ``--no-validate`` output holds no certificate, and how to get
     one: ``push`` refuses it until then."""
     console.print(
-        f"note: {converted} is not certified (--no-validate): precision-convert validate "
-        f"{converted} --baseline {source}",
+        literal(
+            f"note: {converted} is not certified (--no-validate): precision-convert validate "
+            f"{converted} --baseline {source}"
+        ),
         soft_wrap=True,
         highlight=False,
     )
@@ -275,8 +292,8 @@ def note_unvalidated(converted: Path) -> None:
 
     if (converted / CERTIFICATE_NAME).is_file():
         console.print(
-            f"[red]✗[/] not validated: {converted / CERTIFICATE_NAME} (verdict fail) and "
-            f"{CARD_NAME} say what is missing",
+            f"[red]✗[/] not validated: {literal(converted / CERTIFICATE_NAME)} (verdict fail) "
+            f"and {CARD_NAME} say what is missing",
             soft_wrap=True,
         )
 
@@ -309,7 +326,7 @@ def print_certificate(
                 row.metric,
                 value,
                 row.bound_text,
-                "[green]ok[/]" if row.passed else "[red]FAIL[/]",
+                Text("ok", style="green") if row.passed else Text("FAIL", style="red"),
                 row.worst_probe,
             ]
         )
@@ -318,29 +335,30 @@ def print_certificate(
     if not certificate.against_source:
         title += " (a smoke check, never a certification)"
     print_table(title, headers, rows, right=(2,))
-    out.print(escape(judged_text(certificate)), soft_wrap=True)
+    out.print(literal(judged_text(certificate)), soft_wrap=True)
     if len(shown) < len(folded):
         out.print(
             f"… {len(folded) - len(shown)} more rows within their bounds: --report full, or "
-            f"{certificate.file_name}",
+            f"{literal(certificate.file_name)}",
             soft_wrap=True,
         )
     for series in probe_series(certificate.metrics) if full else ():
-        out.print(escape(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
+        out.print(literal(f"{series.metric} per probe: {series.where}"), soft_wrap=True)
         table = Table()
         for column in ("probe", series.metric, BAR_LABEL):
             table.add_column(column, justify="right" if column == series.metric else "left")
         for probe, value, bar in series.rows():
-            table.add_row(escape(probe), value, bar)
+            table.add_row(cell(probe), value, bar)
         out.print(table)
     failures = certificate.failures_beside_metrics()
     for line in failures if full else failures[:SUMMARY_ROWS]:
-        out.print(f"[red]✗[/] {escape(line)}", soft_wrap=True)
+        out.print(f"[red]✗[/] {literal(line)}", soft_wrap=True)
+    file_name = literal(certificate.file_name)
     if not full and len(failures) > SUMMARY_ROWS:
-        out.print(f"[red]✗[/] … {len(failures) - SUMMARY_ROWS} more in {certificate.file_name}")
+        out.print(f"[red]✗[/] … {len(failures) - SUMMARY_ROWS} more in {file_name}")
     if outside := outside_bounds(certificate):
         out.print(
-            f"[red]✗[/] {outside}: the FAIL rows above (every one in {certificate.file_name})",
+            f"[red]✗[/] {literal(outside)}: the FAIL rows above (every one in {file_name})",
             soft_wrap=True,
         )
     if directory is not None:
@@ -348,13 +366,13 @@ def print_certificate(
 
         card = directory / CARD_NAME
         out.print(
-            escape(f"written: {directory / certificate.file_name}, {card} (the card)"),
+            literal(f"written: {directory / certificate.file_name}, {card} (the card)"),
             soft_wrap=True,
         )
     colour = (
         "green" if certificate.passed else "yellow" if certificate.verdict == SMOKE_PASS else "red"
     )
-    out.print(f"verdict: [bold {colour}]{certificate.verdict}[/]")
+    out.print(f"verdict: [bold {colour}]{literal(certificate.verdict)}[/]")
 
 
 def judged_text(certificate: Certificate) -> str:

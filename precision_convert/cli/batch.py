@@ -8,9 +8,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 
-from precision_convert.cli._common import console, out, reported_errors, say
+from precision_convert.cli._common import console, literal, out, reported_errors, say
 from precision_convert.core import interrupts
 
 if TYPE_CHECKING:
@@ -96,7 +95,9 @@ def batch(
             print_report(report)
             latest = report.output_dir / REPORT_NAME
             console.print(
-                f"report: {report.file} (latest: {latest})", highlight=False, soft_wrap=True
+                literal(f"report: {report.file} (latest: {latest})"),
+                highlight=False,
+                soft_wrap=True,
             )
         except KeyboardInterrupt as exc:
             say(
@@ -129,10 +130,14 @@ def print_report(report: BatchReport) -> None:
         share = "" if o.fp32_share is None else f"{o.fp32_share:.1%}"
         pushed = o.push["url"] if o.push else ""
         time = f"{o.seconds:.1f} s" if o.timings else ""
-        table.add_row(o.key, _LABELS[o.status], time, share, _metric(o), pushed)
+        table.add_row(literal(o.key), _LABELS[o.status], time, share, _metric(o), literal(pushed))
     out.print(table)
     for o in report.failed:
-        out.print(f"[red]✗[/] {o.key}: {escape(o.reason or '')}", highlight=False, soft_wrap=True)
+        out.print(
+            f"[red]✗[/] {literal(o.key)}: {literal(o.reason or '')}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _metric(outcome: Outcome) -> str:
@@ -140,7 +145,8 @@ def _metric(outcome: Outcome) -> str:
     if not m:
         return ""
     value = "NaN/Inf" if m["value"] is None else f"{m['value']:.3g}"
-    return f"{m['metric']} {value} ({'≤' if m['bound'] == 'max' else '≥'} {m['threshold']:g})"
+    bound = "≤" if m["bound"] == "max" else "≥"
+    return literal(f"{m['metric']} {value} ({bound} {m['threshold']:g})")
 
 
 class _Progress:
@@ -190,10 +196,10 @@ class _Progress:
                 row = self.rows.get(key)
                 if row is None:
                     row = self.rows[key] = self.live.add_task("", total=None)
-                self.live.update(row, description=f"  {key}: {stage}")
+                self.live.update(row, description=literal(f"  {key}: {stage}"))
             return
         self.finished += 1
-        line = f"[{self.finished}/{self.total}] {key}: {_LABELS[stage]}"
+        line = f"[{self.finished}/{self.total}] {literal(key)}: {_LABELS[stage]}"
         if self.live is None:
             console.print(line, highlight=False, soft_wrap=True)
             return

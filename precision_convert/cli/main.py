@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 import warnings
 from typing import Annotated
 
@@ -14,7 +16,7 @@ from precision_convert.cli import model as model_cmd
 from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
-from precision_convert.cli._common import Command, Group, one_line_usage_errors
+from precision_convert.cli._common import Command, Group, one_line_usage_errors, say
 from precision_convert.conversion.runtime.memory import own_heap
 from precision_convert.core import interrupts
 from precision_convert.core.hub_client import bound_hub_requests
@@ -59,6 +61,18 @@ def _root(
 
 def run() -> None:
     """Console-script entry point."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        # Deleted under a shell still in it: every relative path (a default output, the
+        # libraries' own lookups) would fail later with a bare "No such file or directory".
+        say("the current directory no longer exists: cd to one that does and run again")
+        sys.exit(2)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # What a stdout that is not UTF-8 cannot encode (typer's help on a LANG=C terminal)
+        # is written as an escape, as on stderr, not a crash; the reports spell their own
+        # symbols in ASCII there (see _common.encodable).
+        sys.stdout.reconfigure(errors="backslashreplace")
     # First, so that a SIGTERM or SIGHUP from here on ends in the command's one line and exit
     # code (143, 129) like a Ctrl-C, with its cleanup, not in a silent death that leaves the
     # lock and staging directory behind. Every such signal is recorded as well as raised: one

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from precision_convert.cli._common import console, reported_errors
+from precision_convert.cli._common import console, literal, out_line, reported_errors
 
 if TYPE_CHECKING:
     from precision_convert.hub import PushResult
@@ -107,7 +107,7 @@ def push_command(
             commit_message=commit_message,
             token=token,
         )
-        typer.echo(result.url)
+        out_line(result.url)
 
 
 def _sign_before_push(converted: Path, key_file: Path) -> None:
@@ -146,7 +146,7 @@ def push_and_report(
     from precision_convert.hub.errors import retry_wait_limit
 
     maximum = retry_wait_limit()
-    with _quiet_hub_client(), console.status(f"pushing to {repo_id}…", spinner="dots"):
+    with _quiet_hub_client(), console.status(f"pushing to {literal(repo_id)}…", spinner="dots"):
         for attempt in range(_WAITED_RETRIES + 1):
             try:
                 result = push_with_result(
@@ -169,7 +169,7 @@ def push_and_report(
                     raise
                 time.sleep(wait)
     line = _report(result) + (f": {result.url}" if with_url else "")
-    console.print(line, highlight=False, soft_wrap=True)
+    console.print(literal(line), highlight=False, soft_wrap=True)
     if code := code_files(result.uploaded):
         console.print(code_note(code, "published"), highlight=False, soft_wrap=True)
     return result

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from precision_convert.cli._common import out, reported_errors
+from precision_convert.cli._common import literal, out, reported_errors
 
 if TYPE_CHECKING:
     from precision_convert.recipes import Recipe
@@ -20,8 +20,6 @@ def recipes(
     ] = None,
 ) -> None:
     """List the built-in recipes (one line each), or show one in full."""
-    from rich.markup import escape
-
     from precision_convert.recipes import builtin, get
 
     with reported_errors():
@@ -34,7 +32,8 @@ def recipes(
                 summary = recipe.description.partition(": ")[0]
                 if len(summary) > room:
                     summary = summary[: room - 1] + "…"
-                out.print(f"[bold]{recipe.name:<{width}}[/]  {escape(summary)}", soft_wrap=True)
+                padded = literal(f"{recipe.name:<{width}}")
+                out.print(f"[bold]{padded}[/]  {literal(summary)}", soft_wrap=True)
             out.print("precision-convert recipes NAME shows one in full")
             return
         recipe = get(name)
@@ -43,27 +42,25 @@ def recipes(
 
 
 def describe(recipe: Recipe) -> list[str]:
-    """``recipes NAME``: the recipe in words, a line per fact (rich markup, values escaped);
+    """``recipes NAME``: the recipe in words, a line per fact (rich markup, values :func:`literal`);
     values as the TOML file writes them (``force_upcast = true``), never a Python repr."""
-    from rich.markup import escape
-
-    lines = [f"[bold]{escape(recipe.name)}[/] ({recipe.library}) — {escape(recipe.description)}"]
+    lines = [f"[bold]{literal(recipe.name)}[/] ({recipe.library}) — {literal(recipe.description)}"]
     if recipe.class_names:
-        lines.append(f"classes: {escape(', '.join(recipe.class_names))}")
+        lines.append(f"classes: {literal(', '.join(recipe.class_names))}")
     if recipe.model_types:
-        lines.append(f"model types: {escape(', '.join(recipe.model_types))}")
+        lines.append(f"model types: {literal(', '.join(recipe.model_types))}")
     lines.append(f"normalization layers kept fp32: {'yes' if recipe.keep_normalization else 'no'}")
     for rule in recipe.fp32:
         why = f": {rule.why}" if rule.why else ""
         where = f"{', '.join(rule.targets)}; {rule.reason}"
-        lines.append(escape(f"fp32 ({where}): {', '.join(rule.modules)}{why}"))
+        lines.append(literal(f"fp32 ({where}): {', '.join(rule.modules)}{why}"))
     by_flags: dict[str, list[str]] = {}
     for target, flags in recipe.config.items():
         by_flags.setdefault(_assignments(flags), []).append(target)
-    lines += [escape(f"config for {', '.join(ts)}: {flags}") for flags, ts in by_flags.items()]
+    lines += [literal(f"config for {', '.join(ts)}: {flags}") for flags, ts in by_flags.items()]
     if recipe.validation:
-        lines.append(escape(f"validation: {_assignments(recipe.validation)}"))
-    lines += [f"[yellow]hazard[/]: {escape(hazard)}" for hazard in recipe.hazards]
+        lines.append(literal(f"validation: {_assignments(recipe.validation)}"))
+    lines += [f"[yellow]hazard[/]: {literal(hazard)}" for hazard in recipe.hazards]
     return lines
 
 

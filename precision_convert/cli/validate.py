@@ -17,6 +17,8 @@ from precision_convert.cli._common import (
     VerboseOption,
     console,
     emit_json,
+    literal,
+    out_line,
     reported_errors,
     step_progress,
 )
@@ -171,18 +173,18 @@ def verify_only(converted: Path, json_output: bool, key: Key | None = None) -> N
             }
         )
         return
-    typer.echo(
+    out_line(
         f"verified: {len(checked.files)} files match {checked.certificate_name} "
         f"(verdict {checked.certificate.verdict})"
     )
     if recorded is None:
-        typer.echo("unsigned: the hashes show accidental change, not who wrote the files")
+        out_line("unsigned: the hashes show accidental change, not who wrote the files")
         return
     signer = f"the public key sha256:{recorded['public_key_sha256']}"
     if checked_signer:  # the certificate names the key it is signed with (signing.check)
-        typer.echo(f"signed: {recorded['file']} verifies with {signer}")
+        out_line(f"signed: {recorded['file']} verifies with {signer}")
     else:
-        typer.echo(
+        out_line(
             f"signed: {recorded['file']} (by {signer}, as the certificate says; "
             "--public-key FILE checks it)"
         )
@@ -211,7 +213,7 @@ def sign_output(converted: Path, key: Key) -> Certificate:
     certificate = sign(converted, key)
     signature = (certificate.signature or {}).get("file")
     line = f"signed: {signature} with the key sha256:{key.fingerprint}"
-    console.print(line, highlight=False, soft_wrap=True)
+    console.print(literal(line), highlight=False, soft_wrap=True)
     return certificate
 
 
