@@ -180,7 +180,7 @@ def _print_calibration(component: ComponentReport) -> None:
     near = {row["module"]: row for row in component.nearest_to_limit(len(component.modules))}
     islands = component.islands.get(Target.FP16_SAFE, {})
     roles = sorted(fold(near), key=lambda r: min(near[m]["fp16_headroom"] for m in r.members))
-    rows = []
+    rows: list[list[Cell]] = []
     for role in roles[:MAX_NEAR_ROLES]:
         worst = [near[m] for m in role.members]
         headroom = min(row["fp16_headroom"] for row in worst)
@@ -317,7 +317,7 @@ def print_certificate(
 
     folded = folded_metrics(certificate.metrics)
     shown = folded if full else nearest_bounds(folded, SUMMARY_ROWS)
-    rows = []
+    rows: list[list[Cell]] = []
     for row in shown:
         value = "NaN/Inf" if row.value is None else f"{row.value:.4g}"
         rows.append(

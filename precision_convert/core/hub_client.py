@@ -21,7 +21,6 @@ from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from precision_convert.core.errors import printable
 from precision_convert.core.units import duration
 
 #: Seconds a Hub request may go without receiving a byte before it fails (default 60).
@@ -114,8 +113,7 @@ def announce_wait(what: str, seconds: float) -> None:
     unsaid): ``what`` the wait is for."""
     if seconds > ANNOUNCED_WAIT:
         print(
-            f"precision-convert: {printable(what)}: waiting {duration(seconds)}, "
-            f"until {clock(seconds)}",
+            f"precision-convert: {what}: waiting {duration(seconds)}, until {clock(seconds)}",
             file=sys.stderr,
             flush=True,
         )
