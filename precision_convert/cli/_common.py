@@ -508,9 +508,6 @@ def one_line_usage_errors(app: typer.Typer) -> None:
         if message:  # no message: the help was asked for by giving no arguments, and shown
             say(f"{message[:1].lower()}{message[1:]}{see}")
         sys.exit(exc.exit_code)
-    except BrokenPipeError:  # the help's reader has gone (a command's output is handled inside)
-        reader_gone(sys.stdout)
-        sys.exit(0)
     except typer.Abort:
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
