@@ -22,7 +22,7 @@ from precision_convert.core._version import __version__
 if TYPE_CHECKING:
     from precision_convert.api.conversion import convert
     from precision_convert.api.inspection import inspect_source as inspect
-    from precision_convert.conversion.runtime.loader import load
+    from precision_convert.api.loading import load
     from precision_convert.hub import push
     from precision_convert.validation.certify.runner import validate
 
@@ -32,7 +32,7 @@ __all__ = ["__version__", "convert", "inspect", "load", "push", "validate"]
 _LAZY = {
     "convert": ("precision_convert.api.conversion", "convert"),
     "inspect": ("precision_convert.api.inspection", "inspect_source"),
-    "load": ("precision_convert.conversion.runtime.loader", "load"),
+    "load": ("precision_convert.api.loading", "load"),
     "push": ("precision_convert.hub", "push"),
     "validate": ("precision_convert.validation.certify.runner", "validate"),
 }

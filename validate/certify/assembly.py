@@ -40,6 +40,7 @@ from precision_convert.validation.certify.components import (
     Component,
     ComponentResult,
 )
+from precision_convert.validation.certify.consistency import not_covered
 from precision_convert.validation.certify.load_paths import failure_lines
 from precision_convert.validation.certify.load_ways import stored_dtypes
 from precision_convert.validation.certify.reference import (
@@ -183,6 +184,7 @@ def _certificate(
         notes=notes,
         tool={"name": "precision-convert", "version": __version__},
         load_paths=paths,
+        not_covered=not_covered(paths, [r.record for r in results]),
     )
     return without_local_paths(certificate, {root: ".", source.path: source.id})
 

@@ -149,12 +149,18 @@ class Certificate:
     #: its hash: it is the one file checked by its own means
     #: (:mod:`~precision_convert.validation.certify.signing`).
     signature: dict[str, str] | None = None
+    #: What the verdict does not cover (``{"what", "why"}`` each: deciding ways of loading not
+    #: checked, probes not judged); None in certificates written before it existed (the
+    #: consistency rule derives it from the records then).
+    not_covered: list[dict[str, str]] | None = None
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     schema: str = SCHEMA
 
     @property
     def passed(self) -> bool:
-        """Certified: compared with the source, and every check passed."""
+        """The verdict is ``pass``: compared with the source, every check passed. What a
+        reader believes also needs the records to agree (see
+        :func:`~precision_convert.validation.certify.consistency.contradiction`)."""
         return self.verdict == PASS
 
     @property
@@ -189,6 +195,8 @@ class Certificate:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["metrics"] = metric_series(self.metrics)
+        if self.not_covered is None:  # read from a certificate written before it existed
+            del data["not_covered"]
         return data
 
     @classmethod
@@ -296,10 +304,21 @@ def failure_line(m: Measurement) -> str:
         )
     if m.metric == "constant_frames":
         return f"{m.where}: {int(m.value or 0)} constant (black) frame planes"
+    return f"{m.where}: {measured(m)}"
+
+
+def measured(m: Measurement) -> str:
+    """A measurement's metric, value and bound: ``cosine 0.97 (must be >= 0.99)``."""
     value = "NaN" if m.value is None else f"{m.value:.4g}"
     sign = "<=" if m.bound == "max" else ">="
     bound = "" if m.threshold is None else f" (must be {sign} {m.threshold:g})"
-    return f"{m.where}: {m.metric} {value}{bound}"
+    return f"{m.metric} {value}{bound}"
+
+
+def deciding(m: Measurement) -> bool:
+    """Whether ``m`` decides the verdict: it is judged against a threshold (a metric without
+    one is reported only, and always passes). Its series is marked so (``deciding``)."""
+    return m.threshold is not None
 
 
 def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -333,14 +352,15 @@ def in_series_order(metrics: Iterable[Measurement]) -> list[Measurement]:
 
 def metric_series(metrics: Iterable[Measurement]) -> dict[str, Any]:
     """The certificate's ``metrics``: every probe named once (``probes``), and a series per
-    component, output, metric, threshold and bound holding, per measurement, the probe's
-    index, the value and whether it passed (columns: a list each)."""
+    component, output, metric, threshold and bound, marked ``deciding`` when its threshold
+    makes the verdict depend on it, holding, per measurement, the probe's index, the value
+    and whether it passed (columns: a list each)."""
     probes: dict[str, int] = {}
     series: dict[tuple[Any, ...], dict[str, Any]] = {}
     for m in metrics:
         key = tuple(getattr(m, k) for k in SERIES_KEY)
         if key not in series:
-            series[key] = {**dict(zip(SERIES_KEY, key, strict=True))}
+            series[key] = {**dict(zip(SERIES_KEY, key, strict=True)), "deciding": deciding(m)}
             series[key].update((column, []) for column in SERIES_COLUMNS)
         columns = series[key]
         columns["probe"].append(probes.setdefault(m.probe, len(probes)))
@@ -353,19 +373,28 @@ def measurements(data: Mapping[str, Any]) -> list[Measurement]:
     """The measurements :func:`metric_series` stored, in the order it stores them.
 
     Raises:
-        CertificateError: a series whose columns differ in length or name a probe not listed.
+        CertificateError: a series whose columns differ in length or name a probe not listed,
+            or whose ``deciding`` mark disagrees with its threshold (a series without the
+            mark, written before it existed, gets it from the threshold).
     """
     probes = data.get("probes", [])
     found = []
-    for s in data.get("series", []):
+    for n, s in enumerate(data.get("series", [])):
         columns = [s[c] for c in SERIES_COLUMNS]
         if len({len(c) for c in columns}) != 1 or not all(0 <= i < len(probes) for i in s["probe"]):
             raise CertificateError(f"metrics/series: {s['metric']} of {s['output']} is malformed")
         shared = {k: s[k] for k in SERIES_KEY}
-        found += [
+        rows = [
             Measurement(**shared, probe=probes[i], value=value, passed=passed)
             for i, value, passed in zip(*columns, strict=True)
         ]
+        if rows and s.get("deciding", deciding(rows[0])) != deciding(rows[0]):
+            raise CertificateError(
+                f"metrics/series/{n}: {s['metric']} of {s['output'] or 'the model'} is marked "
+                f"deciding: {str(s['deciding']).lower()}, but "
+                + ("its threshold decides" if deciding(rows[0]) else "it has no threshold")
+            )
+        found += rows
     return found
 
 

@@ -30,6 +30,7 @@ from precision_convert.validation.certify.certificate import (
     CERTIFICATE_NAME,
     Certificate,
 )
+from precision_convert.validation.certify.consistency import refusal
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class Verified:
 def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
     """Check ``directory`` against its certificate, offline; every file hashed from its bytes.
 
-    It passes when there is exactly one certificate, its verdict is ``pass``, it is named for
+    It passes when there is exactly one certificate, its verdict is ``pass`` and its records
+    agree (:func:`~.consistency.contradiction`), it is named for
     the variant it records, every file it covers is there with the same sha256 and nothing
     else is (hidden paths aside, and the signature it lists, which must be there), and the card
     is the one the certificate renders. Whose signature it is takes a public key:
@@ -73,7 +75,9 @@ def verify(directory: str | Path, *, blocks: bool = False) -> Verified:
         problems.append(
             f"{certificate_name}: records variant {recorded!r} but is named for {variant!r}"
         )
-    if not certificate.passed:
+    if (refused := refusal(certificate, root)) is not None:
+        problems.append(f"{certificate_name}: {refused}")
+    elif not certificate.passed:
         problems.append(f"{certificate_name}: {certificate.why_not_certified(root)}")
     files = hash_paths(root, paths, blocks=blocks)
     covered = {p: f.sha256 for p, f in files.items() if not _uncovered(p)}
