@@ -17,10 +17,10 @@ it, and the repo it is pushed to), so it can be checked by regenerating it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from precision_convert.conversion.analysis.chart import CHART_NAME
 from precision_convert.core.dtypes import BY_TORCH_NAME, Target
@@ -28,14 +28,23 @@ from precision_convert.core.patterns import REPO_ID, code_files
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
 from precision_convert.validation.certify.card_sizes import sizes_run
+from precision_convert.validation.certify.card_text import (
+    certified,
+    code,
+    escape,
+    way_passed,
+    way_result,
+)
 from precision_convert.validation.certify.card_triggers import trigger_lines
 from precision_convert.validation.certify.certificate import (
     CARD_NAME,
+    FAIL,
     SMOKE_PASS,
     Certificate,
     LoadPath,
     write_atomically,
 )
+from precision_convert.validation.certify.consistency import contradiction
 
 #: The tag of a certificate that holds wherever users load it, and of one that holds only
 #: through ``precision_convert.load`` (the library's plain load was not checked).
@@ -116,7 +125,7 @@ def tags(certificate: Certificate) -> list[str]:
             found.append("precision-safe")
     elif certificate.target:  # several components with different targets
         found.append(certificate.target)
-    if certificate.passed:
+    if certified(certificate):
         found.append(PLAIN_TAG if plain_load_passed(certificate) else PC_LOAD_ONLY_TAG)
     return found
 
@@ -143,7 +152,7 @@ def plain_load_passed(certificate: Certificate) -> bool:
     """Whether every plain ``from_pretrained`` the certificate records was checked and passed
     (False when none was recorded)."""
     plain = [p for p in certificate.load_paths if p.way == "plain"]
-    return bool(plain) and all(p.verdict == "pass" for p in plain)
+    return bool(plain) and all(way_passed(p) for p in plain)
 
 
 def summary(certificate: Certificate) -> dict[str, Any]:
@@ -153,7 +162,10 @@ def summary(certificate: Certificate) -> dict[str, Any]:
         "version": certificate.tool.get("version"),
         "target": certificate.target,
         "compute_dtype": certificate.compute_dtype,
-        "verdict": certificate.verdict,
+        # A pass its own records contradict is not repeated as one.
+        "verdict": certificate.verdict
+        if certified(certificate) or not certificate.passed
+        else FAIL,
         "baseline": compared_with(certificate)
         + ("" if certificate.against_source else " (a smoke check)"),
         "device": certificate.device.get("type"),
@@ -183,11 +195,12 @@ def render(
         _metadata(certificate),
         "---",
         "",
-        f"# {certificate.target} conversion of {source_name(certificate) or 'a model'}",
+        f"# {escape(certificate.target)} conversion of "
+        f"{escape(source_name(certificate) or 'a model')}",
         "",
-        f"Converted with precision-convert {certificate.tool.get('version', '')} to "
-        f"`{certificate.target}` (compute dtype `{certificate.compute_dtype}`), and "
-        f"{_verdict(certificate)} on {certificate.device.get('type')}.",
+        f"Converted with precision-convert {escape(certificate.tool.get('version', ''))} to "
+        f"{code(certificate.target)} (compute dtype {code(certificate.compute_dtype)}), and "
+        f"{_verdict(certificate)} on {escape(certificate.device.get('type'))}.",
         "",
         *cast_warning(certificate),
     ]
@@ -244,18 +257,24 @@ def _metadata(certificate: Certificate) -> str:
 
 
 def _verdict(certificate: Certificate) -> str:
-    """The verdict in words, and what it was compared with."""
+    """The verdict in words, and what it was compared with: a ``pass`` only where the records
+    agree with it."""
     if certificate.verdict == SMOKE_PASS:
         verdict = "**smoke-checked only, not certified**"
-    elif not certificate.passed:
+    elif contradicted := contradiction(certificate):
+        verdict = (
+            "**not certified**: its verdict `pass` is contradicted by its own records "
+            f"({escape(contradicted, code_spans=True)})"
+        )
+    elif not certified(certificate):
         verdict = "**not certified**"
     elif plain_load_passed(certificate):
         verdict = "**certified** (through `precision_convert.load` and plain `from_pretrained`)"
     else:
         verdict = "**certified for `precision_convert.load` only** (plain loads not checked)"
     if certificate.against_source:
-        return f"{verdict} against {compared_with(certificate)}"
-    return f"{verdict}: compared with {compared_with(certificate)}"
+        return f"{verdict} against {escape(compared_with(certificate))}"
+    return f"{verdict}: compared with {escape(compared_with(certificate))}"
 
 
 def _why_failed(certificate: Certificate) -> list[str]:
@@ -263,7 +282,11 @@ def _why_failed(certificate: Certificate) -> list[str]:
     line pointing at the metric rows outside their bounds."""
     if not certificate.failures:
         return []
-    lines = ["## Why it failed", "", *(f"- {f}" for f in certificate.failures_beside_metrics())]
+    lines = [
+        "## Why it failed",
+        "",
+        *(f"- {escape(f, code_spans=True)}" for f in certificate.failures_beside_metrics()),
+    ]
     if outside := outside_bounds(certificate):
         lines.append(
             f"- {outside}: the ❌ rows under Parity (every one in `{certificate.file_name}`)"
@@ -293,7 +316,12 @@ def _components(certificate: Certificate) -> list[str]:
         "| component | class | task | mode | recipe |",
         "|---|---|---|---|---|",
         *(
-            f"| {c.name or '—'} | {c.class_name} | {c.task} | {c.mode} | {c.recipe or '—'} |"
+            "| "
+            + " | ".join(
+                escape(cell)
+                for cell in (c.name or "—", c.class_name, c.task, c.mode, c.recipe or "—")
+            )
+            + " |"
             for c in certificate.components
         ),
         "",
@@ -307,7 +335,10 @@ def _charts(charts: Sequence[str]) -> list[str]:
     return [
         "## Activation ranges",
         "",
-        *(f"![activation ranges of {c.rpartition('/')[0] or 'the model'}]({c})" for c in charts),
+        *(
+            f"![activation ranges of {escape(c.rpartition('/')[0] or 'the model')}]({quote(c)})"
+            for c in charts
+        ),
         "",
     ]
 
@@ -323,7 +354,7 @@ ORIGINS = {
 def _limitations(certificate: Certificate) -> list[str]:
     """What the verdict covers and what it does not: the device, where the probes came from,
     and the sizes, positions and contexts they reached."""
-    device = certificate.device.get("type") or "an unrecorded device"
+    device = escape(certificate.device.get("type") or "an unrecorded device")
     lines = [
         "## Limitations",
         "",
@@ -333,9 +364,9 @@ def _limitations(certificate: Certificate) -> list[str]:
         origin = c.inputs.get("origin")
         if origin is None:
             continue
-        who = f"`{c.name}`: " if c.name else ""
-        what = ORIGINS.get(origin, f"inputs of origin {origin!r}")
-        made = "" if origin == "file" else f" (seed {c.inputs.get('seed')}), not real data"
+        who = f"{code(c.name)}: " if c.name else ""
+        what = ORIGINS.get(origin) or escape(f"inputs of origin {origin!r}")
+        made = "" if origin == "file" else f" (seed {escape(c.inputs.get('seed'))}), not real data"
         lines.append(f"- {who}probes are {what}{made}.")
     return [*lines, *_reach(certificate), *trigger_lines(certificate), ""]
 
@@ -368,17 +399,19 @@ def _reach(certificate: Certificate) -> list[str]:
             parts.append(f"timesteps run: {steps} (none between)")
         parts += sizes_run(c.inputs.get("sizes") or {})
         if parts:
-            who = f"`{c.name}`: " if c.name else ""
+            who = f"{code(c.name)}: " if c.name else ""
             level = c.inputs.get("coverage") or "no sweep"
-            lines.append(f"- {who}{'; '.join(parts)}. Coverage `{level}`, {c.mode} validation.")
+            lines.append(
+                f"- {who}{'; '.join(parts)}. Coverage {code(level)}, {escape(c.mode)} validation."
+            )
     return lines
 
 
 def _untested(ranges: list[Any], why: str | None) -> str:
     if not ranges:
         return ""
-    shown = ", ".join(r if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
-    return f" (untested: {shown}{'; ' + why if why else ''})"
+    shown = ", ".join(escape(r) if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
+    return f" (untested: {shown}{'; ' + escape(why, code_spans=True) if why else ''})"
 
 
 def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
@@ -398,8 +431,13 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
         "```",
         "",
     ]
-    calls = {v: list(dict.fromkeys(p.call for p in certificate.load_paths if p.verdict == v))
-             for v in ("pass", "fail")}  # fmt: skip
+    said: dict[str, list[str]] = {"pass": [], "fail": []}
+    for p in certificate.load_paths:  # a pass that its own metrics contradict does not match
+        if way_passed(p):
+            said["pass"].append(p.call)
+        elif p.verdict in said:
+            said["fail"].append(p.call)
+    calls = {verdict: list(dict.fromkeys(found)) for verdict, found in said.items()}
     if calls["pass"]:
         lines.append(f"Match fp32, islands kept: {_calls(calls['pass'])}.")
     if calls["fail"]:
@@ -429,7 +467,7 @@ MAX_CALLS = 6
 
 
 def _calls(calls: Sequence[str]) -> str:
-    shown = ", ".join(f"`{c}`" for c in calls[:MAX_CALLS])
+    shown = ", ".join(code(c) for c in calls[:MAX_CALLS])
     return shown + (f" and {len(calls) - MAX_CALLS} more" if len(calls) > MAX_CALLS else "")
 
 
@@ -470,14 +508,14 @@ def _ways_of_loading(certificate: Certificate) -> list[str]:
         reference = certificate.load_path("pc.load", p.component)
         name = WAY_NAMES.get(p.way, p.way)
         cells = [
-            f"{name}, {p.attention} attention" if p.attention else name,
-            f"`{p.call}`",
+            f"{name}, {escape(p.attention)} attention" if p.attention else name,
+            code(p.call),
             _loads_as(p, reference),
-            _result(p),
+            way_result(p),
         ]
         if several:
-            cells.insert(0, p.component or "—")
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            cells.insert(0, escape(p.component or "—"))
+        lines.append("| " + " | ".join(cells) + " |")  # each cell escaped, its | too
     lines.append("")
     lines += attention_lines(certificate)
     return lines
@@ -491,12 +529,15 @@ def attention_lines(certificate: Certificate) -> list[str]:
         if not c.attention:
             continue
         default, judged = c.attention.get("default"), c.attention.get("judged", [])
-        named = [f"`{a}`" + (" (the default)" if a == default else "") for a in judged]
-        skipped = "; ".join(f"`{a}`: {why}" for a, why in c.attention.get("not_judged", {}).items())
-        where = f"{c.name}: " if c.name else ""
+        named = [code(a) + (" (the default)" if a == default else "") for a in judged]
+        skipped = "; ".join(
+            f"{code(a)}: {escape(why, code_spans=True)}"
+            for a, why in c.attention.get("not_judged", {}).items()
+        )
+        where = f"{escape(c.name)}: " if c.name else ""
         stood_in = "; ".join(
-            f"`{a}`'s fp32 baseline of {', '.join(f'`{n}`' for n in record['probes'])} is the "
-            f"default's ({record['why']})"
+            f"{code(a)}'s fp32 baseline of {', '.join(code(n) for n in record['probes'])} is the "
+            f"default's ({escape(record['why'], code_spans=True)})"
             for a, record in c.attention.get("baseline_from_default", {}).items()
         )
         lines.append(
@@ -529,12 +570,12 @@ def _loads_as(path: LoadPath, reference: LoadPath | None) -> str:
     total = sum(path.dtypes.values())
     main = max(path.dtypes, key=path.dtypes.__getitem__)
     if len(path.dtypes) == 1:
-        text = f"{main} throughout"
+        text = f"{escape(main)} throughout"
     else:
         rest = ", ".join(
-            f"{n / total:.0%} {d}" for d, n in sorted(path.dtypes.items()) if d != main
+            f"{n / total:.0%} {escape(d)}" for d, n in sorted(path.dtypes.items()) if d != main
         )
-        text = f"{main}, {rest}"
+        text = f"{escape(main)}, {rest}"
     if reference is not None and reference is not path and reference.dtypes:
         mine, theirs = _nbytes(path.dtypes), _nbytes(reference.dtypes)
         if mine > theirs * 1.2:
@@ -546,21 +587,6 @@ def _loads_as(path: LoadPath, reference: LoadPath | None) -> str:
             some = "fp32 islands" if "float32" not in path.dtypes else "some fp32 islands"
             text += f" ({some} flattened)"
     return text
-
-
-def _result(path: LoadPath) -> str:
-    if path.verdict == "not-checked":
-        return f"not checked: {path.detail or 'no reason recorded'}"
-    if path.verdict == "pass":
-        cosine = next((m for m in path.metrics if m.metric == "cosine"), None)
-        floor = math.floor(cosine.value * 1e5) / 1e5 if cosine and cosine.value else None
-        close = f" (cosine ≥ {floor:.5f})" if floor is not None else ""
-        note = f"; {path.detail}" if path.detail else ""
-        return f"✅ matches fp32{close}{note}"
-    if path.detail and path.detail.startswith("fails"):
-        return f"❌ {path.detail}"
-    first = path.failures[0] if path.failures else (path.detail or "outputs differ")
-    return f"❌ differs from fp32: {first}"
 
 
 def write_card(certificate: Certificate, directory: str | Path) -> Path:

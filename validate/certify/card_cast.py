@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from precision_convert.core.dtypes import Target
+from precision_convert.validation.certify.card_text import code, escape, way_passed
 from precision_convert.validation.certify.certificate import Certificate, LoadPath
 from precision_convert.validation.certify.load_ways import COMPUTE, DECIDING
 
@@ -41,19 +42,19 @@ def cast_warning(certificate: Certificate) -> list[str]:
         "`.to(device)` only.",
     ]
     for path in failed:
-        lines += [">", f"> `{path.call}` {_gave(path, certificate)}."]
+        lines += [">", f"> {code(path.call)} {_gave(path, certificate)}."]
     kept = list(
         dict.fromkeys(
             p.call
             for p in certificate.load_paths
             if p.way in DECIDING
             and p.attention is None
-            and p.verdict == "pass"
+            and way_passed(p)
             and p.component in {f.component for f in failed}
         )
     )
     if kept:
-        lines += [">", "> These keep the islands: " + ", ".join(f"`{c}`" for c in kept) + "."]
+        lines += [">", "> These keep the islands: " + ", ".join(code(c) for c in kept) + "."]
     return [*lines, ""]
 
 
@@ -69,8 +70,8 @@ def _gave(path: LoadPath, certificate: Certificate) -> str:
     sizes = [_size_words(described.get(p, {}).get("sweep") or {}) for p in probes]
     where = [s for s in sizes if s]
     if where:
-        return f"{what} at {', '.join(dict.fromkeys(where))}"
-    return f"{what} ({path.failures[0]})" if path.failures else what
+        return f"{what} at {escape(', '.join(dict.fromkeys(where)))}"
+    return f"{what} ({escape(path.failures[0], code_spans=True)})" if path.failures else what
 
 
 def _size_words(how: Mapping[str, Any]) -> str | None:

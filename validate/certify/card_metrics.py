@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from precision_convert.core.folding import fold
+from precision_convert.validation.certify.card_text import code, escape
 from precision_convert.validation.probe.run.metrics import Measurement
 
 #: Most metric rows in the card; the certificate keeps all of them.
@@ -41,8 +42,9 @@ def _rows(metrics: Iterable[Measurement]) -> list[str]:
     folded = folded_metrics(metrics)
     for row in folded[:MAX_ROWS]:
         rows.append(
-            f"| `{row.where}` | {row.metric} | {_fmt(row.value)} | {row.bound_text or '—'} | "
-            f"{'✅' if row.passed else '❌'} | {row.worst_probe} |"
+            f"| {code(row.where)} | {escape(row.metric)} | {_fmt(row.value)} | "
+            f"{row.bound_text or '—'} | {'✅' if row.passed else '❌'} | "
+            f"{escape(row.worst_probe)} |"
         )
     if len(folded) > MAX_ROWS:
         rows.append(f"| … | {len(folded) - MAX_ROWS} more in the certificate | | | | |")
@@ -159,11 +161,11 @@ def _probe_chart(metrics: Iterable[Measurement]) -> list[str]:
     lines: list[str] = []
     for series in probe_series(metrics):
         lines += [
-            f"### `{series.where}`: {series.metric} per probe",
+            f"### {code(series.where)}: {escape(series.metric)} per probe",
             "",
             f"| probe | {series.metric} | {BAR_LABEL} |",
             "|---|---|---|",
-            *(f"| `{probe}` | {value} | `{bar}` |" for probe, value, bar in series.rows()),
+            *(f"| {code(probe)} | {value} | `{bar}` |" for probe, value, bar in series.rows()),
             "",
         ]
     return lines

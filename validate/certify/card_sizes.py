@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from precision_convert.validation.certify.card_text import code, escape
 from precision_convert.validation.probe.run.growth import PREDICTED, WORDS
 
 
@@ -19,13 +20,18 @@ def sizes_run(sizes: dict[str, Any]) -> list[str]:
             continue
         declared = size.get("declared")
         said = f" of {declared} declared" if declared is not None else ""
-        why = f" ({declared} not run: {size['not_run']})" if size.get("not_run") else ""
+        why = (
+            f" ({declared} not run: {escape(size['not_run'], code_spans=True)})"
+            if size.get("not_run")
+            else ""
+        )
         fitted = growth.get(key) or {}
         run = max(size.get("run") or 0, fitted.get("largest_run") or 0)
-        parts.append(f"{WORDS.get(key, key)} run: {run}{said}{why}{_fitted(fitted)}")
+        parts.append(f"{WORDS.get(key) or escape(key)} run: {run}{said}{why}{_fitted(fitted)}")
     for key, entry in growth.items():
         if key not in sizes:
-            parts.append(f"{WORDS.get(key, key)} run: up to {entry['largest_run']}{_fitted(entry)}")
+            words = WORDS.get(key) or escape(key)
+            parts.append(f"{words} run: up to {entry['largest_run']}{_fitted(entry)}")
     return parts
 
 
@@ -48,11 +54,11 @@ def _fitted(entry: dict[str, Any] | None) -> str:
             else "not extrapolated: flat or scattered peaks"
         )
         words += (
-            f" (highest: `{top['module'] or '<model>'}`, {top['peak_run']:.4g} run, "
+            f" (highest: {code(top['module'] or '<model>')}, {top['peak_run']:.4g} run, "
             f"{top['predicted_peak']:.4g} predicted, {how}, "
             f"margin {top['margin']}x to fp16's limit)"
         )
-    near = [f"`{item['module'] or '<model>'}`" for item in entry.get("near_limit", ())]
+    near = [code(item["module"] or "<model>") for item in entry.get("near_limit", ())]
     if near:
         words += f"; predicted near fp16's limit: {', '.join(near)}"
     return words

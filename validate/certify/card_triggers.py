@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from precision_convert.validation.certify.card_text import code, escape
 from precision_convert.validation.certify.certificate import Certificate
 
 
@@ -22,12 +23,12 @@ def trigger_lines(certificate: Certificate) -> list[str]:
         if not isinstance(record, Mapping):
             continue
         searched = [
-            f"{kind} ({_reach(kind, entry)})" if _reach(kind, entry) else kind
+            f"{escape(kind)} ({_reach(kind, entry)})" if _reach(kind, entry) else escape(kind)
             for kind, entry in record.items()
             if isinstance(entry, Mapping) and entry.get("searched")
         ]
-        left = [kind for kind, entry in record.items() if not entry.get("searched")]
-        who = f"`{c.name}`: " if c.name else ""
+        left = [escape(kind) for kind, entry in record.items() if not entry.get("searched")]
+        who = f"{code(c.name)}: " if c.name else ""
         said = f"triggers searched: {', '.join(searched)}" if searched else "no trigger searched"
         lines.append(f"- {who}{said}; not searched: {', '.join(left) or 'none'}.")
     return lines
@@ -59,7 +60,8 @@ def _reach(kind: str, entry: Mapping[str, Any]) -> str:
     if kind == "bound":
         top = entry["highest"]
         return (
-            f"{entry['modules']} modules bounded, highest `{top['module']}` {top['side']} "
+            f"{entry['modules']} modules bounded, highest {code(top['module'])} "
+            f"{escape(top['side'])} "
             f"{top['bound']:.4g}, conditional on the factor peaks seen"
         )
     if kind == "pairs":
@@ -67,4 +69,4 @@ def _reach(kind: str, entry: Mapping[str, Any]) -> str:
         return f"worst-context search over {entry['modules']} modules in {entry['seconds']} s" + (
             f", highest peak {peak:.4g}" if peak is not None else ""
         )
-    return str(entry.get("reach", ""))
+    return escape(entry.get("reach", ""))
