@@ -7,6 +7,7 @@ with ``test_batch_ray.py``. Manifest errors run in-process: nothing starts, so t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import _certificates
 import _models
 import pytest
 from _batch import (
@@ -29,8 +31,11 @@ from _batch import (
 from _fake_hub import FakeHub
 from typer.testing import CliRunner
 
-from precision_convert.batch.state import exclusive
+from precision_convert.api.conversion import convert
+from precision_convert.batch.manifest import read_manifest
+from precision_convert.batch.state import JobState, Resume, StateStore, exclusive, resume_point
 from precision_convert.cli.main import app
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
 from precision_convert.validation.certify.verify import verify
 
 TOKEN = "hf_FAKEbatchTokenDoNotLeak42"
@@ -239,6 +244,32 @@ def test_a_killed_job_leaves_nothing_and_outputs_are_replaced_only_when_asked(
     reports = sorted((out / "batch_reports").iterdir())
     assert len(reports) == 2 and reports[-1].read_text() == (out / "batch_report.json").read_text()
     assert json.loads(reports[-1].read_text())["overwrite"] is True
+
+
+def test_resume_redoes_a_job_whose_certificate_contradicts_itself(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    """``--resume`` keeps a finished job only where the verifier passes: a certificate whose
+    records contradict its ``pass`` (its card re-rendered, the job's state recording that very
+    certificate) is not counted as done, and the job is converted again."""
+    llama = tiny_model("llama")
+    (tmp_path / "batch.toml").write_text(
+        '[defaults]\nto = ["bf16"]\noutput_dir = "out"\ncoverage = "quick"\n\n'
+        f'[[model]]\nsource = "{llama}"\n'
+    )
+    [job] = read_manifest(tmp_path / "batch.toml").jobs
+    convert(llama, to="bf16", output=job.output, coverage="quick")
+    store = StateStore(job.output.parent)
+
+    def recorded() -> None:
+        certificate = (job.output / CERTIFICATE_NAME).read_bytes()
+        store.write(JobState(job.key, job.digest, hashlib.sha256(certificate).hexdigest()))
+
+    recorded()
+    assert resume_point(job, store).point is Resume.DONE
+    _certificates.rewrite(job.output, _certificates.every_record_failed)
+    recorded()  # the state names the files as they are: only the records disagree
+    assert resume_point(job, store).point is Resume.CONVERT
 
 
 # --------------------------------------------------------------------------- the Hub

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _certificates
 import _models
 import pytest
 import torch
@@ -449,6 +450,18 @@ def _fail_verdict(out: Path) -> str:
     return CERTIFICATE_NAME
 
 
+def _contradicting_pass(out: Path) -> str:
+    """The verdict left ``pass`` over records that all failed, with the card it renders."""
+    _certificates.rewrite(out, _certificates.every_record_failed)
+    return CERTIFICATE_NAME
+
+
+def _required_record_missing(out: Path) -> str:
+    """The verdict left ``pass`` without the coverage measurement it requires."""
+    _certificates.rewrite(out, _certificates.coverage_dropped)
+    return CERTIFICATE_NAME
+
+
 def _edit_card(out: Path) -> str:
     with (out / "README.md").open("a") as card:
         card.write("\nBest model ever, no caveats.\n")
@@ -464,6 +477,8 @@ def _edit_card(out: Path) -> str:
         _delete_shard,
         _delete_certificate,
         _fail_verdict,
+        _contradicting_pass,
+        _required_record_missing,
         _edit_card,
     ],
     ids=[
@@ -473,6 +488,8 @@ def _edit_card(out: Path) -> str:
         "removed-file",
         "no-certificate",
         "fail-verdict",
+        "contradicting-pass",
+        "required-record-missing",
         "card",
     ],
 )
@@ -489,6 +506,8 @@ def test_gate_refuses_and_uploads_nothing(
     line = _one_line_error(done, 1, culprit, "push refused")
     if tamper is _fail_verdict:
         assert "'fail'" in line
+    if tamper in (_contradicting_pass, _required_record_missing):
+        assert "verdict 'pass' contradicted by its own records" in line
     assert hub.requests == []  # the gate runs before anything talks to the Hub
     assert "ns/refused" not in hub.repos
     verified = CliRunner().invoke(app, ["validate", str(out), "--verify"])

@@ -3,7 +3,9 @@ config key, an added file, a removed file, no certificate, a failing verdict, th
 renamed shard, a certificate edited to cover a changed file, files inside a pipeline's
 component folders, and hidden files (neither certified nor uploaded, so no way to smuggle a
 file into a repo). Each change is caught by ``validate --verify`` and by ``push`` (nothing sent
-to the Hub), both naming the file.
+to the Hub), both naming the file. So is a certificate whose records contradict its ``pass``
+(with its card re-rendered and every hash right), which ``pc.load`` warns of and the card
+does not repeat; and a hostile source folder name reaches the card escaped.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import _certificates
 import _harness
 import pytest
+import torch
 from _fake_hub import FakeHub
 from test_push import TOKEN, USER, _one_line_error, _online, _push
 
-from precision_convert.validation.certify.certificate import CERTIFICATE_NAME
+from precision_convert.validation.certify.certificate import CERTIFICATE_NAME, Certificate
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +200,144 @@ def test_pipeline_tampering_is_caught(
     shutil.copytree(certified_pipeline, output)
     _harness.verify(output)
     _caught(output, online, tamper(output))
+
+
+# -- a certificate that contradicts itself -----------------------------------------------------
+
+
+@pytest.mark.parametrize("old_format", [False, True], ids=["marked", "before-the-marks"])
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (_certificates.every_record_failed, "is marked failed"),
+        (_certificates.coverage_dropped, "its coverage measurement is missing"),
+        (_certificates.plain_load_dropped, "the record of the plain load is missing"),
+    ],
+    ids=["every-record-failed", "coverage-missing", "plain-load-missing"],
+)
+def test_a_pass_its_records_contradict_is_refused(
+    edit: _certificates.Edit,
+    named: str,
+    old_format: bool,
+    tmp_path: Path,
+    sources: _harness.Sources,
+    online: FakeHub,
+) -> None:
+    """The verdict left ``pass``, the card re-rendered, every hash right: only the records
+    say otherwise, and ``validate --verify`` and ``push`` both refuse, naming the first record
+    at fault and the command that certifies the files again (a certificate from before the
+    ``deciding`` marks is judged by the same rule)."""
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    edits = [edit, _certificates.marks_stripped] if old_format else [edit]
+    data = _certificates.rewrite(output, *edits)
+    assert data["verdict"] == "pass"
+    _caught(output, online, CERTIFICATE_NAME)
+    refused = _harness.run_in_process(["validate", str(output), "--verify"])
+    line = _one_line_error(refused, 1, "verdict 'pass' contradicted by its own records", named)
+    assert f"precision-convert validate {output} --baseline SOURCE" in line
+    if edit is _certificates.every_record_failed:
+        assert f"{_certificates.first_deciding(data)} 1e+09" in line
+
+
+def test_a_consistent_certificate_from_before_the_marks_is_accepted(
+    tmp_path: Path, sources: _harness.Sources
+) -> None:
+    """``deciding`` and ``not_covered`` are derived for a certificate without them: it reads,
+    verifies and renders the same card as with them."""
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    card = (output / "README.md").read_text()
+    _certificates.rewrite(output, _certificates.marks_stripped)
+    _harness.verify(output)
+    assert (output / "README.md").read_text() == card
+    assert Certificate.read(output).not_covered is None  # not recorded: derived when judged
+
+
+def test_a_deciding_mark_that_hides_a_measurement_is_refused(
+    tmp_path: Path, sources: _harness.Sources
+) -> None:
+    """Marking a series ``deciding: false`` cannot take a failed measurement out of the
+    verdict: the mark must agree with the series' threshold."""
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    (output / "README.md").unlink()
+    path = output / CERTIFICATE_NAME
+    data = json.loads(path.read_text())
+    series = next(s for s in data["metrics"]["series"] if s["metric"] == "rel_l2")
+    series.update(deciding=False, passed=[False] * len(series["passed"]))
+    path.write_text(json.dumps(data))
+    refused = _harness.run_in_process(["validate", str(output), "--verify"])
+    _one_line_error(refused, 1, "is marked deciding: false, but its threshold decides")
+
+
+def test_pc_load_warns_in_one_line_and_loads(tmp_path: Path, sources: _harness.Sources) -> None:
+    """``pc.load`` loads the weights of a contradicting certificate, as of any directory, and
+    says in one warning line that nothing certifies them; a consistent one loads silently."""
+    import warnings
+
+    import precision_convert as pc
+    from precision_convert.core.quiet import PrecisionConvertWarning
+
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        reference = pc.load(output)
+    assert not [w for w in said if issubclass(w.category, PrecisionConvertWarning)]
+
+    data = _certificates.rewrite(output, _certificates.every_record_failed)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        loaded = pc.load(output)
+    [warning] = [w for w in said if issubclass(w.category, PrecisionConvertWarning)]
+    text = str(warning.message)
+    assert "\n" not in text and CERTIFICATE_NAME in text, text
+    assert "contradicted by its own records" in text and "loaded anyway" in text
+    assert _certificates.first_deciding(data) in text
+    expected = reference.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name])
+
+
+def test_the_card_claims_no_pass_its_records_contradict(
+    tmp_path: Path, sources: _harness.Sources
+) -> None:
+    """The card of the report's certificate: not certified, why, no parity tag, no way of
+    loading said to match fp32 (the report's card read "✅ matches fp32 (cosine ≥ 1000000000)")."""
+    output = tmp_path / "out"
+    shutil.copytree(sources.certified_reference, output)
+    assert "**certified**" in (output / "README.md").read_text()
+    _certificates.rewrite(output, _certificates.every_record_failed)
+    card = (output / "README.md").read_text()
+    header, body = card.split("\n---\n", 1)
+    assert "verdict: fail" in header and "parity-certified" not in header
+    assert "**certified" not in body and "✅ matches fp32" not in body
+    assert "**not certified**: its verdict `pass` is contradicted by its own records" in body
+    assert "❌ contradicts its own metrics" in body
+
+
+def test_a_hostile_folder_name_is_escaped_in_the_card(
+    tmp_path: Path, sources: _harness.Sources
+) -> None:
+    """A source folder whose name sets the terminal title, turns the text red and carries an
+    HTML tag: the card shows it with its control characters as escapes and the tag as text
+    (the YAML header quotes it); the files still verify (the card is what the certificate
+    renders)."""
+    name = "\x1b]0;pwned\x07\x1b[31m<img src=x onerror=alert(1)>[x](javascript:y)`|"
+    source = tmp_path / name
+    shutil.copytree(sources.llama, source)
+    output = tmp_path / "out"
+    done = _harness.run_in_process(["model", str(source), *_harness.VALIDATE, "-o", str(output)])
+    assert done.exit_code == 0, done.stderr
+    card = (output / "README.md").read_text()
+    body = card.split("\n---\n", 1)[1]
+    assert not [c for c in card if ord(c) < 32 and c != "\n"]  # no control byte at all
+    assert "<img" not in body and "[x](javascript" not in body
+    shown = (
+        "\\x1b\\]0;pwned\\x07\\x1b\\[31m&lt;img src=x onerror=alert(1)&gt;"
+        "\\[x\\](javascript:y)&#96;\\|"
+    )
+    assert f"# bf16 conversion of {shown}\n" in body
+    assert f"against the source ({shown})" in body
+    _harness.verify(output)
