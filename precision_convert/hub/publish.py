@@ -28,6 +28,7 @@ from precision_convert.core.patterns import (
 from precision_convert.hub.errors import hub_errors
 from precision_convert.hub.upload import addition, changed_file, same_content
 from precision_convert.validation.certify.card import base_model_id, render_card, stored_in
+from precision_convert.validation.certify.card_text import code, escape
 from precision_convert.validation.certify.certificate import CARD_NAME
 from precision_convert.validation.certify.signing import signature_file
 from precision_convert.validation.certify.verify import Verified, verify
@@ -416,7 +417,7 @@ def _summary(checked: Verified, paths: list[str]) -> str:
     cert = checked.certificate
     failed = sum(not m.passed for m in cert.metrics)
     source = cert.source.get("id") or "the source checkpoint"
-    at = f" at `{cert.source['revision']}`" if cert.source.get("revision") else ""
+    at = f" at {code(cert.source['revision'])}" if cert.source.get("revision") else ""
     stored = stored_in(cert)
     lines = [
         f"Converted with precision-convert {cert.tool.get('version', '')} and certified "
@@ -424,7 +425,7 @@ def _summary(checked: Verified, paths: list[str]) -> str:
         f"**{cert.verdict}**.",
         "",
         f"- target: `{cert.target}` (compute dtype `{cert.compute_dtype}`)",
-        f"- source: `{source}`{at}",
+        f"- source: {code(source)}{at}",
         f"- baseline: {cert.baseline.get('dtype')} ({cert.baseline.get('kind')}), "
         f"device {cert.device.get('type')}",
         f"- metrics: {len(cert.metrics)} judged, {failed} outside their bounds",
@@ -437,7 +438,8 @@ def _summary(checked: Verified, paths: list[str]) -> str:
             f"public half's sha256 is `{cert.signature['public_key_sha256']}`"
         )
     if cert.failures:
-        lines += ["", "Failures:", *(f"- {line}" for line in cert.failures)]
+        failures = (escape(line, code_spans=True) for line in cert.failures)
+        lines += ["", "Failures:", *(f"- {line}" for line in failures)]
     return "\n".join(lines)
 
 

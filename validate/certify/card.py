@@ -215,7 +215,7 @@ def render(
     # the detail tables.
     lines += _why_failed(certificate)
     lines += _loading(certificate, repo_id)
-    lines += _code(certificate)
+    lines += _code_files(certificate)
     lines += _limitations(certificate)
     lines += _parity(certificate)
     lines += _components(certificate)
@@ -447,7 +447,7 @@ def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:
     return lines
 
 
-def _code(certificate: Certificate) -> list[str]:
+def _code_files(certificate: Certificate) -> list[str]:
     """The Python files the repository carries (copied from the source with the weights): a
     library runs them only on ``trust_remote_code=True``, and a visitor should know first."""
     files = code_files(certificate.files)
@@ -457,7 +457,7 @@ def _code(certificate: Certificate) -> list[str]:
         "## Code",
         "",
         "This repository carries Python code copied from the source, which runs if you pass "
-        f"`trust_remote_code=True`: {', '.join(f'`{f}`' for f in files)}. Read it first.",
+        f"`trust_remote_code=True`: {', '.join(code(f) for f in files)}. Read it first.",
         "",
     ]
 
