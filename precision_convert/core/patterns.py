@@ -26,12 +26,13 @@ VARIANT_FILE = re.compile(
 )
 #: The certificate of an output written without ``--variant``.
 CERTIFICATE_NAME = "precision_certificate.json"
+_CERTIFICATE_STEM = rf"precision_certificate(?:\.(?P<variant>{_VARIANT}))?"
 #: ``precision_certificate.json``, or ``precision_certificate.<variant>.json`` for an output
 #: written with ``--variant`` (it sits beside the source repo's files, under its own name).
-CERTIFICATE_FILE = re.compile(rf"precision_certificate(?:\.(?P<variant>{_VARIANT}))?\.json")
+CERTIFICATE_FILE = re.compile(rf"{_CERTIFICATE_STEM}\.json")
 #: The signature of a certificate and the files it covers (``validate --sign``), beside it:
 #: ``precision_certificate.sig`` or ``precision_certificate.<variant>.sig``.
-SIGNATURE_FILE = re.compile(rf"precision_certificate(?:\.(?P<variant>{_VARIANT}))?\.sig")
+SIGNATURE_FILE = re.compile(rf"{_CERTIFICATE_STEM}\.sig")
 
 
 def certificate_name(variant: str | None) -> str:

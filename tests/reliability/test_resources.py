@@ -83,9 +83,6 @@ MEMORY_CAP = 2 << 30
 TIME_CAP = 120.0
 #: Wall seconds after which a command that never finished is killed.
 WALL_CAP = 900.0
-#: Seconds into the baseline's sweep probes a SIGTERM is sent: past their small ones (about a
-#: second each on 2 busy cores), into the one a declared size would have made huge.
-SWEEP_SECONDS = 5.0
 #: Declared sizes no probe can run, on tiny models: the positions of a 2-layer, hidden-32
 #: Llama (2^31-1 appears in published configs), a UNet's and a PixArt transformer's sample
 #: side and a CogVideoX-shaped transformer's frame count; each with the config keys set.
@@ -199,17 +196,16 @@ def test_sigterm_while_probing_a_million_declared_frames_ends_the_run_within_10_
 ) -> None:
     """The worst stage of the 10^6-frame rotary CogVideoX is its fp32 baseline's probes,
     where one probe once ran all 250000 declared latent frames in a single forward that no
-    signal could interrupt: SIGTERM :data:`SWEEP_SECONDS` into them exits 143 within 10 s,
-    with one line and nothing left behind."""
+    signal could interrupt: SIGTERM as they begin exits 143 within 10 s, with one line and
+    nothing left behind."""
     _, target, child = _hostile_run(tmp_path, tiny_model, len(HOSTILE_SIZES) - 1)
     deadline = time.monotonic() + WALL_CAP
     while not (child.started and _baseline_probing(child.stderr)):
         code, peak, _ = _watched(child, 0.05)
         assert code is None and peak <= MEMORY_CAP, (code, peak >> 20, child.stderr[-500:])
         assert time.monotonic() < deadline, "the baseline's probes never began"
-    code, peak, _ = _watched(child, SWEEP_SECONDS)
-    assert code is None and peak <= MEMORY_CAP, (code, peak >> 20, child.stderr[-500:])
-
+    # At once: on a quiet machine the tiny model's probes take fractions of a second now that
+    # no declared size makes one huge, and the run ends a few seconds later.
     child.signal(signal.SIGTERM)
     signalled = time.monotonic()
     code, peak, _ = _watched(child, 10.0)

@@ -27,7 +27,7 @@ from precision_convert.core.dtypes import BY_TORCH_NAME, Target
 from precision_convert.core.patterns import REPO_ID, code_files
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
-from precision_convert.validation.certify.card_sizes import sizes_run
+from precision_convert.validation.certify.card_sizes import reach_lines
 from precision_convert.validation.certify.card_text import (
     certified,
     code,
@@ -368,50 +368,7 @@ def _limitations(certificate: Certificate) -> list[str]:
         what = ORIGINS.get(origin) or escape(f"inputs of origin {origin!r}")
         made = "" if origin == "file" else f" (seed {escape(c.inputs.get('seed'))}), not real data"
         lines.append(f"- {who}probes are {what}{made}.")
-    return [*lines, *_reach(certificate), *trigger_lines(certificate), ""]
-
-
-def _reach(certificate: Certificate) -> list[str]:
-    """Per component, the positions, context length and token ids its probes reached (every
-    range left untested named), or the timesteps they ran at, and the image side and frames
-    run against those the model declares: one list item each."""
-    lines = []
-    for c in certificate.components:
-        reach = c.inputs.get("reach") or {}
-        parts = []
-        if "positions" in reach:
-            positions, context, vocab = reach["positions"], reach["context"], reach["vocabulary"]
-            parts.append(
-                f"positions reached: {positions['reached']} of {positions['limit']}"
-                + _untested(positions["untested"], positions.get("why"))
-            )
-            parts.append(
-                f"context length run: {context['reached']} of {context['limit']} tokens"
-                + (
-                    f" (contexts of {context['reached'] + 1} to {context['limit']} tokens untested)"
-                    if context["untested"]
-                    else ""
-                )
-            )
-            parts.append(f"token ids reached: {vocab['reached']} of {vocab['size']}")
-        if "timesteps" in reach:
-            steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
-            parts.append(f"timesteps run: {steps} (none between)")
-        parts += sizes_run(c.inputs.get("sizes") or {})
-        if parts:
-            who = f"{code(c.name)}: " if c.name else ""
-            level = c.inputs.get("coverage") or "no sweep"
-            lines.append(
-                f"- {who}{'; '.join(parts)}. Coverage {code(level)}, {escape(c.mode)} validation."
-            )
-    return lines
-
-
-def _untested(ranges: list[Any], why: str | None) -> str:
-    if not ranges:
-        return ""
-    shown = ", ".join(escape(r) if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
-    return f" (untested: {shown}{'; ' + escape(why, code_spans=True) if why else ''})"
+    return [*lines, *reach_lines(certificate), *trigger_lines(certificate), ""]
 
 
 def _loading(certificate: Certificate, repo_id: str | None) -> list[str]:

@@ -1,4 +1,5 @@
-"""The card's line on sizes: per size family of a component, what ran against what the model
+"""The card's lines on what the probes reached: per component, positions, context, token ids
+and timesteps (``inputs.reach``), and per size family what ran against what the model
 declares, and what was predicted there without running it (``inputs.sizes``)."""
 
 from __future__ import annotations
@@ -6,7 +7,51 @@ from __future__ import annotations
 from typing import Any
 
 from precision_convert.validation.certify.card_text import code, escape
+from precision_convert.validation.certify.certificate import Certificate
 from precision_convert.validation.probe.run.growth import PREDICTED, WORDS
+
+
+def reach_lines(certificate: Certificate) -> list[str]:
+    """Per component, the positions, context length and token ids its probes reached (every
+    range left untested named), or the timesteps they ran at, and the image side and frames
+    run against those the model declares: one list item each."""
+    lines = []
+    for c in certificate.components:
+        reach = c.inputs.get("reach") or {}
+        parts = []
+        if "positions" in reach:
+            positions, context, vocab = reach["positions"], reach["context"], reach["vocabulary"]
+            parts.append(
+                f"positions reached: {positions['reached']} of {positions['limit']}"
+                + _untested(positions["untested"], positions.get("why"))
+            )
+            parts.append(
+                f"context length run: {context['reached']} of {context['limit']} tokens"
+                + (
+                    f" (contexts of {context['reached'] + 1} to {context['limit']} tokens untested)"
+                    if context["untested"]
+                    else ""
+                )
+            )
+            parts.append(f"token ids reached: {vocab['reached']} of {vocab['size']}")
+        if "timesteps" in reach:
+            steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
+            parts.append(f"timesteps run: {steps} (none between)")
+        parts += sizes_run(c.inputs.get("sizes") or {})
+        if parts:
+            who = f"{code(c.name)}: " if c.name else ""
+            level = c.inputs.get("coverage") or "no sweep"
+            lines.append(
+                f"- {who}{'; '.join(parts)}. Coverage {code(level)}, {escape(c.mode)} validation."
+            )
+    return lines
+
+
+def _untested(ranges: list[Any], why: str | None) -> str:
+    if not ranges:
+        return ""
+    shown = ", ".join(escape(r) if isinstance(r, str) else f"{r[0]}–{r[1]}" for r in ranges)
+    return f" (untested: {shown}{'; ' + escape(why, code_spans=True) if why else ''})"
 
 
 def sizes_run(sizes: dict[str, Any]) -> list[str]:
