@@ -19,8 +19,10 @@ import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
+from types import ModuleType
 from typing import Any
 
+from precision_convert.core.imports import when_imported
 from precision_convert.core.units import duration
 
 #: Seconds a Hub request may go without receiving a byte before it fails (default 60).
@@ -34,6 +36,8 @@ MAX_RETRY_WAIT_VARIABLE = "PRECISION_CONVERT_MAX_RETRY_WAIT"
 DEFAULT_MAX_RETRY_WAIT = 300.0
 #: A wait longer than this (seconds) is announced on stderr: never a silent sleep.
 ANNOUNCED_WAIT = 5.0
+#: huggingface_hub's HTTP module: its client factory, and the one way its requests go out.
+_HTTP_MODULE = "huggingface_hub.utils._http"
 #: The answers huggingface_hub retries, after the wait they ask for.
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -128,14 +132,24 @@ def bound_hub_requests() -> None:
     comes from ``PRECISION_CONVERT_HUB_TIMEOUT`` (seconds; default 60), read now, so worker
     processes inherit the command's. A response hook, :func:`pace`, bounds and announces the
     waits a busy Hub asks for.
+
+    The client is set up when huggingface_hub's HTTP module is first imported (now, if it
+    already is): every request goes through it, and a run that never reaches the Hub (a local
+    source, ``--no-validate``) never imports it nor httpx2.
     """
-    try:
-        import httpx2
-        from huggingface_hub import set_client_factory
-        from huggingface_hub.utils._http import default_client_factory
-    except ImportError:  # another huggingface_hub generation: keep its own behaviour
-        return
     seconds = float(os.environ.get(HUB_TIMEOUT_VARIABLE) or _DEFAULT_SECONDS)
+    when_imported(_HTTP_MODULE, lambda http: _bound_client(http, seconds))
+
+
+def _bound_client(http: ModuleType, seconds: float) -> None:
+    """Install the bounded client factory in ``http`` (:data:`_HTTP_MODULE`, just imported)."""
+    try:
+        import httpx2  # imported already by this generation's http module
+
+        set_client_factory = http.set_client_factory
+        default_client_factory = http.default_client_factory
+    except (ImportError, AttributeError):  # another generation: keep its own behaviour
+        return
     bounded = httpx2.Timeout(seconds).as_dict()
 
     def bound(request: httpx2.Request) -> None:
@@ -143,7 +157,7 @@ def bound_hub_requests() -> None:
             request.extensions["timeout"] = bounded
 
     def bounded_client() -> httpx2.Client:
-        client = default_client_factory()
+        client: httpx2.Client = default_client_factory()
         client.event_hooks["request"].append(bound)
         client.event_hooks["response"].append(pace)
         return client
