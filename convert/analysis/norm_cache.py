@@ -103,18 +103,12 @@ def cache_key(
     """The key of a skeleton built by ``library`` for ``class_name`` from ``config`` by the
     files ``code``; None when there is none (a library is not installed, a file unreadable,
     the config not plain JSON)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     if library not in _LIBRARIES:
         return None
-    versions: dict[str, str | None] = {}
-    for name in _DISTRIBUTIONS:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-        except Exception:  # a broken installation: build the skeleton instead
-            return None
+    installed = _installed_versions()
+    if installed is None:  # a broken installation: build the skeleton instead
+        return None
+    versions = dict(installed)
     if versions[_LIBRARIES[library]] is None:  # the library is missing: nothing to cache
         return None
     try:
@@ -132,6 +126,24 @@ def cache_key(
         "class": class_name,
         "config": config_hash,
     }
+
+
+@cache
+def _installed_versions() -> tuple[tuple[str, str | None], ...] | None:
+    """The version of each of :data:`_DISTRIBUTIONS` (None: not installed), read once per
+    process (each read searches the installed distributions); None for a broken
+    installation."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: list[tuple[str, str | None]] = []
+    for name in _DISTRIBUTIONS:
+        try:
+            versions.append((name, version(name)))
+        except PackageNotFoundError:
+            versions.append((name, None))
+        except Exception:
+            return None
+    return tuple(versions)
 
 
 def load(key: Mapping[str, Any]) -> SkeletonNorms | None:
