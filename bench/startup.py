@@ -76,6 +76,9 @@ def _cli() -> list[str]:
 
 def _env(cache: Path) -> dict[str, str]:
     env = dict(os.environ)
+    # The warm-up round writes the bytecode of this checkout's modules, as every install has
+    # it: where the environment forbids writing it, each timed run would compile them anew.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env[CACHE_VARIABLE] = str(cache)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
