@@ -102,6 +102,21 @@ def qwen2(**overrides: Any) -> Any:
     return Qwen2ForCausalLM(Qwen2Config(**{**QWEN2, **overrides}))
 
 
+class CustomHead(torch.nn.Linear):
+    """An output head of a class of its own: not a plain ``Linear``, so probes cannot compute
+    it for sampled rows only and each token costs a row of logits in a probe's memory."""
+
+
+def with_custom_head(model: Any) -> Any:
+    """``model`` with its output head (same weight) of :class:`CustomHead`'s class."""
+    head = model.get_output_embeddings()
+    custom = CustomHead(head.in_features, head.out_features, bias=head.bias is not None)
+    custom.weight = head.weight
+    custom.bias = head.bias
+    model.set_output_embeddings(custom)
+    return model
+
+
 def offset_scores(model: Any, score: float) -> Any:
     """Put ``-score`` on every attention score of a rope decoder, through real q/k biases.
 

@@ -1,8 +1,10 @@
 """The certificate of a model with a 128k vocabulary stays under a megabyte.
 
-At the default coverage the zoo's Llama-3.2 is swept with 667 probes (494 of them vocabulary
-chunks, 95 first-position and 32 repeated-id rows), and each probe is judged on two outputs by
-eight metrics: thousands of measurements. The probes here are the sweep's own, built for the
+At the default coverage the zoo's Llama-3.2 with a head probes cannot sample row by row (a
+head of its own class: each token costs a row of logits, so the vocabulary takes as many
+memory-sized probes as that allows) is swept with 667 probes (494 of them vocabulary chunks, 95
+first-position and 32 repeated-id rows), and each probe is judged on two outputs by eight
+metrics: thousands of measurements. The probes here are the sweep's own, built for the
 model without running it, and the measurements are made as validation makes them
 (:func:`measure`), so what is measured is the format: every probe's record and every
 measurement, written as the certificate writes them. (The slow tests in test_command_output.py
@@ -15,6 +17,8 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+
+from _models import with_custom_head
 
 from precision_convert.validation.certify.certificate import (
     Certificate,
@@ -40,7 +44,7 @@ def _probes(source: Path) -> dict[str, object]:
     from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
     from precision_convert.validation.probe.run.session import SEED
 
-    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    model = with_custom_head(AutoModelForCausalLM.from_pretrained(source).eval())
     tokenizer = tokenizer_for(source)
     layout = next(iter(input_candidates(model, seed=SEED, tokenizer=tokenizer)))
     return sweep(model, layout, "standard", tokenizer).describe()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _models import zoo
+from _models import with_custom_head, zoo
 
 from precision_convert.api.conversion import convert, plan_model
 
@@ -250,9 +250,11 @@ def test_whole_vocabulary_sweep_stays_within_what_memory_affords(
 def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     tiny_model: Callable[[str], Path],
 ) -> None:
-    """A 2048-token row over Llama-3's 128k vocabulary holds 1 GB of fp32 logits: rows longer
-    than a probe affords keep the last positions' logits and every position's hidden states,
-    and the record says so; shorter rows keep every position's logits."""
+    """A 2048-token row over Llama-3's 128k vocabulary holds 1 GB of fp32 logits. A plain
+    linear head computes the sampled rows only (every position's RMS from its Gram matrix), so
+    the row runs whole at no such cost. A head of another class is the memory it was: rows
+    longer than a probe affords keep the last positions' logits and every position's hidden
+    states, and the record says so; shorter rows keep every position's logits."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -262,12 +264,24 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     from precision_convert.validation.probe.run.execute import call_probe, run_probes, select_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b")).eval()
-    chosen, _ = select_inputs(model, input_candidates(model), run_probes)
-    lengths = {
-        p.sweep["length"]: p
-        for p in sweep(model, chosen, "standard", None).probes
-        if (p.sweep or {}).get("kind") == "length"
-    }
+    vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
+
+    def length_probes() -> dict[int, Any]:
+        chosen, _ = select_inputs(model, input_candidates(model), run_probes)
+        return {
+            p.sweep["length"]: p
+            for p in sweep(model, chosen, "standard", None).probes
+            if (p.sweep or {}).get("kind") == "length"
+        }
+
+    whole = length_probes()[2048]
+    assert "logits_to_keep" not in whole.kwargs and "logits" not in whole.sweep
+    outputs = call_probe(model, whole, "cpu", torch.float32)
+    assert outputs["logits"].shape[-1] == vocab and outputs["logits"].numel() <= (1 << 20) + vocab
+    assert outputs["logits.rms"].shape == (1, 2048)
+
+    with_custom_head(model)
+    lengths = length_probes()
     affordable = fit_model(budget_for("standard"), model).tokens_per_probe
     assert max(lengths) == 2048 > affordable
     for length, probe in lengths.items():
@@ -275,7 +289,6 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
         assert probe.kwargs.get("logits_to_keep") == (affordable if trimmed else None)
         assert ("logits" in probe.sweep) is trimmed
     outputs = call_probe(model, lengths[2048], "cpu", torch.float32)
-    vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
     sampled = outputs["logits"]  # summarized: rows sampled, every row's RMS kept
     assert sampled.shape[-1] == vocab and outputs["logits.rms"].shape == (1, affordable)
     for layer in range(layers + 1):  # every position, whole (small next to the logits)

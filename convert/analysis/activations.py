@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -56,6 +56,18 @@ FP32_SHARE_LIMIT = 0.25
 #: its teacher-forced twin feeds the same ids in one forward; hooked at every step it cost 3.3x
 #: its plain run). Recording hooks (statistics, per-probe and factor peaks) let it pass.
 UNRECORDED: ContextVar[bool] = ContextVar("precision_convert_unrecorded", default=False)
+
+
+#: Set on a hook that reduces what it sees row by row (peaks, sums, counts): it may be called
+#: on a tensor's rows in chunks rather than on the whole (a sampled output head does that).
+ROW_WISE = "_precision_convert_row_wise"
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def row_wise(hook: _Hook) -> _Hook:
+    """Mark ``hook`` as :data:`ROW_WISE`."""
+    setattr(hook, ROW_WISE, True)
+    return hook
 
 
 @contextmanager
@@ -128,7 +140,7 @@ class _Recorder:
                 peak = torch.stack(peaks).amax()
                 self.max_in[name] = _running_max(self.max_in.get(name), peak)
 
-        return hook
+        return row_wise(hook)
 
     def post(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -154,7 +166,7 @@ class _Recorder:
             if not name:  # the whole model returned: what it computed is freed now
                 self.seen.clear()
 
-        return hook
+        return row_wise(hook)
 
     def stats(self) -> dict[str, ActivationStats]:
         out: dict[str, ActivationStats] = {}
@@ -386,7 +398,7 @@ class Carriage:
             if any(self._large_and_narrow(t) for t in _floats((args, kwargs))):
                 self.low.setdefault((name, "input"), self.events)
 
-        return hook
+        return row_wise(hook)
 
     def _after(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -396,7 +408,7 @@ class Carriage:
             if main is not None and self._large_and_narrow(main):
                 self.low.setdefault((name, "output"), self.events)
 
-        return hook
+        return row_wise(hook)
 
     def _large_and_narrow(self, tensor: torch.Tensor) -> bool:
         info = torch.finfo(tensor.dtype)

@@ -30,6 +30,7 @@ from precision_convert.conversion.analysis.activations import (
     _floats,
     _kind,
     _Reduced,
+    row_wise,
 )
 
 #: Fewest distinct sizes a fit takes: two points always fit a line.
@@ -103,6 +104,7 @@ class ProbePeaks:
 
     seen: _Reduced
     keep: frozenset[str]
+    model: nn.Module
     paused: Callable[[], bool] = lambda: False
     kinds: dict[str, str] = field(default_factory=dict)
     by_probe: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
@@ -118,7 +120,7 @@ class ProbePeaks:
                 for tensor in _floats((args, kwargs)):
                     self._note((name, "input"), self.seen.peak(tensor))
 
-        return hook
+        return row_wise(hook)
 
     def _output(self, name: str, kind: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -129,7 +131,29 @@ class ProbePeaks:
                     break  # a container hands on its main output; a mask may come beside it
                 self._note((name, "output"), self.seen.peak(tensor))
 
-        return hook
+        return row_wise(hook)
+
+    @contextmanager
+    def watching(self, probe: str) -> Iterator[None]:
+        """Every module hooked while ``probe`` runs, if its peaks are kept (hooks removed)."""
+        if probe not in self.keep:
+            yield
+            return
+        handles = []
+        try:
+            for name, module in self.model.named_modules():
+                kind = self.kinds[name]
+                if kind == LEAF:
+                    handles.append(
+                        module.register_forward_pre_hook(self._input(name), with_kwargs=True)
+                    )
+                handles.append(
+                    module.register_forward_hook(self._output(name, kind), with_kwargs=True)
+                )
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def mark(self, probe: str, _outputs: object = None) -> bool:
         """End of ``probe``: keep its peaks (when asked to) and start the next probe's. Returns
@@ -150,25 +174,15 @@ def probe_peaks(
     seen: _Reduced | None = None,
     paused: Callable[[], bool] | None = None,
 ) -> Iterator[ProbePeaks]:
-    """Hook every module of ``model`` for the block, keeping per-probe peaks (hooks always
-    removed). ``seen``: the reductions of a :func:`~.activations.recording` running alongside
-    (its hooks must be registered first), so that no tensor is reduced twice; ``paused``: when
-    that recording recomputes a module in low precision."""
-    peaks = ProbePeaks(seen if seen is not None else _Reduced(), keep)
+    """Peaks per probe of ``model``'s modules for the probes named in ``keep``: the probe
+    runner wraps each probe in :meth:`ProbePeaks.watching`, which hooks every module while a
+    kept probe runs (the others run unhooked: a hook on the output head makes it compute every
+    row's logits). ``seen``: the reductions of a :func:`~.activations.recording` running
+    alongside (its hooks must be registered first), so that no tensor is reduced twice;
+    ``paused``: when that recording recomputes a module in low precision."""
+    peaks = ProbePeaks(seen if seen is not None else _Reduced(), keep, model)
     if paused is not None:
         peaks.paused = paused
-    handles = []
-    try:
-        for name, module in model.named_modules():
-            kind = peaks.kinds.setdefault(name, _kind(module))
-            if kind == LEAF:
-                handles.append(
-                    module.register_forward_pre_hook(peaks._input(name), with_kwargs=True)
-                )
-            handles.append(
-                module.register_forward_hook(peaks._output(name, kind), with_kwargs=True)
-            )
-        yield peaks
-    finally:
-        for handle in handles:
-            handle.remove()
+    for name, module in model.named_modules():
+        peaks.kinds.setdefault(name, _kind(module))
+    yield peaks

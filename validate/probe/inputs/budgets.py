@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from precision_convert.core.errors import InputError
-from precision_convert.validation.probe.inputs.model_inputs import config_value
+from precision_convert.validation.probe.inputs.model_inputs import config_value, linear_head
 
 LEVELS = ("quick", "standard", "thorough")
 DEFAULT_LEVEL = "standard"
@@ -223,11 +223,13 @@ def fit_model(budget: Budget, model: Any, *, logits: bool | None = None) -> Budg
     smaller batches and more, smaller vocabulary chunks; every id is still covered, and long
     sequences still run (at batch 1). ``logits``: whether each token costs a row of logits
     (None: unless the model says it has no output embeddings, as an encoder without a head
-    does; counting logits there cut a tiny T5 encoder's 32k vocabulary into 32 probes).
+    does, or its head is a plain linear one, which a summarized probe computes for the kept
+    rows only; counting logits there cut a tiny T5 encoder's 32k vocabulary into 32 probes,
+    and the zoo's Llama-3.2's 128k vocabulary into 494).
     """
     if logits is None:
         head = getattr(model, "get_output_embeddings", None)
-        logits = not callable(head) or head() is not None
+        logits = (not callable(head) or head() is not None) and linear_head(model) is None
     affordable = activation_allowance(model) // bytes_per_token(model, logits=logits)
     tokens = max(16, min(budget.tokens_per_probe, int(affordable)))
     if tokens == budget.tokens_per_probe:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import nn
 
 #: Sub-configs :func:`config_value` searches: where a token model's sizes sit.
 _TOKEN_SUBCONFIGS = ("text_config", "decoder", "encoder")
@@ -239,3 +240,14 @@ def is_open_clip(model: Any) -> bool:
         and callable(getattr(model, "encode_text", None))
         and "image" in parameters_of(model.forward)
     )
+
+
+def linear_head(model: Any) -> nn.Linear | None:
+    """The model's output embedding where it is a plain linear head: one a summarized probe
+    computes for the rows it keeps only (:mod:`~..run.head`), so a token costs no row of
+    logits there."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if type(head) is not nn.Linear or head.weight.dim() != 2:
+        return None
+    return head

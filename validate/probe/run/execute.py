@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +38,7 @@ from precision_convert.validation.probe.inputs.model_inputs import (
     Seeded,
 )
 from precision_convert.validation.probe.inputs.sweep import sweep
+from precision_convert.validation.probe.run.head import head_outputs, sampled_head
 
 #: Output fields that are caches or bookkeeping, not results: never compared.
 _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_detected"})
@@ -131,25 +132,40 @@ def call_probe(
     probe: Probe,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    sample_head: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Run one probe (inputs already resolved) and return its flattened CPU outputs."""
+    """Run one probe (inputs already resolved) and return its flattened CPU outputs.
+
+    A summarized probe's output head computes the rows it keeps only (:mod:`.head`) unless
+    ``sample_head`` is false."""
     device = torch.device(device or "cpu")
     kwargs = {k: _prepare(v, device, dtype) for k, v in probe.kwargs.items()}
     # forward goes through __call__: the model's own hooks (the loader's input casts) must run.
     method = model if probe.method == "forward" else getattr(model, probe.method)
+    limit = probe.max_output if probe.method == "forward" and sample_head else None
     # A free generation's activations are its teacher-forced twin's: no hook records them twice.
-    with torch.no_grad(), unrecorded() if probe.finite_only else contextlib.nullcontext():
+    with (
+        torch.no_grad(),
+        unrecorded() if probe.finite_only else contextlib.nullcontext(),
+        sampled_head(model, limit) as head,
+    ):
         result = method(**kwargs)
     if probe.method == "generate":
         result = generated_logits(result)
     if probe.max_output is None and probe.positions is None:
         return flatten(result)
     kept = flatten(result, cpu=False)
+    summarized = head_outputs(kept, head, probe.positions) if head is not None else {}
+    if head is not None and head.returned is not None and not summarized:
+        # The model reshaped its head's rows past recognition: run it with the head whole.
+        return call_probe(model, probe, device, dtype, sample_head=False)
     if probe.positions is not None:
         kept = padding_excluded(kept, probe.positions)
     if probe.max_output is not None:
         # Summarized where the outputs are (a GPU's logits never travel whole to the CPU).
         kept = summarize(kept, probe.max_output)
+    kept.update(summarized)
     return {name: tensor.to("cpu") for name, tensor in kept.items()}
 
 
@@ -207,12 +223,13 @@ def run_probes(
     dtype: torch.dtype | None = None,
     *,
     stop: Callable[[str, dict[str, torch.Tensor]], bool] | None = None,
+    around: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> Outputs:
     """Run every probe in order, feeding later probes from earlier outputs where asked.
 
     ``stop(name, outputs)`` hears each probe's outputs as they come; when it returns true the
     run ends there (a candidate that already failed needs no more forwards), and the outputs
-    hold the probes run so far.
+    hold the probes run so far. ``around(name)`` wraps each probe's call (hooks a probe needs).
     """
     spill = _SPILL.get()
     outputs: Outputs = SpilledOutputs(spill) if spill is not None else {}
@@ -220,6 +237,7 @@ def run_probes(
     what = f"{type(model).__name__} {precision} probes"
     start = time.perf_counter()
     ran, forwarding = 0, 0.0
+    by_kind: dict[str, tuple[int, float]] = {}
     with _no_denoising_bar(model):
         for probe in resolve_partial(inputs, outputs):
             report(what, ran, len(inputs.probes))
@@ -227,16 +245,20 @@ def run_probes(
             # sweep's probes of every shape leave the heap 1 GiB above what is live (265M model).
             release_freed_memory()
             began = time.perf_counter()
-            result = call_probe(model, probe, device, dtype)
+            with around(probe.name) if around is not None else contextlib.nullcontext():
+                result = call_probe(model, probe, device, dtype)
             took = time.perf_counter() - began
             forwarding += took
+            kind = str(probe.sweep.get("kind", "layout"))
+            done, seconds = by_kind.get(kind, (0, 0.0))
+            by_kind[kind] = (done + 1, seconds + took)
             outputs[probe.name] = result
             ran += 1
             forward_ran(precision, took, bool(probe.sweep))
             if stop is not None and stop(probe.name, result):
                 break
     report(what, ran, ran)
-    record_forwards(what, ran, time.perf_counter() - start, forwarding)
+    record_forwards(what, ran, time.perf_counter() - start, forwarding, by_kind)
     return outputs
 
 

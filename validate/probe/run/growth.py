@@ -65,7 +65,7 @@ def run_sized(
     size (``seen``, ``paused``: see :func:`~.growth.probe_peaks`)."""
     sizes = probe_sizes(getattr(model, "config", None), inputs)
     with probe_peaks(model, frozenset(sizes), seen, paused) as peaks:
-        outputs = run_probes(model, inputs, device, dtype, stop=peaks.mark)
+        outputs = run_probes(model, inputs, device, dtype, stop=peaks.mark, around=peaks.watching)
     return outputs, SizedRun(peaks.by_probe, sizes, peaks.kinds)
 
 
