@@ -1,6 +1,7 @@
 """Benchmark a certified conversion end to end, against the floor of comparing by hand.
 
     python bench/certify.py --size 55m --target bf16-safe [--threads N] [--keep DIR] [--device cpu]
+    python bench/certify.py --reference     # every row of REFERENCE_ROWS: a JSON list
 
 Builds a Llama-shaped model with random weights (one of :data:`SIZES`), then runs the command a
 user runs, ``precision-convert model SRC --to TARGET``, as a child process, polling its RSS,
@@ -47,6 +48,25 @@ SIZES: dict[str, dict[str, Any]] = {
     "265m-128k": {"vocab": 128256, "hidden": 1024, "layers": 16, "coverage": "standard"},
     "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "coverage": "quick"},
 }
+#: The models users meet first, as the tests build them (the README's demo and the zoo's real
+#: configs, scaled down in depth and width only), certified at the default coverage.
+REFERENCE: dict[str, dict[str, Any]] = {
+    "demo": {"builder": "make_tiny_t5", "coverage": "standard"},
+    "zoo:llama-3.2-1b": {"zoo": "llama-3.2-1b", "coverage": "standard"},
+    "zoo:bert-base-uncased": {"zoo": "bert-base-uncased", "coverage": "standard"},
+    "zoo:stable-diffusion-1.5": {"zoo": "stable-diffusion-1.5", "coverage": "standard"},
+}
+#: The reference rows ``--reference`` runs: (model, target), as the certificate's cost
+#: targets name them.
+REFERENCE_ROWS = (
+    ("demo", "fp16-safe"),
+    ("zoo:llama-3.2-1b", "bf16-safe"),
+    ("zoo:llama-3.2-1b", "fp16-safe"),
+    ("zoo:bert-base-uncased", "fp16-safe"),
+    ("zoo:stable-diffusion-1.5", "fp16-safe"),
+    ("55m", "bf16-safe"),
+    ("55m", "fp16-safe"),
+)
 TARGETS = ("bf16-safe", "fp16-safe")
 #: Ledger variable the command reads (see precision_convert.core.progress).
 LEDGER = "PRECISION_CONVERT_LEDGER"
@@ -72,6 +92,8 @@ HOT_SCALES = {"model.layers.1.mlp.down_proj": 3e5, "lm_head": 1e-5}
 def build(root: Path, size: str, hot: bool = False) -> tuple[Path, int]:
     """The source model of ``size`` saved in fp32 under ``root`` (kept if already there), hot
     with ``hot`` (:data:`HOT_SCALES`); returns its directory and its fp32 bytes."""
+    if size in REFERENCE:
+        return _build_reference(root, size)
     shape = SIZES[size]
     directory = root / f"src-{size}{'-hot' if hot else ''}"
     marker = directory / "config.json"
@@ -99,6 +121,24 @@ def build(root: Path, size: str, hot: bool = False) -> tuple[Path, int]:
         model.save_pretrained(directory, safe_serialization=True)
         del model
     size_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    return directory, size_bytes
+
+
+def _build_reference(root: Path, name: str) -> tuple[Path, int]:
+    """A :data:`REFERENCE` model saved under ``root`` (kept if already there) by the code the
+    tests and examples use, and its weights' bytes."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    sys.path.insert(0, str(examples))
+    directory = root / f"src-{name.replace(':', '-')}"
+    if not directory.is_dir():
+        how = REFERENCE[name]
+        if "zoo" in how:
+            import zoo
+
+            zoo.FAMILIES[how["zoo"]](directory)
+        else:
+            __import__(how["builder"]).main(directory)
+    size_bytes = sum(f.stat().st_size for f in directory.rglob("*.safetensors"))
     return directory, size_bytes
 
 
@@ -206,6 +246,18 @@ def forwards_by_stage(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]
     return out
 
 
+def forwards_by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The ledger's forwards summed by probe kind (vocabulary, length, first-position...)
+    across every stage and load path: forwards and seconds in them, costliest first."""
+    out: dict[str, dict[str, float]] = {}
+    for row in rows:
+        for kind, (forwards, seconds) in row.get("kinds", {}).items():
+            entry = out.setdefault(kind, {"forwards": 0, "seconds": 0.0})
+            entry["forwards"] += forwards
+            entry["seconds"] = round(entry["seconds"] + seconds, 2)
+    return dict(sorted(out.items(), key=lambda item: -item[1]["seconds"]))
+
+
 def outside_forwards(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """Where the time outside forwards went: the wall time less the forwards', and the
     ledger's stretches outside forwards summed by what they did (loads by stage too: the
@@ -293,7 +345,7 @@ def floor(source: Path, output: Path, certificate: dict[str, Any], device: str) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="55m")
+    parser.add_argument("--size", choices=sorted({*SIZES, *REFERENCE}), default="55m")
     parser.add_argument("--target", choices=TARGETS, default="bf16-safe")
     parser.add_argument("--coverage", help="override the size's coverage level")
     parser.add_argument("--device", default="cpu")
@@ -304,49 +356,64 @@ def main() -> None:
     parser.add_argument(
         "--hot", action="store_true", help="a model that needs islands and a search (fp16-safe)"
     )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="every row of REFERENCE_ROWS, one after another: a JSON list",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    coverage = args.coverage or SIZES[args.size]["coverage"]
+    rows = REFERENCE_ROWS if args.reference else ((args.size, args.target),)
     with tempfile.TemporaryDirectory(prefix="bench-certify-") as scratch:
         root = args.keep or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
-        source, fp32_bytes = build(root, args.size, args.hot)
-        output = root / f"out-{source.name.removeprefix('src-')}-{args.target}"
-        baseline_rss = import_baseline()
-        run = run_command(source, output, args.target, coverage, args.device, args.threads)
-        certificate_file = output / "precision_certificate.json"
-        if run["exit_code"] not in (0, 1) or not certificate_file.is_file():
-            print(json.dumps({"error": "the command failed", **run}, indent=2))
-            raise SystemExit(1)
-        certificate = json.loads(certificate_file.read_text())
-        record = json.loads((output / "config.json").read_text()).get("precision_convert", {})
-        islands = {k: v for k, v in record.get("islands", {}).items() if v != "precision"}
-        if args.threads is not None:
-            import torch
+        results = [bench(root, size, target, args) for size, target in rows]
+    print(json.dumps(results if args.reference else results[0], indent=2))
 
-            torch.set_num_threads(args.threads)
-        hand = floor(source, output, certificate, args.device)
+
+def bench(root: Path, size: str, target: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One row: ``size`` converted to ``target`` by the command, then the floor by hand."""
+    coverage = args.coverage or {**SIZES, **REFERENCE}[size]["coverage"]
+    hot = args.hot and size in SIZES
+    source, fp32_bytes = build(root, size, hot)
+    output = root / f"out-{source.name.removeprefix('src-')}-{target}"
+    baseline_rss = import_baseline()
+    run = run_command(source, output, target, coverage, args.device, args.threads)
+    certificate_file = output / "precision_certificate.json"
+    if run["exit_code"] not in (0, 1) or not certificate_file.is_file():
+        return {"size": size, "target": target, "error": "the command failed", **run}
+    certificate = json.loads(certificate_file.read_text())
+    record = json.loads((output / "config.json").read_text()).get("precision_convert", {})
+    islands = {k: v for k, v in record.get("islands", {}).items() if v != "precision"}
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    # A pipeline's certificate is per component: comparing by hand has no one sweep there.
+    single = len(certificate["components"]) == 1
+    hand = floor(source, output, certificate, args.device) if single else None
     growth = run["peak_rss"] - baseline_rss
     paths = certificate.get("load_paths", [])
-    result = {
-        "size": args.size,
-        "hot": args.hot,
-        "target": args.target,
+    wall = run["seconds"]
+    return {
+        "size": size,
+        "hot": hot,
+        "target": target,
         "coverage": coverage,
         "device": args.device,
         "threads": args.threads or "default",
         "fp32_gb": round(fp32_bytes / 1e9, 3),
         "verdict": certificate["verdict"],
-        "probes": hand["probes"],
-        "probe_tokens": hand["probe_tokens"],
-        "wall_s": round(run["seconds"], 1),
+        "probes": hand["probes"] if hand else None,
+        "probe_tokens": hand["probe_tokens"] if hand else None,
+        "wall_s": round(wall, 1),
         "user_s": round(run["user_s"], 1),
         "sys_s": round(run["sys_s"], 1),
         "sys_over_user": round(run["sys_s"] / run["user_s"], 2) if run["user_s"] else None,
-        "floor_s": hand["total"],
-        "wall_over_floor": round(run["seconds"] / hand["total"], 2),
-        "wall_over_default_attention_floor": round(
-            run["seconds"] / hand["default_attention_total"], 2
+        "floor_s": hand["total"] if hand else None,
+        "wall_over_floor": round(wall / hand["total"], 2) if hand else None,
+        "wall_over_default_attention_floor": (
+            round(wall / hand["default_attention_total"], 2) if hand else None
         ),
         "floor": hand,
         "peak_rss_gb": round(run["peak_rss"] / 1e9, 3),
@@ -356,7 +423,8 @@ def main() -> None:
         "islands_beyond_the_recipe": islands,
         "forwards": sum(r["forwards"] for r in run["ledger"]),
         "forwards_by_stage": forwards_by_stage(run["ledger"]),
-        "outside_forwards": outside_forwards(run["ledger"], run["seconds"]),
+        "forwards_by_kind": forwards_by_kind(run["ledger"]),
+        "outside_forwards": outside_forwards(run["ledger"], wall),
         "load_paths": {
             p["way"] + (f"+{p['attention']}" if p.get("attention") else ""): p["verdict"]
             + (f" ({p['detail']})" if p.get("detail") else "")
@@ -364,7 +432,6 @@ def main() -> None:
         },
         "stderr_tail": run["stderr_tail"],
     }
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -63,10 +63,15 @@ _SPAN: ContextVar[bool] = ContextVar("precision_convert_span", default=False)
 
 
 def record_forwards(
-    what: str, forwards: int, seconds: float, forward_seconds: float | None = None
+    what: str,
+    forwards: int,
+    seconds: float,
+    forward_seconds: float | None = None,
+    by_kind: Mapping[str, tuple[int, float]] | None = None,
 ) -> None:
     """Append one probe run to the ledger :data:`LEDGER_VARIABLE` names (if it names one):
-    ``seconds`` in all, ``forward_seconds`` of them in the model's forwards."""
+    ``seconds`` in all, ``forward_seconds`` of them in the model's forwards, and ``by_kind``
+    the forwards and seconds of each kind of probe (vocabulary, length, first-position...)."""
     path = os.environ.get(LEDGER_VARIABLE)
     if not path:
         return
@@ -74,6 +79,8 @@ def record_forwards(
     row.update(forwards=forwards, seconds=round(seconds, 3))
     if forward_seconds is not None:
         row["forward_seconds"] = round(forward_seconds, 3)
+    if by_kind:
+        row["kinds"] = {k: [n, round(t, 3)] for k, (n, t) in by_kind.items()}
     _append(path, row)
 
 

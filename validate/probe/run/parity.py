@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from precision_convert.core.errors import InputError
+from precision_convert.core.progress import ledger_span
 from precision_convert.recipes import get as get_recipe
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.run.execute import Outputs
@@ -66,6 +67,18 @@ def compare_outputs(
     probe_label: Callable[[str], str] = str,
 ) -> list[Measurement]:
     """Judge every output of every probe; a missing or reshaped output is itself a failure."""
+    with ledger_span("compare"):
+        return _compared(component, inputs, baseline, candidate, thresholds, probe_label)
+
+
+def _compared(
+    component: str,
+    inputs: ModelInputs,
+    baseline: Outputs,
+    candidate: Outputs,
+    thresholds: Mapping[str, float],
+    probe_label: Callable[[str], str],
+) -> list[Measurement]:
     rows: list[Measurement] = []
     images = {p.name: p.images for p in inputs.probes}
     finite_only = {p.name for p in inputs.probes if p.finite_only}
