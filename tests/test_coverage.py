@@ -471,11 +471,12 @@ def test_cli_checks_coverage_and_calibration_data_before_any_work(
 
 
 def test_probe_size_follows_the_model_so_validation_stays_near_its_size() -> None:
-    """A 350 MB model with an 8k vocabulary: 4096-token probes would hold ~0.5 GB of
-    activations (logits alone 134 MB), so probes shrink to the fixed per-probe allowance (a
-    share of the model for larger ones: memory follows the model, not the probes); a tiny
-    model keeps the level's probes (their memory matters nowhere), and every vocabulary id is
-    still swept."""
+    """A 350 MB model with an 8k vocabulary whose head probes cannot sample (a class of its
+    own): 4096-token probes would hold ~0.5 GB of activations (logits alone 134 MB), so probes
+    shrink to the fixed per-probe allowance (a share of the model for larger ones: memory
+    follows the model, not the probes); with a plain linear head a token costs no row of
+    logits, and the level's probes fit; a tiny model keeps the level's probes (their memory
+    matters nowhere), and every vocabulary id is still swept."""
     from accelerate import init_empty_weights
 
     from precision_convert.validation.probe.inputs.budgets import (
@@ -498,9 +499,13 @@ def test_probe_size_follows_the_model_so_validation_stays_near_its_size() -> Non
         )
     weights = sum(4 * p.numel() for p in big.parameters())
     standard = budget_for("standard")
+    allowance = max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS)
+    assert fit_model(standard, big) == standard
+    assert standard.tokens_per_probe * bytes_per_token(big, logits=False) <= allowance
+    with init_empty_weights():
+        _models.with_custom_head(big)
     fitted = fit_model(standard, big)
     assert 16 <= fitted.tokens_per_probe < standard.tokens_per_probe
-    allowance = max(ACTIVATION_SHARE * weights, PROBE_ACTIVATIONS)
     assert fitted.tokens_per_probe * bytes_per_token(big) <= allowance
     assert fitted.whole_vocabulary and fitted.vocabulary_probes == standard.vocabulary_probes
     tiny = make("llama")
