@@ -352,13 +352,15 @@ def _expect(inputs: ModelInputs, attention: int, search: bool) -> None:
     if search:
         again = len(attention_spot(inputs).probes)
         runs = 1 + attention
+        fp32 = probes + attention * again
         expect(
-            probes + attention * again + runs * probes,
+            fp32 + runs * probes,
             f"fp32 sweep {probes} + {again} x {attention}, first fp16 candidate "
             f"{probes} x {runs} (x: attention implementations)",
+            fp32=fp32,
         )
     else:
-        expect(probes, f"fp32 sweep {probes}")
+        expect(probes, f"fp32 sweep {probes}", fp32=probes)
 
 
 def _range_from_watch(

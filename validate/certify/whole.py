@@ -175,7 +175,7 @@ def _expect(
     parts = [f"fp32 baseline {fp32}"] if baseline else []
     parts += [f"pc.load {n}"] if candidate else []
     parts.append(f"other ways of loading at most {others}")
-    expect(fp32 * baseline + n * candidate + others, ", ".join(parts))
+    expect(fp32 * baseline + n * candidate + others, ", ".join(parts), fp32=fp32 * baseline)
 
 
 def _shared_candidate(component: Component, prior: PriorRuns | None) -> PriorRuns | None:

@@ -232,7 +232,7 @@ def run_probes(
             forwarding += took
             outputs[probe.name] = result
             ran += 1
-            forward_ran(precision, took, bool(probe.sweep))
+            forward_ran(precision, took, bool(probe.sweep), str(probe.sweep.get("kind", "")))
             if stop is not None and stop(probe.name, result):
                 break
     report(what, ran, ran)
