@@ -36,7 +36,8 @@ def test_a_bad_budget_is_one_line_and_exit_2(text: str, tmp_path: Path) -> None:
         parse_duration(text)
     done = CliRunner().invoke(app, ["validate", str(tmp_path), "--budget", text])
     assert done.exit_code == 2, done.output
-    assert done.stderr.count("\n") == 1 and "--budget" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "--budget" in done.stderr and "duration" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written
 
