@@ -122,6 +122,8 @@ class ConversionResult:
         }
         if self.certificate is not None:
             out["verdict"] = self.certificate.verdict
+            if self.certificate.not_covered:  # what the verdict leaves out (--budget, ...)
+                out["not_covered"] = self.certificate.not_covered
         return out
 
 
@@ -146,6 +148,7 @@ def plan_model(
     coverage: str | None = None,
     calibration_data: str | Path | CalibrationData | None = None,
     component: str = "",
+    budget: float | None = None,
 ) -> tuple[ModelPlan, Calibration | None]:
     """The dtype plan for one model, reading weight data only where fp16 ranges matter.
 
@@ -218,6 +221,7 @@ def plan_model(
                 coverage=level,
                 calibration_data=calibration_data,
                 component=component,
+                budget=budget,
             )
     except CannotValidateError as exc:
         plan = plan_with(())
@@ -291,6 +295,7 @@ def _convert(
     """:func:`convert`, its options gathered: every input checked before the staging
     directory is made, then plan, write and (with ``run.validate``) certify there."""
     check_variant(options.variant)
+    budget_seconds(options.budget)  # a bad --budget: refused before any work
     data = read_user_data(options.calibration_data, options.coverage)
     supplied = None
     if run.validate and options.inputs is not None:  # bad --inputs: refused before any writing
@@ -374,6 +379,7 @@ def _certify(
             inputs=supplied,
             coverage=options.coverage or DEFAULT_LEVEL,
             calibration_data=data,
+            budget=options.budget,
             trust_remote_code=options.trust_remote_code,
             allow_nonfinite_source=options.allow_nonfinite_source,
             prior=prior,
@@ -413,6 +419,7 @@ def _plan_and_write(
                 calibrate=bool(options.calibrate),
                 coverage=options.coverage,
                 calibration_data=data,
+                budget=budget_seconds(options.budget),
             )
             for name, model in models.items()
         }
@@ -480,6 +487,13 @@ def check_not_converted(opened: Source, given: str | Path) -> None:
         "convert the source instead",
         given,
     )
+
+
+def budget_seconds(budget: str | float | None) -> float | None:
+    """``--budget`` in seconds (None: none); a bad value is an :class:`InputError`."""
+    from precision_convert.validation.probe.inputs.budgets import budget_seconds as seconds
+
+    return seconds(budget)
 
 
 def read_user_data(path: str | Path | None, coverage: str | None) -> CalibrationData | None:

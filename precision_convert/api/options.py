@@ -32,6 +32,9 @@ class ConversionOptions:
         inputs: a safetensors file of named inputs that replaces validation's probes.
         coverage: the probe budget of calibration and validation: ``quick``, ``standard``
             (default) or ``thorough``.
+        budget: the certificate's time budget: a duration (``"10m"``, ``"1h30m"``) or
+            seconds; probes it cannot afford are not run and are listed as not covered
+            (a budget below the smallest certificate of the model is refused).
         device: where validation runs (``cpu``, ``cuda``…); default CUDA when present.
         trust_remote_code: let a model's own code (``auto_map``) run.
         allow_nonfinite_source: convert a source whose own weights hold NaN or ±inf (beyond
@@ -50,6 +53,7 @@ class ConversionOptions:
     calibration_data: str | Path | None = None
     inputs: str | Path | None = None
     coverage: str | None = None
+    budget: str | float | None = None
     device: str | None = None
     trust_remote_code: bool = False
     allow_nonfinite_source: bool = False
@@ -94,6 +98,7 @@ class OptionKeywords(TypedDict, total=False):
     calibration_data: str | Path | None
     inputs: str | Path | None
     coverage: str | None
+    budget: str | float | None
     trust_remote_code: bool
     variant: str | None
     allow_nonfinite_source: bool

@@ -189,6 +189,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
                 inputs=options.inputs,
                 coverage=options.coverage or DEFAULT_LEVEL,
                 calibration_data=options.calibration_data,
+                budget=options.budget,
                 trust_remote_code=options.trust_remote_code,
                 allow_nonfinite_source=options.allow_nonfinite_source,
             )

@@ -223,6 +223,13 @@ class _Reader:
         device = values.get("device")
         if device is not None and not _DEVICES.match(device):
             self.note(f"device {device!r}: use auto, cpu, cuda or cuda:N", table, index, "device")
+        if values.get("budget") is not None:
+            from precision_convert.api.conversion import budget_seconds
+
+            try:
+                budget_seconds(values["budget"])
+            except InputError as exc:
+                self.note(str(exc), table, index, "budget")
         try:
             self._library_checks(values)
         except InputError as exc:

@@ -523,6 +523,19 @@ CoverageOption = Annotated[
         show_default=False,
     ),
 ]
+#: The certificate's time budget (model, validate): parsed by the library, which refuses a
+#: bad value in one line before any work.
+BudgetOption = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        metavar="DURATION",
+        help="Bound the certificate's wall time (90s, 10m, 1h30m): probes are ordered by "
+        "what each kind has caught, and those the budget cannot afford are not run and are "
+        "listed as not covered.",
+        show_default=False,
+    ),
+]
 #: Where validation (and calibration) run: the same words for every command that has it.
 DeviceOption = Annotated[
     str,

@@ -314,6 +314,7 @@ def print_certificate(
         probe_series,
     )
     from precision_convert.validation.certify.certificate import SMOKE_PASS
+    from precision_convert.validation.certify.consistency import BUDGET, budget_limited
 
     folded = folded_metrics(certificate.metrics)
     shown = folded if full else nearest_bounds(folded, SUMMARY_ROWS)
@@ -372,7 +373,13 @@ def print_certificate(
     colour = (
         "green" if certificate.passed else "yellow" if certificate.verdict == SMOKE_PASS else "red"
     )
-    out.print(f"verdict: [bold {colour}]{literal(certificate.verdict)}[/]")
+    limited = budget_limited(certificate)
+    if limited is not None:
+        for item in certificate.not_covered or ():
+            if item.get("why") == BUDGET:
+                out.print(literal(f"not covered: {item['what']} (budget)"), soft_wrap=True)
+    verdict = f"verdict: [bold {colour}]{literal(certificate.verdict)}[/]"
+    out.print(verdict + (f", {literal(limited)}" if limited else ""), soft_wrap=True)
 
 
 def judged_text(certificate: Certificate) -> str:

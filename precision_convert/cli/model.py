@@ -9,6 +9,7 @@ import typer
 
 from precision_convert.cli._common import (
     AllowNonfiniteSourceOption,
+    BudgetOption,
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
@@ -81,6 +82,7 @@ def model(
         ),
     ] = None,
     coverage: CoverageOption = None,
+    budget: BudgetOption = None,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Certify parity against fp32.")
     ] = True,
@@ -159,6 +161,7 @@ def model(
                     calibration_data=calibration_data,
                     inputs=inputs,
                     coverage=coverage,
+                    budget=budget,
                     device=None if device == "auto" else device,
                     trust_remote_code=trust_remote_code,
                     allow_nonfinite_source=allow_nonfinite_source,

@@ -9,6 +9,7 @@ import typer
 
 from precision_convert.cli._common import (
     AllowNonfiniteSourceOption,
+    BudgetOption,
     CalibrationDataOption,
     CoverageOption,
     DeviceOption,
@@ -62,6 +63,7 @@ def validate_command(
         ),
     ] = None,
     coverage: CoverageOption = None,
+    budget: BudgetOption = None,
     calibration_data: CalibrationDataOption = None,
     trust_remote_code: Annotated[
         bool,
@@ -131,6 +133,7 @@ def validate_command(
                     max_memory=max_memory,
                     coverage=coverage or DEFAULT_LEVEL,
                     calibration_data=calibration_data,
+                    budget=budget,
                     trust_remote_code=trust_remote_code,
                     allow_nonfinite_source=allow_nonfinite_source,
                     locked=True,

@@ -160,38 +160,109 @@ def say(text: str) -> None:
 
 #: An estimate past this many seconds suggests a cheaper coverage level.
 LONG_RUN = 600.0
+#: A new estimate may exceed the last one said by this factor at most without a line saying
+#: why (a slower kind of probe started, more forwards were planned): an estimate that climbs
+#: unexplained is one a user stops trusting, and stops the run over.
+RISE_UNEXPLAINED = 1.2
+#: A falling estimate is said again once it has fallen to this share of the last one said: a
+#: few lines a run, each worth reading.
+FALL_WORTH_SAYING = 2 / 3
+#: A change of the estimate smaller than this is not said (a few seconds either way is noise).
+CHANGE_WORTH_SECONDS = 10.0
+#: The precision classes a forecast paces apart (a candidate's fp16 forward on a CPU can take
+#: four times an fp32 one): ``fp32`` and every other precision, the candidate's.
+FP32, CANDIDATE = "fp32", "candidate"
 _FORECAST: ContextVar[Forecast | None] = ContextVar("precision_convert_forecast", default=None)
 
 
 class Forecast:
     """The forwards a stretch of work will run, said before they start, and how long they
-    should take, said once the first full-size probe of each precision has run (the layout's
-    own probe is a few tokens: it says nothing about the sweep's pace)."""
+    should take: first said once a full-size probe of each precision still to run has been
+    timed (the fp32 pace alone says nothing of an fp16 candidate's on a CPU, and the layout's
+    own probe is a few tokens: it says nothing about the sweep's pace), then again when the
+    figure has fallen well below the last one said, or when it has risen past
+    :data:`RISE_UNEXPLAINED` times it, with why."""
 
     def __init__(self, what: str, hint: str) -> None:
         self.what = what
         self.hint = hint  # said with an estimate past LONG_RUN
-        self.total = 0
-        self.done = 0
-        self.paced: set[str] = set()
+        self.planned = {FP32: 0, CANDIDATE: 0}
+        self.done = {FP32: 0, CANDIDATE: 0}
+        self.timed = {FP32: 0.0, CANDIDATE: 0.0}  # seconds of the full-size probes run
+        self.counted = {FP32: 0, CANDIDATE: 0}  # how many full-size probes those are
+        self.named = {FP32: FP32, CANDIDATE: CANDIDATE}  # the precision a class last ran in
+        self.kinds: set[tuple[str, str]] = set()  # (class, probe kind) timed so far
+        self.said: float | None = None  # the last estimate said
+        self.why: list[str] = []  # what changed since then that may raise the estimate
 
-    def expect(self, forwards: int, detail: str) -> None:
-        """``forwards`` more to run (``detail``: of what), said now."""
-        self.total += forwards
+    def expect(self, forwards: int, detail: str, fp32: int = 0) -> None:
+        """``forwards`` more to run (``detail``: of what; ``fp32`` of them in fp32, the rest
+        in the candidate's precision), said now."""
+        self.planned[FP32] += fp32
+        self.planned[CANDIDATE] += forwards - fp32
         say(f"{self.what}: {forwards} forwards to run ({detail})")
+        if self.said is not None:
+            self.why.append(f"{forwards} more forwards planned ({detail})")
 
-    def ran(self, precision: str, seconds: float, full: bool) -> None:
-        self.done += 1
-        left = max(0, self.total - self.done)
-        if not full or precision in self.paced or not left:
+    def ran(self, precision: str, seconds: float, full: bool, kind: str = "") -> None:
+        which = FP32 if precision == FP32 else CANDIDATE
+        self.done[which] += 1
+        self.named[which] = precision
+        if full:
+            self._timed(which, precision, seconds, kind)
+        estimate = self.estimate()
+        if estimate is None:
             return
-        self.paced.add(precision)
-        estimate = seconds * left
-        line = (
-            f"{self.what}: about {duration(estimate)} left ({left} forwards, "
-            f"{seconds:.2f} s per {precision} probe)"
+        left = sum(max(0, self.planned[c] - self.done[c]) for c in self.planned)
+        paces = ", ".join(
+            f"{self.timed[c] / self.counted[c]:.2f} s per {self.named[c]} probe"
+            for c in self.planned
+            if self.counted[c] and self.planned[c] > self.done[c]
         )
-        say(f"{line}; {self.hint}" if estimate > LONG_RUN and self.hint else line)
+        line = f"{self.what}: about {duration(estimate)} left ({left} forwards, {paces})"
+        if self.said is None:
+            say(f"{line}; {self.hint}" if estimate > LONG_RUN and self.hint else line)
+        else:
+            worth = (
+                self.said * FALL_WORTH_SAYING >= estimate or estimate > self.said * RISE_UNEXPLAINED
+            )
+            if not worth or abs(estimate - self.said) < CHANGE_WORTH_SECONDS:
+                return
+            if estimate > self.said:
+                why = "; ".join(self.why) or "the probes so far ran slower than the first ones"
+                line = f"{line}: up from about {duration(self.said)}: {why}"
+            say(line)
+        self.said = estimate
+        self.why.clear()
+
+    def _timed(self, which: str, precision: str, seconds: float, kind: str) -> None:
+        """Count a full-size probe's ``seconds`` into its class's pace; the first probe of a
+        kind slower than the pace so far is a reason the estimate may rise."""
+        before = self.timed[which] / self.counted[which] if self.counted[which] else None
+        self.timed[which] += seconds
+        self.counted[which] += 1
+        if (which, kind) in self.kinds:
+            return
+        self.kinds.add((which, kind))
+        if before is not None and seconds > before * RISE_UNEXPLAINED:
+            self.why.append(
+                f"a slower probe kind started: {kind or 'unnamed'} ({seconds:.2f} s per "
+                f"{precision} probe against {before:.2f} s before)"
+            )
+
+    def estimate(self) -> float | None:
+        """Seconds left: each precision class's forwards still to run at its pace so far;
+        None until every class with forwards left has one, or when none are left."""
+        seconds, left = 0.0, 0
+        for which, planned in self.planned.items():
+            remaining = max(0, planned - self.done[which])
+            if not remaining:
+                continue
+            if not self.counted[which]:
+                return None
+            left += remaining
+            seconds += remaining * self.timed[which] / self.counted[which]
+        return seconds if left else None
 
 
 @contextmanager
@@ -205,19 +276,20 @@ def forecasting(what: str, hint: str = "") -> Iterator[Forecast]:
         _FORECAST.reset(token)
 
 
-def expect(forwards: int, detail: str) -> None:
-    """``forwards`` more to run (``detail``: of what), said now, when a forecast is installed."""
+def expect(forwards: int, detail: str, fp32: int = 0) -> None:
+    """``forwards`` more to run (``detail``: of what; ``fp32`` of them in fp32, the rest in the
+    candidate's precision), said now, when a forecast is installed."""
     ahead = _FORECAST.get()
     if ahead is not None:
-        ahead.expect(forwards, detail)
+        ahead.expect(forwards, detail, fp32)
 
 
-def forward_ran(precision: str, seconds: float, full: bool) -> None:
-    """One probe ran (``full``: a sweep probe, sized like the rest); counted by the forecast
-    installed, if any."""
+def forward_ran(precision: str, seconds: float, full: bool, kind: str = "") -> None:
+    """One probe ran (``full``: a sweep probe, sized like the rest; ``kind``: its sweep
+    kind); counted by the forecast installed, if any."""
     ahead = _FORECAST.get()
     if ahead is not None:
-        ahead.ran(precision, seconds, full)
+        ahead.ran(precision, seconds, full, kind)
 
 
 #: Seconds of silence after which a command's progress says it is still working.

@@ -90,6 +90,7 @@ from precision_convert.validation.probe.run.session import (
     Swept,
     fp32_session,
 )
+from precision_convert.validation.probe.run.time_budget import half_precision_pace
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def calibrated_plan(
     coverage: str = DEFAULT_LEVEL,
     calibration_data: str | Path | CalibrationData | None = None,
     component: str = "",
+    budget: float | None = None,
 ) -> tuple[ModelPlan, Calibration]:
     """The plan for ``target`` with analysis islands, and the calibration behind it.
 
@@ -128,7 +130,8 @@ def calibrated_plan(
     :mod:`~precision_convert.validation.probe.inputs.sweep`) plus the probes of
     ``calibration_data`` (text lines or JSONL model inputs; ``component``
     names a pipeline's component, whose ``<component>/<argument>`` keys it takes and which
-    skips data meant for another).
+    skips data meant for another); ``budget`` (seconds, ``--budget``) cuts the sweep to what
+    the certificate can afford, and validation reuses it.
     """
 
     budget_for(coverage)  # an unknown level or unreadable data fails before the model loads
@@ -139,7 +142,7 @@ def calibrated_plan(
     )
     base = plan_with(())
     swept, stats, predicted = _fp32_sweep(
-        model, target, SweepSettings(coverage, data), component, trust_remote_code, search
+        model, target, SweepSettings(coverage, data, budget), component, trust_remote_code, search
     )
     existing = {i.name: i for i in base.islands}
     free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
@@ -269,6 +272,9 @@ def _fp32_sweep(
         component=component,
         coverage=lambda: used.fraction,
         before=lambda inputs, others: _expect(inputs, others, searching),
+        per_probe=lambda inputs, others: _per_probe(
+            inputs, others, searching, half_precision_pace("cpu", target.compute.torch)
+        ),
         attention=searching,
     )
     sized: SizedRun = recorded["sized"]
@@ -352,13 +358,26 @@ def _expect(inputs: ModelInputs, attention: int, search: bool) -> None:
     if search:
         again = len(attention_spot(inputs).probes)
         runs = 1 + attention
+        fp32 = probes + attention * again
         expect(
-            probes + attention * again + runs * probes,
+            fp32 + runs * probes,
             f"fp32 sweep {probes} + {again} x {attention}, first fp16 candidate "
             f"{probes} x {runs} (x: attention implementations)",
+            fp32=fp32,
         )
     else:
-        expect(probes, f"fp32 sweep {probes}")
+        expect(probes, f"fp32 sweep {probes}", fp32=probes)
+
+
+def _per_probe(inputs: ModelInputs, attention: int, search: bool, pace: float) -> float:
+    """What one fp32 second of a probe costs the certificate (for ``--budget``): calibration's
+    fp32 sweep, then at the candidate's ``pace`` its first candidate (searching) and
+    validation's deciding loads after it (the plain load on every probe, and ``pc.load``
+    when calibration did not run it), over the probes."""
+    probes = max(1, len(inputs.probes))
+    fp32 = probes + attention * len(attention_spot(inputs).probes)
+    candidate = (1 + attention) * probes * search + probes * (1 + (not search))
+    return (fp32 + pace * candidate) / probes
 
 
 def _range_from_watch(

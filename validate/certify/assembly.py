@@ -129,6 +129,12 @@ def _certificate(
                 f"baseline's own output is not finite there (counted against coverage): "
                 f"{', '.join(unjudged)}"
             )
+    for r in results:  # probes a time budget left out: named, not dropped
+        if left := (r.record.inputs.get("budget") or {}).get("left_out"):
+            notes.append(
+                f"{r.record.name or 'model'}: {len(left)} probe(s) not run within --budget "
+                f"(not covered by the verdict): {', '.join(left)}"
+            )
     for r in results:  # a tokenizer that could not be used: its token probes are seeded ids
         tokenizer = r.record.inputs.get("tokenizer") or {}
         if tokenizer.get("usable") is False:

@@ -44,7 +44,7 @@ from precision_convert.validation.certify.certificate import (
     LoadPath,
     write_atomically,
 )
-from precision_convert.validation.certify.consistency import contradiction
+from precision_convert.validation.certify.consistency import budget_limited, contradiction
 
 #: The tag of a certificate that holds wherever users load it, and of one that holds only
 #: through ``precision_convert.load`` (the library's plain load was not checked).
@@ -173,6 +173,12 @@ def summary(certificate: Certificate) -> dict[str, Any]:
         "metrics_judged": len(certificate.metrics),
         "metrics_failed": len(failed),
         "loading": _loading_summary(certificate),
+        # A verdict that covers only what a time budget afforded says so where tools read it.
+        **(
+            {"coverage": "limited by --budget (see not_covered)"}
+            if budget_limited(certificate)
+            else {}
+        ),
         "certificate": certificate.file_name,
     }
 
@@ -202,6 +208,7 @@ def render(
         f"{code(certificate.target)} (compute dtype {code(certificate.compute_dtype)}), and "
         f"{_verdict(certificate)} on {escape(certificate.device.get('type'))}.",
         "",
+        *_budget_warning(certificate),
         *cast_warning(certificate),
     ]
     if not certificate.against_source:
@@ -275,6 +282,15 @@ def _verdict(certificate: Certificate) -> str:
     if certificate.against_source:
         return f"{verdict} against {escape(compared_with(certificate))}"
     return f"{verdict}: compared with {escape(compared_with(certificate))}"
+
+
+def _budget_warning(certificate: Certificate) -> list[str]:
+    """The card's first warning when a time budget left probes out: the verdict does not
+    cover them."""
+    limited = budget_limited(certificate)
+    if limited is None:
+        return []
+    return [f"**Not a full certificate**: {escape(limited, code_spans=True)}.", ""]
 
 
 def _why_failed(certificate: Certificate) -> list[str]:

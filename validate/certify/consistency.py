@@ -20,7 +20,9 @@ that checks the schema alone. So ``pass`` is believed only where the records say
 Records that do not decide (``auto``, ``compute``, the re-saves, reported-only metrics) may
 fail under a ``pass`` and are shown; a deciding way that could not be run (a model validated
 block by block is never loaded whole) is ``not-checked`` and listed in the certificate's
-``not_covered``. The writer marks each metric series ``deciding`` and lists ``not_covered``;
+``not_covered``; so are the probes a time budget (``--budget``) left out, which a ``pass``
+does not claim: it is honest when ``not_covered`` lists them. The writer marks each metric
+series ``deciding`` and lists ``not_covered``;
 certificates written before those fields existed get them derived here, from the same records.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from precision_convert.core.units import duration
 from precision_convert.validation.certify.certificate import (
     PASS,
     SOURCE_BASELINE,
@@ -149,8 +152,9 @@ def not_covered(
 ) -> list[dict[str, str]]:
     """What a verdict does not cover, one ``{"what", "why"}`` each: the deciding ways of
     loading that were not checked, and the probes whose fp32 baseline was not finite (not
-    judged; counted against coverage). Written by the writer; derived so for a certificate
-    from before the field existed."""
+    judged; counted against coverage), and the probes a time budget left out (``why``:
+    :data:`BUDGET`). Written by the writer; derived so for a certificate from before the
+    field existed."""
     found = [
         {"what": way_name(p), "why": p.detail or "no reason recorded"}
         for p in load_paths
@@ -164,7 +168,46 @@ def not_covered(
                     "why": "the fp32 baseline's own output is not finite there",
                 }
             )
+        found += budget_left_out(record)
     return found
+
+
+#: The ``why`` of what a time budget (``--budget``) left out: a reader filters on it.
+BUDGET = "budget"
+
+
+def budget_left_out(record: ComponentRecord) -> list[dict[str, str]]:
+    """What ``--budget`` left out of ``record``'s probes, one entry per probe kind (none
+    without a budget, or when it afforded every probe)."""
+    budget = record.inputs.get("budget") or {}
+    kinds: dict[str, int] = budget.get("left_out_kinds") or {}
+    return [
+        {"what": f"{_name(record)}: {n} {kind or 'other'} probe(s) not run", "why": BUDGET}
+        for kind, n in kinds.items()
+    ]
+
+
+def budget_limited(certificate: Certificate) -> str | None:
+    """One line saying that a time budget limited what the verdict covers (None: no budget
+    left anything out): shown beside the verdict, in the report and the card's first lines."""
+    limited = [
+        (record, budget)
+        for record in certificate.components
+        if (budget := record.inputs.get("budget") or {}).get("left_out")
+    ]
+    if not limited:
+        return None
+    seconds = max(float(budget.get("seconds", 0)) for _, budget in limited)
+    counts: dict[str, int] = {}
+    for _, budget in limited:
+        for kind, n in (budget.get("left_out_kinds") or {}).items():
+            counts[kind or "other"] = counts.get(kind or "other", 0) + int(n)
+    kinds = ", ".join(f"{kind} {n}" for kind, n in counts.items())
+    return (
+        f"coverage limited by --budget {duration(seconds)}: {sum(counts.values())} probe(s) "
+        f"not run ({kinds}); the verdict covers only the probes that ran (not_covered lists "
+        "what it left out)"
+    )
 
 
 def _name(record: ComponentRecord) -> str:

@@ -71,7 +71,11 @@ from precision_convert.validation.certify.reference import (
     source_info,
 )
 from precision_convert.validation.certify.whole import _validate_whole
-from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
+from precision_convert.validation.probe.inputs.budgets import (
+    DEFAULT_LEVEL,
+    budget_for,
+    budget_seconds,
+)
 from precision_convert.validation.probe.inputs.preflight import check_user_inputs
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
 from precision_convert.validation.probe.inputs.userdata import (
@@ -107,6 +111,7 @@ def validate(
     max_memory: str | int | None = None,
     coverage: str = DEFAULT_LEVEL,
     calibration_data: str | Path | CalibrationData | None = None,
+    budget: str | float | None = None,
     trust_remote_code: bool = False,
     allow_nonfinite_source: bool = False,
     prior: Mapping[str, PriorRuns] | None = None,
@@ -133,6 +138,10 @@ def validate(
             :data:`~precision_convert.validation.probe.inputs.budgets.BUDGETS`.
         calibration_data: a file of text lines or JSONL model inputs whose probes are added
             to the sweep (see :mod:`~precision_convert.validation.probe.inputs.userdata`).
+        budget: the certificate's time budget, a duration (``"10m"``, ``"1h30m"``) or
+            seconds: the probes ordered by what each kind has caught, those it cannot afford
+            are not run and are listed in ``not_covered`` (see
+            :mod:`~precision_convert.validation.probe.run.time_budget`).
         trust_remote_code: let a model that ships its own code (``auto_map``) run it, for the
             baseline, ``pc.load`` and the library's loads alike. Off: such a model cannot be
             validated (the certificate says so).
@@ -159,7 +168,8 @@ def validate(
             with a weaker or unrelated one (made against the source, or against another
             source); a baseline whose own weights are not finite (without
             ``allow_nonfinite_source``); an unknown coverage level; unreadable or malformed
-            calibration data.
+            calibration data; a bad ``budget``, or one below the smallest certificate of
+            the model (before the sweep runs, nothing written).
         CannotValidateError: no inputs could be built for a model; pass ``inputs``. A failing
             certificate and card saying so are written first.
     """
@@ -167,6 +177,7 @@ def validate(
     if not root.is_dir():
         raise InputError("no such directory: validate takes a converted model directory", root)
     budget_for(coverage)  # an unknown level fails before anything runs
+    seconds = budget_seconds(budget)
     data = _calibration_data(calibration_data)
     run = _set_up(
         root, baseline, device, inputs, max_memory, data, trust_remote_code,
@@ -178,7 +189,7 @@ def validate(
     with lock:
         results: list[ComponentResult] = []
         try:
-            _validate_all(run, SweepSettings(coverage, data), prior or {}, results)
+            _validate_all(run, SweepSettings(coverage, data, seconds), prior or {}, results)
         except CannotValidateError as exc:
             # Nothing is left half-explained: the output still gets a failing certificate and
             # card that say what is missing and how to supply it; the error still reaches the

@@ -48,6 +48,7 @@ from precision_convert.validation.probe.run.session import (
     fp32_session,
     weights_digest,
 )
+from precision_convert.validation.probe.run.time_budget import half_precision_pace
 
 
 def _validate_whole(
@@ -157,6 +158,7 @@ def _baseline(
             before=lambda inputs, others: _expect(
                 component, inputs, others, baseline=True, candidate=True
             ),
+            per_probe=lambda inputs, others: _per_probe(component, inputs, others, device),
             attention=True,
         )
     return replace(swept, inputs=size_growth(swept.inputs, sized[-1])[0]) if sized else swept
@@ -169,13 +171,31 @@ def _expect(
     the fp32 baseline under the default attention implementation and, on the probes of
     :func:`attention_spot`, each of ``attention`` others, ``pc.load`` (unless calibration ran
     it), then the other ways."""
-    n = len(inputs.probes)
-    fp32 = n + attention * len(attention_spot(inputs).probes)
-    others = planned_forwards(component, inputs, attention, shared=not candidate)
+    fp32, n, others = _forwards(component, inputs, attention, candidate=candidate)
     parts = [f"fp32 baseline {fp32}"] if baseline else []
     parts += [f"pc.load {n}"] if candidate else []
     parts.append(f"other ways of loading at most {others}")
-    expect(fp32 * baseline + n * candidate + others, ", ".join(parts))
+    expect(fp32 * baseline + n * candidate + others, ", ".join(parts), fp32=fp32 * baseline)
+
+
+def _forwards(
+    component: Component, inputs: ModelInputs, attention: int, *, candidate: bool
+) -> tuple[int, int, int]:
+    """The forwards of :func:`_expect`: fp32's, ``pc.load``'s and the other ways' (at most)."""
+    n = len(inputs.probes)
+    fp32 = n + attention * len(attention_spot(inputs).probes)
+    return fp32, n, planned_forwards(component, inputs, attention, shared=not candidate)
+
+
+def _per_probe(
+    component: Component, inputs: ModelInputs, attention: int, device: torch.device
+) -> float:
+    """What one fp32 second of a probe costs this certificate (for ``--budget``): fp32's
+    forwards, then ``pc.load``'s and the other ways' at the device's half-precision pace,
+    over the probes."""
+    fp32, n, others = _forwards(component, inputs, attention, candidate=True)
+    pace = half_precision_pace(device, component.compute_dtype)
+    return (fp32 + pace * (n + others)) / max(1, n)
 
 
 def _shared_candidate(component: Component, prior: PriorRuns | None) -> PriorRuns | None:

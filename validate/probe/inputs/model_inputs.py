@@ -106,6 +106,11 @@ class ModelInputs:
     #: Sweep probes the fp32 model answered with NaN or ±inf: with nothing to compare with,
     #: they are not run on the candidate, and count against coverage instead of vanishing.
     unjudged: tuple[str, ...] = ()
+    #: What a time budget (``--budget``) left out: ``seconds`` given, the ``estimate`` of the
+    #: probes kept and the ``minimum`` certificate's, and the probes ``left_out`` by kind
+    #: (:func:`~precision_convert.validation.probe.run.time_budget.fit_to_budget`). None:
+    #: no budget was given.
+    budget: Mapping[str, Any] | None = None
 
     @property
     def judged_share(self) -> float:
@@ -132,6 +137,7 @@ class ModelInputs:
             **({"sizes": dict(self.sizes)} if self.sizes else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
             **({"unjudged": list(self.unjudged)} if self.unjudged else {}),
+            **({"budget": dict(self.budget)} if self.budget else {}),
         }
 
 

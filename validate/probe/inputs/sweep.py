@@ -155,10 +155,12 @@ def sweep(
 
 @dataclass(frozen=True)
 class SweepSettings:
-    """A coverage level and the user's calibration data: what every model of a run sweeps."""
+    """A coverage level, the user's calibration data and time budget (seconds, ``--budget``;
+    None: none): what every model of a run sweeps."""
 
     level: str = DEFAULT_LEVEL
     data: CalibrationData | None = None
+    budget: float | None = None
 
     def apply(
         self,

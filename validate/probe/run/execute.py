@@ -254,7 +254,7 @@ def run_probes(
             by_kind[kind] = (done + 1, seconds + took)
             outputs[probe.name] = result
             ran += 1
-            forward_ran(precision, took, bool(probe.sweep))
+            forward_ran(precision, took, bool(probe.sweep), str(probe.sweep.get("kind", "")))
             if stop is not None and stop(probe.name, result):
                 break
     report(what, ran, ran)

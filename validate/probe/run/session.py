@@ -50,6 +50,7 @@ from precision_convert.validation.probe.run.execute import (
     run_sweep,
     select_inputs,
 )
+from precision_convert.validation.probe.run.time_budget import fit_to_budget
 
 #: Seed of every built input: fixed, so two certificates of one model are comparable, and so
 #: calibration and validation of one run build the very same probes.
@@ -57,6 +58,11 @@ SEED = 0
 
 #: How a session runs probes on the fp32 model (and records what it needs while they run).
 Run = Callable[[Any, ModelInputs], Outputs]
+
+#: What one fp32 second of a probe costs a certificate whose caller does not say (block-wise
+#: validation): the fp32 run, then ``pc.load`` and the plain load at three times its pace
+#: (fp16 on a CPU without fast half-precision kernels).
+CERTIFICATE_PER_FP32_SECOND = 7.0
 
 
 @dataclass(frozen=True)
@@ -147,11 +153,19 @@ def sweep_model(
     supplied: Mapping[str, torch.Tensor] | None = None,
     memory: int | None = None,
     before: Callable[[ModelInputs], None] | None = None,
+    per_probe: Callable[[ModelInputs], float] | None = None,
+    began: float | None = None,
 ) -> tuple[str, ModelInputs, Outputs]:
     """The fp32 model run on its first working input layout (``supplied`` tensors instead,
     when given), then on that layout followed by the sweep ``settings`` make (``memory``: the
     probes sized for block-wise runs; ``before`` is told them before they run); returns the
-    layout's task, the probes and outputs."""
+    layout's task, the probes and outputs.
+
+    With a time budget (``settings.budget``) the sweep is first cut to what it affords
+    (:func:`~.time_budget.fit_to_budget`), counted from ``began`` (default: now), one fp32
+    second of a probe costing the certificate ``per_probe(sweep)`` seconds (default
+    :data:`CERTIFICATE_PER_FP32_SECOND`)."""
+    began = time.perf_counter() if began is None else began
     candidates: Iterator[ModelInputs]
     if supplied is not None:
         candidates = iter([inputs_from_tensors(model, supplied, seed=SEED)])
@@ -162,6 +176,16 @@ def sweep_model(
     swept = settings.apply(
         model, chosen, tokenizer=tokenizer, component=component, directory=directory, memory=memory
     )
+    if settings.budget is not None:
+        swept = fit_to_budget(
+            model,
+            chosen,
+            swept,
+            run,
+            seconds=settings.budget,
+            began=began,
+            per_probe=per_probe(swept) if per_probe is not None else CERTIFICATE_PER_FP32_SECOND,
+        )
     if before is not None:
         before(swept)
     swept, outputs = run_sweep(model, chosen, swept, run, outputs)
@@ -182,6 +206,7 @@ def fp32_session(
     check: Callable[[Outputs], None] | None = None,
     coverage: Callable[[], float] | None = None,
     before: Callable[[ModelInputs, int], None] | None = None,
+    per_probe: Callable[[ModelInputs, int], float] | None = None,
     attention: bool = False,
 ) -> Swept:
     """Build the fp32 model (from ``source``), sweep it (:func:`sweep_model`; ``directory``:
@@ -191,8 +216,11 @@ def fp32_session(
     standing in for the rest where the two agree (:func:`~.attention.outputs_by_attention`;
     ``before`` is told the probes and how many other implementations will run them),
     ``check`` its outputs, and free it before returning, so that the next model to load is
-    the only one resident."""
+    the only one resident. ``per_probe`` says what one fp32 second of a probe costs the
+    certificate, for a time budget (see :func:`sweep_model`), given the probes and how many
+    other implementations run them; the budget counts from the model's build."""
     by_attention: dict[str, Outputs] = {}
+    built = time.perf_counter()
     with freed(build(), device) as fp32:
         choices = attention_choices(fp32.model) if attention else None
         others = len(choices.others) if choices is not None else 0
@@ -215,6 +243,8 @@ def fp32_session(
             directory=directory or source,
             supplied=supplied,
             before=(lambda swept: before(swept, others)) if before is not None else None,
+            per_probe=(lambda swept: per_probe(swept, others)) if per_probe is not None else None,
+            began=built,
         )
         inputs, outputs, searched = _worst_contexts(
             fp32.model,
