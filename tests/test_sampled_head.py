@@ -15,7 +15,7 @@ import _models
 import pytest
 import torch
 
-from precision_convert.conversion.analysis.activations import row_wise
+from precision_convert.conversion.analysis.hook_marks import row_wise
 from precision_convert.validation.probe.inputs.model_inputs import Probe
 from precision_convert.validation.probe.run.execute import call_probe
 from precision_convert.validation.probe.run.head import FULL_ROW_CHUNK

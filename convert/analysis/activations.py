@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from precision_convert.conversion.analysis.hook_marks import row_wise
 from precision_convert.conversion.runtime.memory import large_allocations_mapped
 from precision_convert.core.dtypes import FP16_MAX
 from precision_convert.core.nested import map_tensors, tensors_in
@@ -56,18 +57,6 @@ FP32_SHARE_LIMIT = 0.25
 #: its teacher-forced twin feeds the same ids in one forward; hooked at every step it cost 3.3x
 #: its plain run). Recording hooks (statistics, per-probe and factor peaks) let it pass.
 UNRECORDED: ContextVar[bool] = ContextVar("precision_convert_unrecorded", default=False)
-
-
-#: Set on a hook that reduces what it sees row by row (peaks, sums, counts): it may be called
-#: on a tensor's rows in chunks rather than on the whole (a sampled output head does that).
-ROW_WISE = "_precision_convert_row_wise"
-_Hook = TypeVar("_Hook", bound=Callable[..., Any])
-
-
-def row_wise(hook: _Hook) -> _Hook:
-    """Mark ``hook`` as :data:`ROW_WISE`."""
-    setattr(hook, ROW_WISE, True)
-    return hook
 
 
 @contextmanager
@@ -358,8 +347,7 @@ def recording(model: nn.Module, simulate: torch.dtype | None = None) -> Iterator
     """Hook every module of ``model`` for the duration of the block; hooks always removed.
 
     With ``simulate``, each leaf module that owns weights is also recomputed in that dtype to
-    measure how much precision it loses on its own.
-    """
+    measure how much precision it loses on its own."""
     recorder = _Recorder(simulate)
     recorder.shared = _shared_weights(model)
     handles = []

@@ -30,8 +30,8 @@ from precision_convert.conversion.analysis.activations import (
     _floats,
     _kind,
     _Reduced,
-    row_wise,
 )
+from precision_convert.conversion.analysis.hook_marks import row_wise
 
 #: Fewest distinct sizes a fit takes: two points always fit a line.
 MIN_SIZES = 3

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_convert.conversion.analysis.activations import ROW_WISE
+from precision_convert.conversion.analysis.hook_marks import ROW_WISE
 from precision_convert.conversion.runtime.boundaries import REGISTRY_ATTR
 from precision_convert.core.dtypes import FP16_MAX
 from precision_convert.validation.probe.inputs.model_inputs import linear_head
@@ -115,7 +115,7 @@ def sampled_head(model: Any, limit: int | None) -> Iterator[HeadRows | None]:
         if state["phase"] == "hooks":  # our own chunks' calls end inside
             state["phase"] = ""
 
-    head.forward = forward  # type: ignore[method-assign]
+    head.forward = forward  # type: ignore[method-assign, assignment]
     done = head.register_forward_hook(hooks_done, always_call=True)  # runs after the others
     try:
         yield seen
@@ -206,7 +206,7 @@ SAMPLED, ROWS, WHOLE = "sampled", "rows", "whole"
 def _watch(head: nn.Module) -> str:
     """How the hooks on ``head`` let it run: :data:`SAMPLED` when only the loader's boundary
     hooks are there; :data:`ROWS` when the others reduce what they see row by row (marked
-    :func:`~precision_convert.conversion.analysis.activations.row_wise`: peaks and sums), so
+    :func:`~precision_convert.conversion.analysis.hook_marks.row_wise`: peaks and sums), so
     every row must be computed but may be in chunks; :data:`WHOLE` for any other hook (or a
     global one): it sees the head's output as the model computes it."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
