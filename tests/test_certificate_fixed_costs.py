@@ -208,8 +208,9 @@ def test_every_forward_the_factor_hooks_record_runs_with_large_allocations_mappe
 
 def test_an_encoder_without_a_head_takes_the_levels_probe_size() -> None:
     """Each token of an encoder without an LM head costs no row of logits: its probes keep
-    the level's size (a tiny T5 encoder's 32k vocabulary in 8 probes, not 32), while the
-    same dimensions with a head still shrink to what a probe may hold."""
+    the level's size (a tiny T5 encoder's 32k vocabulary in 8 probes, not 32), as with a plain
+    linear head (computed for the kept rows only), while the same dimensions with a head
+    probes cannot sample still shrink to what a probe may hold."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     standard = budget_for("standard")
@@ -217,4 +218,6 @@ def test_an_encoder_without_a_head_takes_the_levels_probe_size() -> None:
     assert encoder.get_output_embeddings() is None
     assert fit_model(standard, encoder).tokens_per_probe == standard.tokens_per_probe
     with_head = T5ForConditionalGeneration(T5Config(**encoder.config.to_dict()))
+    assert fit_model(standard, with_head).tokens_per_probe == standard.tokens_per_probe
+    _models.with_custom_head(with_head)
     assert fit_model(standard, with_head).tokens_per_probe < standard.tokens_per_probe

@@ -195,7 +195,9 @@ def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
     tiny_model: Callable[[str], Path],
 ) -> None:
     """A 16 MB model with Llama-3's 128k vocabulary fed the level's 1024 tokens would hold
-    0.5 GB of logits per probe: its probes shrink to what one probe may take."""
+    0.5 GB of logits per probe where its head is computed whole (a head of a class of its own):
+    its probes shrink to what one probe may take. A plain linear head computes the kept rows
+    only, and the level's probes fit."""
     from transformers import AutoModelForCausalLM
 
     from precision_convert.validation.probe.inputs.budgets import (
@@ -207,7 +209,9 @@ def test_small_model_with_a_wide_vocabulary_gets_probes_it_can_hold(
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama-3.2-1b"))
     quick = budget_for("quick")
-    fitted = fit_model(quick, model)
+    assert fit_model(quick, model) == quick
+    assert quick.tokens_per_probe * bytes_per_token(model, logits=False) <= PROBE_ACTIVATIONS
+    fitted = fit_model(quick, with_custom_head(model))
     assert fitted.tokens_per_probe < quick.tokens_per_probe
     assert fitted.tokens_per_probe * bytes_per_token(model) <= PROBE_ACTIVATIONS
 
@@ -278,7 +282,7 @@ def test_long_rows_of_a_big_vocabulary_keep_the_logits_memory_affords(
     assert "logits_to_keep" not in whole.kwargs and "logits" not in whole.sweep
     outputs = call_probe(model, whole, "cpu", torch.float32)
     assert outputs["logits"].shape[-1] == vocab and outputs["logits"].numel() <= (1 << 20) + vocab
-    assert outputs["logits.rms"].shape == (1, 2048)
+    assert outputs["logits.rms"].shape == whole.kwargs["input_ids"].shape == (2, 2048)
 
     with_custom_head(model)
     lengths = length_probes()
