@@ -15,18 +15,23 @@ if TYPE_CHECKING:
     import torch
 
 
+def leaves(value: Any) -> Iterator[Any]:
+    """Every leaf of ``value`` (what is not a mapping, list or tuple), depth first, in order."""
+    if isinstance(value, Mapping):
+        for item in value.values():
+            yield from leaves(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from leaves(item)
+    else:
+        yield value
+
+
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``value``, depth first, in order."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from tensors_in(item)
+    return (leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor))
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from precision_convert.core.errors import InputError
+from precision_convert.core.nested import leaves, tensors_in
 from precision_convert.core.progress import say
 from precision_convert.core.units import duration
 from precision_convert.validation.probe.inputs.budgets import caught_rank
@@ -156,22 +157,11 @@ def _groups(probes: list[Probe]) -> list[Group]:
 
 
 def _references(probes: tuple[Probe, ...]) -> set[str]:
-    return {ref.probe for p in probes for ref in _walk(p.kwargs) if isinstance(ref, FromOutput)}
-
-
-def _walk(value: Any) -> Iterator[Any]:
-    if isinstance(value, Mapping):
-        for item in value.values():
-            yield from _walk(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _walk(item)
-    else:
-        yield value
+    return {ref.probe for p in probes for ref in leaves(p.kwargs) if isinstance(ref, FromOutput)}
 
 
 def _elements(kwargs: Mapping[str, Any]) -> int:
-    return sum(v.numel() for v in _walk(kwargs) if isinstance(v, torch.Tensor)) or 1
+    return sum(v.numel() for v in tensors_in(kwargs)) or 1
 
 
 def half_precision_pace(device: torch.device | str, dtype: torch.dtype | None) -> float:
