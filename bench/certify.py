@@ -27,6 +27,7 @@ at most the fp32 model plus 1 GiB above that baseline. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -136,8 +137,9 @@ def _build_reference(root: Path, name: str) -> tuple[Path, int]:
             import zoo
 
             zoo.FAMILIES[how["zoo"]](directory)
-        else:
-            __import__(how["builder"]).main(directory)
+        else:  # the example prints its directory: stdout carries the bench's JSON only
+            with contextlib.redirect_stdout(sys.stderr):
+                __import__(how["builder"]).main(directory)
     size_bytes = sum(f.stat().st_size for f in directory.rglob("*.safetensors"))
     return directory, size_bytes
 
