@@ -385,7 +385,8 @@ def bench(root: Path, size: str, target: str, args: argparse.Namespace) -> dict[
     if run["exit_code"] not in (0, 1) or not certificate_file.is_file():
         return {"size": size, "target": target, "error": "the command failed", **run}
     certificate = json.loads(certificate_file.read_text())
-    record = json.loads((output / "config.json").read_text()).get("precision_convert", {})
+    config = output / "config.json"  # a pipeline's records are its components'
+    record = json.loads(config.read_text()).get("precision_convert", {}) if config.is_file() else {}
     islands = {k: v for k, v in record.get("islands", {}).items() if v != "precision"}
     if args.threads is not None:
         import torch
