@@ -9,8 +9,8 @@ hundreds of MB of logits only to reduce them to one number a row.
 Inside :func:`sampled_head`, the model's output embedding (a ``Linear``) computes, for the
 rows it is given:
 
-- the kept rows' logits in full, through its own forward (the same rows :func:`summarize`
-  keeps, so a probe's kept logits are the ones it kept before);
+- the kept rows' logits in full, through its own forward (the rows :func:`summarize` keeps
+  of whole logits, so both ways keep the same rows);
 - every row's RMS exactly, from the head's Gram matrix: ``‖W h + b‖² = hᵀ(WᵀW)h + 2hᵀWᵀb +
   ‖b‖²``, in float32, H² multiply-adds a row instead of H x vocabulary;
 - a bound per row, ``|logit| ≤ ‖h‖ · maxⱼ‖Wⱼ‖ + max|b|`` (Cauchy-Schwarz). A row whose bound
@@ -22,8 +22,10 @@ rows it is given:
 What a row's exact RMS does not include is the head's own rounding in the compute dtype (a
 relative 2^-8 or 2^-11 on an RMS judged at 10%); the kept rows carry it.
 
-The head is left alone where anything else watches its output (a calibration recorder, a
-block-wise run, a hook this module does not know) and where nothing would be saved.
+Where a hook marked row-wise watches the head (calibration's recorder, the carriage, the size
+fits' peaks), every row is computed in full, :data:`FULL_ROW_CHUNK` at a time, through the
+module's call. Any other hook (a block-wise run, one this module does not know) leaves the
+head whole, as does a probe whose logits fit its limit.
 """
 
 from __future__ import annotations
