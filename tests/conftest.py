@@ -8,8 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _models
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each xdist worker owns one core: torch's default of one thread per core would run two
+    # workers' thread pools on the same cores and make both slower than one worker alone.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A worker is given COLUMNS=80 and LINES=24, which a terminal would set: the reports'
+    # tests check the width of output written to no terminal, as the command runs in a pipe.
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
+import _models  # noqa: E402  (after the thread setting: it imports torch)
 
 # Tests never reach a Hub; make any accidental attempt fail fast instead of hanging.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
