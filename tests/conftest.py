@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
 
-import _models  # noqa: E402  (after the thread setting: it imports torch)
+import _models  # after the thread setting: it imports torch
 
 # Tests never reach a Hub; make any accidental attempt fail fast instead of hanging.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
