@@ -100,10 +100,13 @@ def sampled_head(model: Any, limit: int | None) -> Iterator[HeadRows | None]:
     # "inside": our own calls of the head (full rows); "hooks": the hooks of the call that got
     # the kept rows are running (a recorder recomputing the head in fp16 gets those rows).
     state = {"phase": ""}
+    scratch: list[torch.Tensor] = []  # the full rows' logits, one buffer for every chunk
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if state["phase"] == "inside" or rows.shape[0] * head.weight.shape[0] <= limit:
+        if state["phase"] == "inside":
+            return _full_rows(head, original, hidden, scratch)
+        if rows.shape[0] * head.weight.shape[0] <= limit:
             return original(hidden)
         if state["phase"] == "hooks" and seen.kept is not None:
             return original(rows[seen.kept])
@@ -163,6 +166,31 @@ def _sampled(
     seen.kept, seen.rms = kept, rms.reshape(hidden.shape[:-1])
     seen.returned = original(rows[kept])
     return seen.returned
+
+
+def _full_rows(
+    head: nn.Linear, original: Any, rows: torch.Tensor, scratch: list[torch.Tensor]
+) -> torch.Tensor:
+    """A chunk of full rows' logits (what ``original`` computes: ``addmm``, as ``F.linear``
+    does for rows), written over the previous chunk's in ``scratch``. The hooks that see them
+    reduce them at once (row-wise) and :func:`_sampled` takes their RMS; a fresh tensor per
+    chunk was a fresh mapping for the kernel to zero (256 rows of a 128k vocabulary: 131 MB),
+    kernel time on the order of the product itself."""
+    weight, bias = head.weight, head.bias
+    if (
+        rows.dim() != 2
+        or rows.dtype != weight.dtype
+        or rows.device != weight.device
+        or torch.is_grad_enabled()  # out= takes no part in autograd
+    ):
+        return original(rows)
+    if not scratch or scratch[0].shape[0] < rows.shape[0] or scratch[0].dtype != weight.dtype:
+        shape = (max(rows.shape[0], FULL_ROW_CHUNK), weight.shape[0])
+        scratch[:] = [torch.empty(shape, dtype=weight.dtype, device=weight.device)]
+    out = scratch[0][: rows.shape[0]]
+    if bias is None:
+        return torch.mm(rows, weight.t(), out=out)
+    return torch.addmm(bias, rows, weight.t(), out=out)
 
 
 def _full_row_limit(*dtypes: torch.dtype) -> float:
