@@ -260,6 +260,24 @@ def forwards_by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return dict(sorted(out.items(), key=lambda item: -item[1]["seconds"]))
 
 
+def cpu_by_stage(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """User and kernel CPU seconds by stage label (loads and other stretches by what they did):
+    each ledger row carries the process's CPU seconds so far, so the difference from the row
+    before is what the work it records (and anything between the two) cost."""
+    out: dict[str, dict[str, float]] = {}
+    before = [0.0, 0.0]
+    for row in rows:
+        if "cpu_s" not in row:
+            continue
+        stage = re.sub(r" candidate \d+", " candidates", row["stage"]) or "(none)"
+        label = f"{row['what']} ({stage})" if row.get("outside") else stage
+        entry = out.setdefault(label, {"user_s": 0.0, "sys_s": 0.0})
+        entry["user_s"] = round(entry["user_s"] + row["cpu_s"][0] - before[0], 2)
+        entry["sys_s"] = round(entry["sys_s"] + row["cpu_s"][1] - before[1], 2)
+        before = row["cpu_s"]
+    return dict(sorted(out.items(), key=lambda item: -item[1]["sys_s"]))
+
+
 def outside_forwards(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """Where the time outside forwards went: the wall time less the forwards', and the
     ledger's stretches outside forwards summed by what they did (loads by stage too: the
@@ -427,6 +445,7 @@ def bench(root: Path, size: str, target: str, args: argparse.Namespace) -> dict[
         "forwards": sum(r["forwards"] for r in run["ledger"]),
         "forwards_by_stage": forwards_by_stage(run["ledger"]),
         "forwards_by_kind": forwards_by_kind(run["ledger"]),
+        "cpu_by_stage": cpu_by_stage(run["ledger"]),
         "outside_forwards": outside_forwards(run["ledger"], wall),
         "load_paths": {
             p["way"] + (f"+{p['attention']}" if p.get("attention") else ""): p["verdict"]

@@ -104,6 +104,10 @@ def ledger_span(what: str) -> Iterator[None]:
 
 
 def _append(path: str, row: dict[str, Any]) -> None:
+    """Write ``row`` with the process's CPU seconds so far (user, kernel): the difference
+    between two rows is what the work between them cost, page faults showing as kernel time."""
+    times = os.times()
+    row["cpu_s"] = [round(times.user, 2), round(times.system, 2)]
     with open(path, "a", encoding="utf-8") as ledger:
         ledger.write(json.dumps(row) + "\n")
 
