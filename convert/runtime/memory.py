@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -77,10 +78,15 @@ def own_heap() -> None:
     from mappings of their own, and inside :func:`large_allocations_mapped` those of
     :data:`LARGE_ALLOCATION` or more too. Process-wide and permanent (glibc has no way back to
     its moving threshold), so only the command and its batch workers, which own their
-    processes, call it; in any other process the heap is left as it is."""
+    processes, call it; in any other process the heap is left as it is. Large tensors there
+    go on transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``)."""
     global _owned
     _owned = True
     _set_threshold(OWNED_THRESHOLD)
+    # torch reads this once, at its first allocation (so before torch is imported): tensors of
+    # 2 MiB or more are then aligned to and advised onto transparent huge pages, one page
+    # fault per 2 MiB instead of 512 (the zoo's Llama-3.2 bf16-safe: kernel time 21 s -> 17 s).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 @contextmanager

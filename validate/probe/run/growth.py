@@ -62,11 +62,24 @@ def run_sized(
     paused: Callable[[], bool] | None = None,
 ) -> tuple[Outputs, SizedRun]:
     """:func:`~.execute.run_probes`, keeping each module's peak on every probe that has a
-    size (``seen``, ``paused``: see :func:`~.growth.probe_peaks`)."""
+    size, the id sweeps (:data:`ID_SWEEPS`) apart (``seen``, ``paused``: see
+    :func:`~.growth.probe_peaks`)."""
     sizes = probe_sizes(getattr(model, "config", None), inputs)
-    with probe_peaks(model, frozenset(sizes), seen, paused) as peaks:
+    fitted = frozenset(p.name for p in inputs.probes if p.name in sizes and not _id_sweep(p))
+    with probe_peaks(model, fitted, seen, paused) as peaks:
         outputs = run_probes(model, inputs, device, dtype, stop=peaks.mark, around=peaks.watching)
     return outputs, SizedRun(peaks.by_probe, sizes, peaks.kinds)
+
+
+#: Sweeps that feed every id at one length (a 512-token row, position 0, after BOS): each
+#: size's peak there is a maximum over the vocabulary, where the ladder's rows of seeded ids
+#: sample a length; mixed into one fit they would bend it. Their forwards run unwatched by
+#: the fits (the output head then computes the rows a probe keeps, not every row).
+ID_SWEEPS = frozenset({"vocabulary", "first-position"})
+
+
+def _id_sweep(probe: Any) -> bool:
+    return (probe.sweep or {}).get("kind") in ID_SWEEPS
 
 
 @dataclass(frozen=True)
