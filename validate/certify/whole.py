@@ -134,7 +134,9 @@ def _baseline(
 
     def run(model: Any, inputs: ModelInputs) -> Outputs:
         with coverage.track(model):
-            outputs, found = run_sized(model, inputs, device, torch.float32)
+            # The fits' predictions decide only where the output computes in fp16.
+            fp16 = component.compute_dtype == torch.float16
+            outputs, found = run_sized(model, inputs, device, torch.float32, id_sweeps=fp16)
         sized[:] = [found]
         return outputs
 

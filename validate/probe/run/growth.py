@@ -60,12 +60,15 @@ def run_sized(
     *,
     seen: _Reduced | None = None,
     paused: Callable[[], bool] | None = None,
+    id_sweeps: bool = True,
 ) -> tuple[Outputs, SizedRun]:
     """:func:`~.execute.run_probes`, keeping each module's peak on every probe that has a
-    size, the id sweeps (:data:`ID_SWEEPS`) apart (``seen``, ``paused``: see
+    size, the id sweeps (:data:`ID_SWEEPS`) only if ``id_sweeps`` (``seen``, ``paused``: see
     :func:`~.growth.probe_peaks`)."""
     sizes = probe_sizes(getattr(model, "config", None), inputs)
-    fitted = frozenset(p.name for p in inputs.probes if p.name in sizes and not _id_sweep(p))
+    fitted = frozenset(
+        p.name for p in inputs.probes if p.name in sizes and (id_sweeps or not _id_sweep(p))
+    )
     with probe_peaks(model, fitted, seen, paused) as peaks:
         outputs = run_probes(model, inputs, device, dtype, stop=peaks.mark, around=peaks.watching)
     return outputs, SizedRun(peaks.by_probe, sizes, peaks.kinds)
@@ -73,8 +76,10 @@ def run_sized(
 
 #: Sweeps that feed every id at one length (a 512-token row, position 0, after BOS): each
 #: size's peak there is a maximum over the vocabulary, where the ladder's rows of seeded ids
-#: sample a length; mixed into one fit they would bend it. Their forwards run unwatched by
-#: the fits (the output head then computes the rows a probe keeps, not every row).
+#: sample a length. Where the fits' predictions decide (fp16 compute), those maxima stay in the
+#: fits: they raise the point at their length, which errs toward keeping a module fp32.
+#: Elsewhere the fits are a record only, and these sweeps run unwatched by them, so their
+#: output head computes the rows a probe keeps rather than every row of the vocabulary.
 ID_SWEEPS = frozenset({"vocabulary", "first-position"})
 
 
