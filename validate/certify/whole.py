@@ -18,6 +18,7 @@ from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
 from precision_convert.conversion.runtime.record import loaded_mismatch
+from precision_convert.core.dtypes import WATCHED_RANGE
 from precision_convert.core.errors import one_line
 from precision_convert.core.progress import expect, stage
 from precision_convert.validation.certify.components import (
@@ -161,7 +162,10 @@ def _baseline(
             per_probe=lambda inputs, others: _per_probe(component, inputs, others, device),
             attention=True,
         )
-    return replace(swept, inputs=size_growth(swept.inputs, sized[-1])[0]) if sized else swept
+    if not sized:
+        return swept
+    # The growth record every certificate carries, whatever the target: against fp16's range.
+    return replace(swept, inputs=size_growth(swept.inputs, sized[-1], WATCHED_RANGE)[0])
 
 
 def _expect(
