@@ -21,7 +21,7 @@ from precision_convert.conversion.io.source import ModelSource, variant_name
 from precision_convert.conversion.io.writer import write_file
 from precision_convert.conversion.plan import DIFFUSERS_RECORD_KEY, RECORD_KEY, ModelPlan
 from precision_convert.core._version import __version__
-from precision_convert.core.dtypes import FP16, FP32, DType
+from precision_convert.core.dtypes import FP32, DType
 from precision_convert.core.progress import ledger_span
 
 #: Progress callback: (what is being written, source bytes just consumed).
@@ -152,7 +152,7 @@ def plain_load_dtype(model: ModelSource, plan: ModelPlan) -> DType:
     """
     if (model.root.parent / PIPELINE_INDEX).is_file():
         return FP32
-    if plan.compute != FP16:
+    if not plan.target.range_limited:
         return FP32 if any(i.measured for i in plan.islands) else plan.compute
     kept = _kept_fp32_by_class(model)
     flowing = [i.name for i in plan.islands if i.reason != "precision"]

@@ -17,7 +17,14 @@ from typing import Any
 # The record's key, where the io layer (which recognises this tool's outputs) keeps it.
 from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
 from precision_convert.conversion.io.tensors import LazyTensor, numel
-from precision_convert.core.dtypes import FP16_MAX, FP32, TARGETS, DType, Target, from_config_string
+from precision_convert.core.dtypes import (
+    FP32,
+    TARGETS,
+    DType,
+    FiniteRange,
+    Target,
+    from_config_string,
+)
 from precision_convert.core.errors import InputError, did_you_mean
 from precision_convert.core.names import (
     matches_self_or_ancestor,
@@ -76,9 +83,8 @@ class RangeStats:
     flushed_fraction: float  # share of its non-zero values that fp16 rounds to zero
     non_finite: int
 
-    @property
-    def overflows(self) -> bool:
-        return self.max_abs > FP16_MAX
+    def overflows(self, limit: FiniteRange) -> bool:
+        return self.max_abs > limit.finite_max
 
     @property
     def flushes(self) -> bool:
@@ -313,28 +319,30 @@ def build_plan(
         keep(island.name, island.reason, island.rule)
 
     warnings: list[str] = []
-    # fp16's range only matters to fp16 targets; bf16 has fp32's exponent.
-    fp16_ranges = ranges if decoded.range_limited else None
-    for name, stats in (fp16_ranges or {}).items():
-        problem = _range_problem(stats)
+    # Range matters only to targets whose row watches one; bf16 has fp32's exponent.
+    limit = decoded.range
+    for name, stats in (ranges or {}).items():
+        problem = _range_problem(stats, limit) if limit is not None else None
         if problem is None:
             continue
         if safe:
             keep(unit_of[name], "range", f"weights {problem}")
         else:
-            warnings.append(f"{name}: {problem}; stored in fp16 anyway (target {target})")
+            warnings.append(
+                f"{name}: {problem}; stored in {decoded.storage.short} anyway (target {target})"
+            )
     for island in _fused_with(islands, run_names):
         keep(island.name, island.reason, island.rule)
     for island in _tied_with(islands, ties, tied_units, unit_of):
         keep(island.name, island.reason, island.rule)
 
-    compute = decoded.compute
+    storage = decoded.storage
     planned = tuple(
         TensorPlan(
             t.name,
             unit_of[t.name],
             t.dtype,
-            (FP32 if unit_of[t.name] in islands else compute) if t.dtype.is_float else t.dtype,
+            (FP32 if unit_of[t.name] in islands else storage) if t.dtype.is_float else t.dtype,
             t.shape,
         )
         for t in tensors
@@ -401,11 +409,13 @@ def _fused_with(islands: Mapping[str, Island], runtime: Mapping[str, str]) -> li
     return out
 
 
-def _range_problem(stats: RangeStats) -> str | None:
+def _range_problem(stats: RangeStats, limit: FiniteRange) -> str | None:
     if stats.non_finite:
         return None  # NaN/Inf are the source's own defect; inspect reports them
-    if stats.overflows:
-        return f"exceed the fp16 range (max |x| = {stats.max_abs:.4g} > {FP16_MAX:g})"
+    if stats.overflows(limit):
+        return (
+            f"exceed the {limit.name} range (max |x| = {stats.max_abs:.4g} > {limit.finite_max:g})"
+        )
     if stats.flushes:
         return f"would flush to zero in fp16 ({stats.flushed_fraction:.0%} of non-zero values)"
     return None

@@ -32,7 +32,7 @@ from torch.nn.utils import parametrize
 
 from precision_convert.conversion.analysis.hook_marks import row_wise
 from precision_convert.conversion.runtime.memory import large_allocations_mapped
-from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.dtypes import WATCHED_RANGE, FiniteRange
 from precision_convert.core.nested import map_tensors, tensors_in
 from precision_convert.core.progress import report, stage
 
@@ -93,11 +93,11 @@ class ActivationStats:
         """The output peak that is judged: a container's main output, any other module's all."""
         return self.main_out if self.kind == CONTAINER else self.max_out
 
-    @property
-    def headroom(self) -> float:
-        """fp16's limit divided by the largest activation: below 1 it overflows."""
+    def headroom(self, limit: FiniteRange = WATCHED_RANGE) -> float:
+        """``limit``'s finite maximum divided by the largest activation: below 1 it
+        overflows."""
         peak = max(self.max_in, self.max_out)
-        return FP16_MAX / peak if peak else float("inf")
+        return limit.finite_max / peak if peak else float("inf")
 
 
 class _Recorder:
@@ -415,11 +415,12 @@ CARRIAGE_SLACK = 0.5
 
 
 @contextmanager
-def carriage(model: nn.Module) -> Iterator[Carriage]:
+def carriage(model: nn.Module, limit: FiniteRange) -> Iterator[Carriage]:
     """Record, for the duration of the block, in which dtype ``model`` carries each module's
     large inputs (as they arrive, before any boundary hook casts them) and main output (as it
-    is handed on, after the boundary hooks); hooks always removed."""
-    seen = Carriage(FP16_MAX / ACTIVATION_MARGIN * CARRIAGE_SLACK)
+    is handed on, after the boundary hooks), large meaning near ``limit``; hooks always
+    removed."""
+    seen = Carriage(limit.finite_max / ACTIVATION_MARGIN * CARRIAGE_SLACK)
     handles = []
     try:
         for name, module in model.named_modules():
@@ -447,15 +448,17 @@ def calibrate(
     return recorder.stats(), result
 
 
-def overflowing(stats: Mapping[str, ActivationStats], units: Sequence[str]) -> dict[str, str]:
-    """Units (modules owning weights) whose output comes within the margin of fp16's limit."""
-    limit = FP16_MAX / ACTIVATION_MARGIN
+def overflowing(
+    stats: Mapping[str, ActivationStats], units: Sequence[str], limit: FiniteRange
+) -> dict[str, str]:
+    """Units (modules owning weights) whose output comes within the margin of ``limit``."""
+    near = limit.finite_max / ACTIVATION_MARGIN
     found: dict[str, str] = {}
     for unit in units:
         seen = stats.get(unit)
-        if seen is not None and seen.max_out > limit:
+        if seen is not None and seen.max_out > near:
             found[unit] = (
-                f"activations reach {seen.max_out:.4g} (fp16 limit {FP16_MAX:g}, "
+                f"activations reach {seen.max_out:.4g} ({limit.name} limit {limit.finite_max:g}, "
                 f"margin {ACTIVATION_MARGIN:g}x)"
             )
     return found
@@ -488,20 +491,20 @@ class NearLimit:
 
 
 def near_limit(
-    stats: Mapping[str, ActivationStats], margin: float = ACTIVATION_MARGIN
+    stats: Mapping[str, ActivationStats], limit: FiniteRange, margin: float = ACTIVATION_MARGIN
 ) -> list[NearLimit]:
     """Every module output, containers included, and every weighted module's input whose fp32
-    peak comes within ``margin`` of fp16's limit (or over it), in execution order.
+    peak comes within ``margin`` of ``limit`` (or over it), in execution order.
 
     Containers are judged on their main output only: beside the stream they may return an
     attention bias that already holds a mask.
     """
-    limit = FP16_MAX / margin
+    near = limit.finite_max / margin
     found: list[NearLimit] = []
     for seen in sorted(stats.values(), key=lambda s: s.order):
-        if seen.output_peak > limit:
+        if seen.output_peak > near:
             found.append(NearLimit(seen.module, "output", seen.output_peak, seen.kind, seen.order))
-        if seen.kind == LEAF and seen.max_in > limit:
+        if seen.kind == LEAF and seen.max_in > near:
             found.append(NearLimit(seen.module, "input", seen.max_in, seen.kind, seen.order))
     return found
 

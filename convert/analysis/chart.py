@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN, ActivationStats
-from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.dtypes import WATCHED_RANGE
 from precision_convert.core.folding import Role, fold
 
 #: File name of the chart beside a model's weights; the model card shows it when present.
@@ -190,7 +190,10 @@ def draw(data: HeatmapData, path: Path, title: str) -> None:
     image = None
     for ax, block in zip(axes, blocks, strict=True):
         values = [
-            [float("nan") if v is None else max(v / FP16_MAX, 10.0**-DECADES) for v in row]
+            [
+                float("nan") if v is None else max(v / WATCHED_RANGE.finite_max, 10.0**-DECADES)
+                for v in row
+            ]
             for row in block.peaks
         ]
         image = ax.imshow(values, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
@@ -212,9 +215,12 @@ def draw(data: HeatmapData, path: Path, title: str) -> None:
     assert image is not None
     bar = fig.colorbar(image, ax=list(axes), extend="max", shrink=0.6, aspect=30)
     decades = [10.0**-k for k in range(DECADES, -1, -1)]
-    peaks = [FP16_MAX * d for d in decades]
+    peaks = [WATCHED_RANGE.finite_max * d for d in decades]
     bar.set_ticks(decades, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in peaks])
-    bar.set_label("peak |activation| in the fp32 run (top: fp16's max)", fontsize=8)
+    beyond = f"beyond {WATCHED_RANGE.name}'s {WATCHED_RANGE.finite_max:g}"
+    bar.set_label(
+        f"peak |activation| in the fp32 run (top: {WATCHED_RANGE.name}'s max)", fontsize=8
+    )
     bar.ax.axhline(1.0 / ACTIVATION_MARGIN, color="white", linewidth=1)
     bar.ax.tick_params(labelsize=7)
     fig.legend(
@@ -222,7 +228,7 @@ def draw(data: HeatmapData, path: Path, title: str) -> None:
             Line2D([], [], marker=m, linestyle="", markerfacecolor="white", color="black", label=t)
             for m, t in MARKERS.values()
         ]
-        + [Line2D([], [], marker="s", linestyle="", color="#d62728", label="beyond fp16's 65504")],
+        + [Line2D([], [], marker="s", linestyle="", color="#d62728", label=beyond)],
         loc="outside lower center",
         fontsize=8,
         ncols=2,

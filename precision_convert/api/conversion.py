@@ -35,7 +35,7 @@ from precision_convert.conversion.plan import (
     check_target,
     scan_ranges,
 )
-from precision_convert.core.dtypes import Target
+from precision_convert.core.dtypes import IslandChoice, Target
 from precision_convert.core.errors import CannotValidateError, InputError
 from precision_convert.core.patterns import VARIANT_NAME
 from precision_convert.core.quiet import quiet_libraries
@@ -318,8 +318,9 @@ def _convert(
     models = _models(opened)
     if options.variant is not None and any(m.library == "open_clip" for m in models.values()):
         raise InputError("OpenCLIP has no variant weight files: drop --variant", root)
-    if options.calibrate is None:  # on where fp16's range is at stake
-        options = replace(options, calibrate=target.safe and target.range_limited)
+    if options.calibrate is None:  # on where the target's row measures its islands' range
+        measured = target.row.islands is IslandChoice.RECIPE_PLUS_MEASURED_RANGE
+        options = replace(options, calibrate=measured)
     # The source's weights, read once: hashed for the certificate (when one is made), and
     # refused when they hold NaN or ±inf. The writer's reads are that read, but calibration
     # runs the model on the weights before anything is written, and a pickle's tensors are

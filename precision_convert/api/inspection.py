@@ -19,7 +19,7 @@ from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
 from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
 from precision_convert.conversion.runtime.record import read_record
-from precision_convert.core.dtypes import FP16_MAX, SAFE_TARGETS, Target, from_config_string
+from precision_convert.core.dtypes import SAFE_TARGETS, WATCHED_RANGE, Target, from_config_string
 from precision_convert.core.errors import InputError, one_line
 from precision_convert.core.names import units
 from precision_convert.core.quiet import quiet_libraries
@@ -63,8 +63,8 @@ class ComponentReport:
     chart: Path | None = None
 
     def nearest_to_limit(self, count: int = 20, within: float = 8.0) -> list[dict[str, Any]]:
-        """Calibrated modules whose peak activation is within ``within``x of fp16's limit
-        (or over it), worst first, at most ``count``."""
+        """Calibrated modules whose peak activation is within ``within``x of the watched
+        range's limit (fp16's) or over it, worst first, at most ``count``."""
         if self.calibration is None:
             return []
         fp16_islands = self.islands.get(Target.FP16_SAFE, {})
@@ -72,16 +72,16 @@ class ComponentReport:
         stats = [
             s
             for s in self.calibration.stats.values()
-            if s.module in weighted and s.headroom < within
+            if s.module in weighted and s.headroom() < within
         ]
-        rows = sorted(stats, key=lambda s: s.headroom)[:count]
+        rows = sorted(stats, key=lambda s: s.headroom())[:count]
         return [
             {
                 "module": s.module,
                 "max_abs": max(s.max_in, s.max_out),
                 "max_in": s.max_in,
                 "max_out": s.max_out,
-                "fp16_headroom": s.headroom,
+                "fp16_headroom": s.headroom(),
                 "flushed_out": s.flushed_out,
                 "island": fp16_islands.get(s.module),
             }
@@ -93,7 +93,7 @@ class ComponentReport:
         if self.calibration is not None:
             calibration = {
                 "task": self.calibration.task,
-                "fp16_limit": FP16_MAX,
+                "fp16_limit": WATCHED_RANGE.finite_max,
                 "modules": self.nearest_to_limit(),
                 # Every output (containers, functional products) that came near the limit.
                 "near_limit": [w.to_json() for w in self.calibration.near_limit],
@@ -306,9 +306,13 @@ def _range_hazards(ranges: dict[str, RangeStats]) -> list[Hazard]:
     for name, stats in ranges.items():
         if stats.non_finite:
             hazards.append(Hazard("non-finite", name, f"{stats.non_finite} NaN/Inf values"))
-        if stats.overflows:
+        if stats.overflows(WATCHED_RANGE):
             hazards.append(
-                Hazard("fp16-overflow", name, f"max |x| = {stats.max_abs:.4g} exceeds 65504")
+                Hazard(
+                    "fp16-overflow",
+                    name,
+                    f"max |x| = {stats.max_abs:.4g} exceeds {WATCHED_RANGE.finite_max:g}",
+                )
             )
         if stats.flushes:
             hazards.append(

@@ -26,6 +26,7 @@ from typing import Any
 from precision_convert.api.options import OPTION_NAMES, ConversionOptions
 from precision_convert.conversion.io.staging import overlap
 from precision_convert.core._version import __version__
+from precision_convert.core.dtypes import Target
 from precision_convert.core.errors import InputError, did_you_mean, home_expanded, printable
 from precision_convert.core.patterns import HUB_ID, REPO_ID
 from precision_convert.recipes import TARGETS
@@ -404,9 +405,9 @@ def _push(
                 "repo id, not a local directory"
             )
         elif options.variant is None:
-            problem = (
-                'push = "pr" needs a variant (e.g. variant = "bf16"): the PR adds variant files'
-            )
+            known = Target.lookup(target)
+            usual = f' (e.g. variant = "{known.row.variant}")' if known is not None else ""
+            problem = f'push = "pr" needs a variant{usual}: the PR adds variant files'
         else:
             return source
         reader.note(problem, "model", index, "push")

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from precision_convert.cli._common import console, elide, literal, out
-from precision_convert.core.dtypes import Target
+from precision_convert.core.dtypes import WATCHED_RANGE, Target
 from precision_convert.core.errors import printable
 from precision_convert.core.folding import Role, fold
 from precision_convert.core.patterns import code_files
@@ -196,7 +196,8 @@ def _print_calibration(component: ComponentReport) -> None:
         )
     if rows:
         headers = ["module", "peak |in|", "peak |out|", "headroom", "fp16-safe island"]
-        title = "modules nearest to the fp16 limit (65504), fp32 calibration run"
+        limit = f"{WATCHED_RANGE.name} limit ({WATCHED_RANGE.finite_max:g})"
+        title = f"modules nearest to the {limit}, fp32 calibration run"
         print_table(title, headers, rows, right=(1, 2, 3))
     else:
         out.print("[green]no module comes within 8x of fp16's limit[/]")

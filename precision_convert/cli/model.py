@@ -21,6 +21,13 @@ from precision_convert.cli._common import (
     reported_errors,
 )
 from precision_convert.cli.validate import require_pass
+from precision_convert.core.dtypes import MEASURED_TARGETS, SAFE_TARGETS, TARGETS
+
+
+def targets_help() -> str:
+    """``--to``'s help, read from the target table: the safe targets, then the plain casts."""
+    plain = [name for name in TARGETS if name not in SAFE_TARGETS]
+    return f"{', '.join(SAFE_TARGETS)}, {' or '.join(plain)} (plain cast)."
 
 
 def model(
@@ -30,9 +37,7 @@ def model(
     ],
     to: Annotated[
         str,
-        typer.Option(
-            "--to", metavar="TARGET", help="bf16-safe, fp16-safe, bf16 or fp16 (plain cast)."
-        ),
+        typer.Option("--to", metavar="TARGET", help=targets_help()),
     ],
     output: Annotated[
         Path | None,
@@ -67,7 +72,7 @@ def model(
         typer.Option(
             "--calibrate/--no-calibrate",
             help="Run the model in fp32 to find islands no recipe names (default: on for "
-            "fp16-safe only).",
+            f"{' and '.join(MEASURED_TARGETS)} only).",
             show_default=False,
         ),
     ] = None,

@@ -52,7 +52,7 @@ from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.memory import large_allocations_mapped
-from precision_convert.core.dtypes import Target
+from precision_convert.core.dtypes import WATCHED_RANGE, FiniteRange, Target
 from precision_convert.core.names import module_of
 from precision_convert.core.progress import expect, stage
 from precision_convert.validation.calibration.search import PlanWith, _Search
@@ -146,32 +146,33 @@ def calibrated_plan(
     )
     existing = {i.name: i for i in base.islands}
     free = [u for u in _execution_order(_float_units(base), stats) if u not in existing]
-    near = [*near_limit(stats), *_predicted_near(predicted, stats)] if target.range_limited else []
-    added = _predicted_islands(predicted, stats, base) if target.range_limited else []
+    limit = target.range  # None: the target's range never binds (bf16)
+    near = [*near_limit(stats, limit), *_predicted_near(predicted, stats, limit)] if limit else []
+    added = _predicted_islands(predicted, stats, base) if limit else []
     found = {i.name for i in added}
-    added += [i for i in _analysis_islands(stats, base, target, free, near) if i.name not in found]
-    if target.range_limited:
-        added += _bound_islands(swept.bounds, existing, set(free), {i.name for i in added})
+    added += [i for i in _analysis_islands(stats, base, limit, free, near) if i.name not in found]
+    if limit:
+        added += _bound_islands(swept.bounds, existing, set(free), {i.name for i in added}, limit)
     validation = recipe_validation(base.recipe)
     task = str(validation.get("task", swept.task))
     candidates = _Search(
         model, plan_with, trust_remote_code, swept, thresholds_for(task, validation)
     )
-    if search and target.range_limited:
-        added = candidates.run(added, free, near, stats)
+    if search and limit:
+        added = candidates.run(added, free, near, stats, limit)
     plan = plan_with(added)
     watched = _watched(near, plan, candidates.carried)
-    warnings = [*plan.warnings, *_watch_warnings(watched)]
+    warnings = [*plan.warnings, *_watch_warnings(watched, limit)] if limit else [*plan.warnings]
     warnings += [
         f"{p.module or '<model>'} ({p.kind}) stream: {p.rule}; not a module's own: judged by "
         "the candidate's probes only"
         for p in predicted
-        if p.kind != LEAF and target.range_limited
+        if p.kind != LEAF and limit
     ]
     if candidates.passed is False:
         warnings.append(
-            "even with every module in fp32 the fp16 candidate does not match fp32 "
-            "(fp16 inputs or outputs overflow); use bf16-safe"
+            f"even with every module in fp32 the {target.compute.short} candidate does not match "
+            f"fp32 ({target.compute.short} inputs or outputs overflow); use bf16-safe"
         )
     warnings += _share_warnings(plan, target)
     calibration = Calibration(
@@ -190,20 +191,20 @@ def calibrated_plan(
 def _analysis_islands(
     stats: dict[str, ActivationStats],
     base: ModelPlan,
-    target: Target,
+    limit: FiniteRange | None,
     free: list[str],
     near: Sequence[NearLimit],
 ) -> list[Island]:
-    """The islands the fp32 statistics call for among the ``free`` units: for fp16, every
-    output and near-limit tensor of a single module; for bf16, every layer losing most of
-    its mantissa."""
-    if not target.range_limited:
+    """The islands the fp32 statistics call for among the ``free`` units: for a target whose
+    range binds (fp16), every output and near-limit tensor of a single module; otherwise
+    (bf16), every layer losing most of its mantissa."""
+    if limit is None:
         found = losing_precision(stats, free)
         return [Island(u, "precision", f"{MEASURED}{why}") for u, why in found.items()]
-    found = overflowing(stats, free)
+    found = overflowing(stats, free, limit)
     added = [Island(u, "range", f"{MEASURED}{why}") for u, why in found.items()]
     existing = {i.name: i for i in base.islands}
-    added += _range_from_watch(near, stats, existing, set(_float_units(base)), set(found))
+    added += _range_from_watch(near, stats, existing, set(_float_units(base)), set(found), limit)
     return added
 
 
@@ -278,17 +279,17 @@ def _fp32_sweep(
         attention=searching,
     )
     sized: SizedRun = recorded["sized"]
-    inputs, predicted = size_growth(swept.inputs, sized)
+    inputs, predicted = size_growth(swept.inputs, sized, target.range or WATCHED_RANGE)
     return replace(swept, inputs=inputs), recorded["stats"], predicted
 
 
 def _predicted_near(
-    predicted: Sequence[Predicted], stats: dict[str, ActivationStats]
+    predicted: Sequence[Predicted], stats: dict[str, ActivationStats], limit: FiniteRange
 ) -> list[NearLimit]:
-    """The tensors predicted near fp16's limit at a size not run, watched like those measured
+    """The tensors predicted near ``limit`` at a size not run, watched like those measured
     there: the candidate must carry them in fp32 (what a container or a function computes on
     the way to them included)."""
-    measured = {(n.module, n.side) for n in near_limit(stats)}
+    measured = {(n.module, n.side) for n in near_limit(stats, limit)}
     return [
         NearLimit(p.module, p.side, p.peak, p.kind, stats[p.module].order, p.where)
         for p in predicted
@@ -333,16 +334,20 @@ def _joined(
 
 
 def _bound_islands(
-    bounds: Sequence[Bound], existing: dict[str, Island], free: set[str], taken: set[str]
+    bounds: Sequence[Bound],
+    existing: dict[str, Island],
+    free: set[str],
+    taken: set[str],
+    limit: FiniteRange,
 ) -> list[Island]:
-    """Range islands for the bounds near fp16's limit: the bounded projection, so it receives
+    """Range islands for the bounds near ``limit``: the bounded projection, so it receives
     and hands on fp32, and its factor projections, so the product or sum is formed in fp32.
     Units already islands (or not free) are left as they are."""
     out: dict[str, Island] = {}
-    for bound in near_bounds(bounds):
+    for bound in near_bounds(bounds, limit):
         rule = (
-            f"{MEASURED}{bound.side} bound {bound.bound:.4g} ({_near(bound.bound)}; observed "
-            f"{bound.observed:.4g}) if {bound.conditional_on}"
+            f"{MEASURED}{bound.side} bound {bound.bound:.4g} ({_near(bound.bound, limit)}; "
+            f"observed {bound.observed:.4g}) if {bound.conditional_on}"
         )
         for unit in (bound.module, *bound.factors):
             if unit in free and unit not in taken and unit not in existing:
@@ -386,6 +391,7 @@ def _range_from_watch(
     existing: dict[str, Island],
     float_units: set[str],
     overflowing_units: set[str],
+    limit: FiniteRange,
 ) -> list[Island]:
     """Range islands that near-limit tensors of single modules call for, beyond the weighted
     outputs :func:`overflowing` already found.
@@ -406,13 +412,14 @@ def _range_from_watch(
         island = existing.get(unit)
         if item.side == "output" and island is not None and island.reason == "precision":
             rule = (
-                f"{MEASURED}output{via} peaks at {item.peak:.4g} ({_near(item.peak)}); "
+                f"{MEASURED}output{via} peaks at {item.peak:.4g} ({_near(item.peak, limit)}); "
                 f"was a precision island ({island.rule}): its fp32 output now flows on"
             )
         elif island is None:
-            rule = f"{MEASURED}{item.side}{via} peaks at {item.peak:.4g} ({_near(item.peak)})"
+            where = _near(item.peak, limit)
+            rule = f"{MEASURED}{item.side}{via} peaks at {item.peak:.4g} ({where})"
             if item.side == "input":
-                rule += ": kept fp32 so that what it receives is not cast to fp16"
+                rule += f": kept fp32 so that what it receives is not cast to {limit.name}"
         else:
             continue
         out.setdefault(unit, Island(unit, "range", rule))

@@ -32,6 +32,7 @@ from precision_convert.conversion.plan import MEASURED, Island, ModelPlan
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
 from precision_convert.conversion.runtime.record import loaded_mismatch
+from precision_convert.core.dtypes import FiniteRange
 from precision_convert.core.names import module_of
 from precision_convert.validation.calibration.watch import (
     CARRIED,
@@ -90,9 +91,10 @@ class _Search:
         free: list[str],
         near: Sequence[NearLimit],
         stats: dict[str, ActivationStats],
+        limit: FiniteRange,
     ) -> list[Island]:
-        """``added`` with the islands that make the candidate carry every near-limit tensor
-        in fp32, then those the search over the other ``free`` units finds."""
+        """``added`` with the islands that make the candidate carry every tensor near
+        ``limit`` in fp32, then those the search over the other ``free`` units finds."""
         frozen = self.swept.resolved
         baselines: dict[str | None, Any] = {None: self.swept.outputs}
         baselines.update(self.swept.by_attention.items())
@@ -107,6 +109,7 @@ class _Search:
                     Path(scratch),
                     self.trust_remote_code,
                     frozen,
+                    limit,
                 )
                 added = [*added, *fixes]
 
@@ -150,6 +153,7 @@ def _carry_in_fp32(
     scratch: Path,
     trust_remote_code: bool,
     inputs: Any,
+    limit: FiniteRange,
 ) -> tuple[list[Island], dict[tuple[str, str], tuple[str, tuple[str, ...]]]]:
     """Range islands until the candidate carries every near-limit tensor in fp32.
 
@@ -162,7 +166,7 @@ def _carry_in_fp32(
     outcome: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
     pending = {(n.module, n.side): n for n in near}
     fixed_for: dict[tuple[str, str], list[str]] = {}
-    seen = _candidate_carriage(model, plan_with(islands), scratch, trust_remote_code, inputs)
+    seen = _candidate_carriage(model, plan_with(islands), scratch, trust_remote_code, inputs, limit)
     rounds = 0
     while seen is not None:
         low = sorted((seen.low[key], key) for key in pending if key in seen.low)
@@ -182,14 +186,14 @@ def _carry_in_fp32(
             Island(
                 unit,
                 "range",
-                f"{MEASURED}{item.label} peaks at {item.peak:.4g} ({_near(item.peak)}); "
+                f"{MEASURED}{item.label} peaks at {item.peak:.4g} ({_near(item.peak, limit)}); "
                 "this island makes the candidate carry it in fp32",
             )
         )
         fixed_for.setdefault(key, []).append(unit)
         rounds += 1
         seen = _candidate_carriage(
-            model, plan_with([*islands, *fixes]), scratch, trust_remote_code, inputs
+            model, plan_with([*islands, *fixes]), scratch, trust_remote_code, inputs, limit
         )
     for key in pending:
         state = UNCHECKED if seen is None else CARRIED
@@ -247,15 +251,16 @@ def _candidate_carriage(
     scratch: Path,
     trust_remote_code: bool,
     inputs: Any,
+    limit: FiniteRange,
 ) -> Carriage | None:
-    """Write ``plan``, load it as a user would and record the dtypes it carries (None: the
-    candidate does not run)."""
+    """Write ``plan``, load it as a user would and record the dtypes it carries the tensors
+    near ``limit`` in (None: the candidate does not run)."""
     import torch
 
     directory = _write_candidate(model, plan, scratch)
     with freed(load(directory, trust_remote_code=trust_remote_code)) as candidate:
         try:
-            with carriage(candidate.model) as seen, torch.no_grad():
+            with carriage(candidate.model, limit) as seen, torch.no_grad():
                 run_probes(candidate.model, inputs, "cpu", plan.compute.torch)
             return seen
         except RUN_ERRORS as exc:

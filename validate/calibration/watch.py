@@ -19,7 +19,7 @@ from precision_convert.conversion.analysis.activations import (
     NearLimit,
 )
 from precision_convert.conversion.plan import ModelPlan
-from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FiniteRange
 
 #: Near-limit tensors named one by one in the warnings; the rest are counted.
 WATCH_WARNINGS = 12
@@ -30,11 +30,11 @@ STILL_LOW = "still carried in fp16"
 UNCHECKED = "not checked"
 
 
-def _near(peak: float) -> str:
-    """Where ``peak`` lies against fp16's limit, in the words of a warning or an island rule."""
-    if peak > FP16_MAX:
-        return f"past fp16's {FP16_MAX:g}"
-    return f"within {ACTIVATION_MARGIN:g}x of fp16's {FP16_MAX:g}"
+def _near(peak: float, limit: FiniteRange) -> str:
+    """Where ``peak`` lies against ``limit``, in the words of a warning or an island rule."""
+    if peak > limit.finite_max:
+        return f"past {limit.name}'s {limit.finite_max:g}"
+    return f"within {ACTIVATION_MARGIN:g}x of {limit.name}'s {limit.finite_max:g}"
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _watched(
     return out
 
 
-def _watch_warnings(watched: Sequence[Watched]) -> list[str]:
+def _watch_warnings(watched: Sequence[Watched], limit: FiniteRange) -> list[str]:
     """One warning per near-limit spike (the first :data:`WATCH_WARNINGS`), naming the
     innermost module it leaves or reaches, its peak and what the plan does about it; the rest
     counted in one more. (The calibration record keeps every module.)"""
@@ -100,14 +100,15 @@ def _watch_warnings(watched: Sequence[Watched]) -> list[str]:
         if also:
             more = "input/output" if also == 1 else "inputs/outputs"
             what += f"; the same tensor reaches {also} more module {more}"
-        peak = f"peaks at {item.peak:.4g}, {_near(item.peak)}"
+        peak = f"peaks at {item.peak:.4g}, {_near(item.peak, limit)}"
         out.append(f"{item.module or '<model>'} ({item.kind}) {item.side} {peak}: {what}")
     rest = [item for item, _ in named[WATCH_WARNINGS:]]
     if rest:
         low = sum(1 for w in rest if w.outcome == STILL_LOW)
         out.append(
             f"{len(rest)} more module inputs/outputs come within {ACTIVATION_MARGIN:g}x of "
-            f"fp16's {FP16_MAX:g} or past it (highest {max(w.peak for w in rest):.4g}; {low} "
+            f"{limit.name}'s {limit.finite_max:g} or past it "
+            f"(highest {max(w.peak for w in rest):.4g}; {low} "
             "still carried in fp16); --json lists every one (near_limit)"
         )
     return out

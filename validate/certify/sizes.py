@@ -16,11 +16,17 @@ from precision_convert.validation.certify.components import Component
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 
 
+def predictions_decide(component: Component) -> bool:
+    """Whether a size's predicted peaks can fail ``component``: only where it computes in
+    fp16 (bf16 has fp32's range); elsewhere the size fits are a record."""
+    return component.compute_dtype == torch.float16
+
+
 def predicted_failures(component: Component, inputs: ModelInputs) -> list[str]:
     """One failure per module predicted near fp16's limit that the float16 output does not
     keep fp32: a weighted module whose own weights are fp16, or a stream (a container's or a
     function's output) in an output that keeps no fp32 island at all."""
-    if component.compute_dtype != torch.float16:
+    if not predictions_decide(component):
         return []
     growth: dict[str, Any] = dict((inputs.sizes or {}).get("growth") or {})
     near = [item for entry in growth.values() for item in entry.get("near_limit", ())]

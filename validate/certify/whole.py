@@ -18,6 +18,7 @@ from precision_convert.conversion.runtime.baseline import load_fp32
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
 from precision_convert.conversion.runtime.record import loaded_mismatch
+from precision_convert.core.dtypes import WATCHED_RANGE
 from precision_convert.core.errors import one_line
 from precision_convert.core.progress import expect, stage
 from precision_convert.validation.certify.components import (
@@ -27,7 +28,7 @@ from precision_convert.validation.certify.components import (
     component_record,
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
-from precision_convert.validation.certify.sizes import predicted_failures
+from precision_convert.validation.certify.sizes import predicted_failures, predictions_decide
 from precision_convert.validation.probe.inputs.contexts import with_bounds
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.spots import attention_spot
@@ -134,9 +135,8 @@ def _baseline(
 
     def run(model: Any, inputs: ModelInputs) -> Outputs:
         with coverage.track(model):
-            # The fits' predictions decide only where the output computes in fp16.
-            fp16 = component.compute_dtype == torch.float16
-            outputs, found = run_sized(model, inputs, device, torch.float32, id_sweeps=fp16)
+            deciding = predictions_decide(component)
+            outputs, found = run_sized(model, inputs, device, torch.float32, id_sweeps=deciding)
         sized[:] = [found]
         return outputs
 
@@ -163,7 +163,10 @@ def _baseline(
             per_probe=lambda inputs, others: _per_probe(component, inputs, others, device),
             attention=True,
         )
-    return replace(swept, inputs=size_growth(swept.inputs, sized[-1])[0]) if sized else swept
+    if not sized:
+        return swept
+    # The growth record every certificate carries, whatever the target: against fp16's range.
+    return replace(swept, inputs=size_growth(swept.inputs, sized[-1], WATCHED_RANGE)[0])
 
 
 def _expect(

@@ -27,7 +27,7 @@ import torch
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN
 from precision_convert.conversion.analysis.factors import Bound
-from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.dtypes import WATCHED_RANGE, FiniteRange
 from precision_convert.validation.probe.inputs.context_probes import context_probe
 from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
@@ -81,10 +81,10 @@ class Found:
         }
 
 
-def near_bounds(bounds: Sequence[Bound]) -> list[Bound]:
-    """Bounds within the activation margin of fp16's limit, highest first."""
-    limit = FP16_MAX / ACTIVATION_MARGIN
-    return sorted((b for b in bounds if b.bound > limit), key=lambda b: -b.bound)
+def near_bounds(bounds: Sequence[Bound], limit: FiniteRange) -> list[Bound]:
+    """Bounds within the activation margin of ``limit``, highest first."""
+    near = limit.finite_max / ACTIVATION_MARGIN
+    return sorted((b for b in bounds if b.bound > near), key=lambda b: -b.bound)
 
 
 def searchable(model: Any, inputs: ModelInputs) -> TokenSpec | str:
@@ -207,10 +207,11 @@ def search_contexts(
     device: torch.device,
     seed: int,
 ) -> tuple[list[Probe], dict[str, Any]]:
-    """Search ``model`` (fp32, resident) for the worst context of each bound near fp16's
-    limit, within ``seconds`` and ``steps`` per module; returns the probes of the contexts
-    that beat the sweep's peak (highest first) and the certificate's record of the search."""
-    targets = near_bounds(bounds)
+    """Search ``model`` (fp32, resident) for the worst context of each bound near the range
+    every certificate watches (fp16's limit), within ``seconds`` and ``steps`` per module;
+    returns the probes of the contexts that beat the sweep's peak (highest first) and the
+    certificate's record of the search."""
+    targets = near_bounds(bounds, WATCHED_RANGE)
     record: dict[str, Any] = {
         "budget_seconds": round(seconds, 3),
         "near_limit": len(targets),

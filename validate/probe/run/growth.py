@@ -20,7 +20,7 @@ import torch
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN, LEAF, _Reduced
 from precision_convert.conversion.analysis.growth import Growth, fit_growth, probe_peaks
-from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.dtypes import FiniteRange
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.sizes import FAMILIES, predicted_at, probe_sizes
 from precision_convert.validation.probe.run.execute import Outputs, run_probes
@@ -89,8 +89,8 @@ def _id_sweep(probe: Any) -> bool:
 
 @dataclass(frozen=True)
 class Predicted:
-    """A module whose peak, predicted at a size not run, comes within the margin of fp16's
-    limit."""
+    """A module whose peak, predicted at a size not run, comes within the margin of
+    ``limit``."""
 
     module: str
     side: str  # "output", or "input": what a weighted module receives
@@ -99,6 +99,7 @@ class Predicted:
     size: int
     peak: float
     growth: Growth
+    limit: FiniteRange
 
     @property
     def where(self) -> str:
@@ -107,20 +108,24 @@ class Predicted:
 
     @property
     def rule(self) -> str:
-        """Why it is kept fp32 (or why fp16 is refused): the prediction and its fit."""
+        """Why it is kept fp32 (or why the limit's dtype is refused): the prediction and its
+        fit."""
         sizes = ", ".join(str(s) for s in self.growth.sizes)
         return (
             f"predicted peak {self.peak:.4g} ({self.side}) at {WORDS[self.family]} {self.size} "
             f"({PREDICTED}; "
             f"power law over {sizes}: exponent {self.growth.exponent:.2f}, residual "
-            f"{self.growth.residual:.3f}; fp16 limit {FP16_MAX:g}, margin {ACTIVATION_MARGIN:g}x)"
+            f"{self.growth.residual:.3f}; {self.limit.name} limit {self.limit.finite_max:g}, "
+            f"margin {ACTIVATION_MARGIN:g}x)"
         )
 
 
-def size_growth(inputs: ModelInputs, run: SizedRun) -> tuple[ModelInputs, list[Predicted]]:
+def size_growth(
+    inputs: ModelInputs, run: SizedRun, limit: FiniteRange
+) -> tuple[ModelInputs, list[Predicted]]:
     """``inputs`` with ``sizes.growth`` recording, per family, the sizes run, the size
     predicted at and the range not covered, and the fits of its top modules; and the modules
-    predicted near fp16's limit there."""
+    predicted near ``limit`` there."""
     targets = predicted_at(inputs)
     base = next((run.sizes[p.name] for p in inputs.probes if p.name in run.sizes), {})
     record: dict[str, Any] = {}
@@ -141,16 +146,16 @@ def size_growth(inputs: ModelInputs, run: SizedRun) -> tuple[ModelInputs, list[P
             entry["status"] = PREDICTED
             for (module, side), growth in ranked:
                 peak = growth.predict(target)
-                if peak <= FP16_MAX / ACTIVATION_MARGIN:
+                if peak <= limit.finite_max / ACTIVATION_MARGIN:
                     break
                 if growth.trusted:
                     kind = run.kinds.get(module, LEAF)
-                    near.append(Predicted(module, side, kind, family, target, peak, growth))
+                    near.append(Predicted(module, side, kind, family, target, peak, growth, limit))
         entry["fits"] = {
             "modules": len(fits),
             "extrapolated": sum(g.trusted for g in fits.values()),
         }
-        entry["top"] = [_fit_record(key, g, at) for key, g in ranked[:TOP_MODULES]]
+        entry["top"] = [_fit_record(key, g, at, limit) for key, g in ranked[:TOP_MODULES]]
         found = [p for p in near if p.family == family]
         if found:
             entry["near_limit"] = [
@@ -189,10 +194,12 @@ def _points(
     return points
 
 
-def _fit_record(key: tuple[str, str], growth: Growth, at: int) -> dict[str, Any]:
+def _fit_record(
+    key: tuple[str, str], growth: Growth, at: int, limit: FiniteRange
+) -> dict[str, Any]:
     """A module's fit as the certificate shows it: the exponent and residual, whether it was
     trusted to extrapolate, its largest peak run, its peak predicted at ``at`` and the margin
-    from there to fp16's limit (below the activation margin, the module is kept fp32)."""
+    from there to ``limit`` (below the activation margin, the module is kept fp32)."""
     predicted = growth.predict(at)
     return {
         "module": key[0],
@@ -202,5 +209,5 @@ def _fit_record(key: tuple[str, str], growth: Growth, at: int) -> dict[str, Any]
         "extrapolated": growth.trusted,
         "peak_run": round(growth.largest_peak, 4),
         "predicted_peak": round(predicted, 4),
-        "margin": round(FP16_MAX / predicted, 3) if predicted else None,
+        "margin": round(limit.finite_max / predicted, 3) if predicted else None,
     }

@@ -42,7 +42,7 @@ from torch import nn
 
 from precision_convert.conversion.analysis.hook_marks import ROW_WISE
 from precision_convert.conversion.runtime.boundaries import REGISTRY_ATTR
-from precision_convert.core.dtypes import FP16_MAX
+from precision_convert.core.dtypes import WATCHED_RANGE
 from precision_convert.validation.probe.inputs.model_inputs import linear_head
 
 #: Rows whose bound reaches this share of their dtype's finite limit are computed in full: a
@@ -195,8 +195,8 @@ def _full_rows(
 
 def _full_row_limit(*dtypes: torch.dtype) -> float:
     """The bound past which a row is computed in full: a share of the smallest limit among
-    the row's dtypes and fp16's (the range the calibration watches)."""
-    return FULL_ROW_SHARE * min([FP16_MAX, *(torch.finfo(d).max for d in dtypes)])
+    the row's dtypes and the range every certificate watches (fp16's)."""
+    return FULL_ROW_SHARE * min([WATCHED_RANGE.finite_max, *(torch.finfo(d).max for d in dtypes)])
 
 
 def _gram(head: nn.Linear) -> _Gram:
