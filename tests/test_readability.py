@@ -23,6 +23,7 @@ from typing import Any
 import _models
 import pytest
 import torch
+from _corrupt import cli_env
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -687,6 +688,29 @@ def test_help_reads_like_a_command_line(command: str) -> None:
     assert "<bool>" not in shown
     assert "<bool>" not in _invoke("--help").stdout
     assert not re.search(r"<(str|path|int|float)>", shown), shown
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_in_a_pipe_never_cuts_an_option_name(command: str) -> None:
+    """``model --help | cat`` at 80 columns: every option name (and its ``--no-`` form) is
+    shown whole, the help text wrapped instead."""
+    import typer.main
+
+    script = Path(sys.executable).with_name("precision-convert")
+    done = subprocess.run(
+        [str(script), command, "--help"],
+        capture_output=True,
+        text=True,
+        env={**cli_env(), "COLUMNS": "80"},
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    shown = done.stdout
+    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
+    names = [name for param in params for name in (*param.opts, *param.secondary_opts)]
+    words = set(re.findall(r"(?<![\w-])--?[\w-]+", shown))
+    assert [name for name in names if name.startswith("-") and name not in words] == [], shown
+    assert max(len(line) for line in shown.splitlines()) <= 80, shown
 
 
 def test_fp32_share_never_reads_zero_for_a_plan_with_islands() -> None:
