@@ -177,6 +177,15 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
         raise typer.Exit(interrupts.exit_code(exc)) from None
 
 
+def existing_directory(path: Path, what: str) -> None:
+    """Refuse ``path`` unless it is a directory (``what``: the directory the command takes).
+    Checked before a command's heavy imports (torch, transformers: seconds), so a mistyped
+    path is said at once."""
+    if not path.is_dir():
+        problem = "not a directory" if path.exists() else "no such directory"
+        raise InputError(f"{problem}: {what}", path)
+
+
 def say(line: str) -> None:
     """One ``precision-convert: ...`` line on stderr, :func:`printable` (a name in it cannot
     write to the terminal). A stderr that is gone (the terminal of a SIGHUP) loses the line;
