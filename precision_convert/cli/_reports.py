@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 from rich.text import Text
@@ -105,11 +105,24 @@ def print_inspect(report: InspectReport, *, full: bool) -> None:
         _module_table(component, full=full)
         counts = ", ".join(f"{k}: {v:,}" for k, v in sorted(component.parameters_by_dtype.items()))
         out.print(f"parameters by dtype — {counts}")
+        if component.record is not None:
+            out.print(literal(recorded_map_text(component.record)), soft_wrap=True)
         for target, islands in component.islands.items():
             out.print(f"{target}: {len(islands)} fp32 islands")
         _print_hazards(component)
         if component.calibration is not None:
             _print_calibration(component)
+
+
+def recorded_map_text(record: Mapping[str, Any]) -> str:
+    """The dtype map a converted model records (its ``precision_convert`` block), in a line:
+    its target, compute dtype and how many modules it keeps in fp32."""
+    kept = len(record.get("fp32_modules") or ())
+    target = record.get("target") or "unknown target"
+    return (
+        f"dtype map recorded by precision-convert ({target}): {record.get('compute_dtype')} "
+        f"compute, {kept} module{'' if kept == 1 else 's'} kept in fp32"
+    )
 
 
 def _module_table(component: ComponentReport, *, full: bool) -> None:
