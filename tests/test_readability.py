@@ -489,6 +489,7 @@ def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> 
         WATCH_WARNINGS,
         Watched,
         _watch_warnings,
+        accounted_warnings,
     )
 
     block = "model.layers.3"
@@ -509,6 +510,9 @@ def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> 
     assert "within 2x of fp16's 65504" in warned[2] and "reaches" not in warned[2]
     assert len(warned) == WATCH_WARNINGS + 1
     assert warned[-1].startswith("2 more module inputs/outputs") and "--json" in warned[-1]
+    # What the plan carries in fp32 is what the verdict judged: the command sums those up;
+    # the spike still carried in fp16, and the count of the rest, stay warnings.
+    assert accounted_warnings([*spike, *others]) == [warned[0], *warned[2:WATCH_WARNINGS]]
 
 
 def test_a_failed_plain_cast_says_it_once_and_points_at_the_safe_target(

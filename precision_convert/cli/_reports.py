@@ -246,9 +246,22 @@ def print_conversion(result: ConversionResult, *, full: bool = False) -> None:
             units = dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float)
             name = component.name or component.class_name or "model"
             print_islands(f"{name}: fp32 islands", units, islands)
+    accounted = 0
     for component in result.components:
+        # Spikes the plan keeps in fp32 are what the certificate judges: summed up in one
+        # line before the verdict (each named with --report full), not a warning each.
+        calibration = component.calibration
+        summed = frozenset(() if full or calibration is None else calibration.accounted)
+        accounted += len(summed)
         for warning in component.plan.warnings:
-            console.print(f"[yellow]warning[/]: {literal(warning)}")
+            if warning not in summed:
+                console.print(f"[yellow]warning[/]: {literal(warning)}")
+    if accounted:
+        console.print(
+            f"note: {accounted} activations near or past fp16's limit are kept in fp32 by the "
+            "islands the verdict accounts for; --report full names them",
+            highlight=False,
+        )
     if code := code_files(result.files):
         console.print(code_note(code, "copied from the source"), highlight=False, soft_wrap=True)
 
