@@ -187,6 +187,30 @@ def _denoise(model: torch.nn.Module) -> torch.Tensor:
         return model(sample, torch.full((2,), 500.0), encoder_hidden_states=states).sample.float()
 
 
+def test_the_command_sums_up_the_spikes_its_islands_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The residual stream the islands carry in fp32 is what the verdict judges: ``model``
+    says so in one line before the verdict (no warning each); ``--report full`` names each."""
+    from precision_convert.cli._reports import print_conversion
+
+    source = _residual_llama(tmp_path / "llama")
+    result = convert(source, to="fp16-safe", output=tmp_path / "out", validate=False)
+    calibration = result.components[0].calibration
+    assert calibration is not None and calibration.accounted
+    assert set(calibration.accounted) <= set(result.components[0].plan.warnings)
+    assert any(w.startswith(f"{LAYER0} (container) output") for w in calibration.accounted)
+    capsys.readouterr()
+    print_conversion(result)
+    said = capsys.readouterr().err
+    assert not [w for w in calibration.accounted if w in said], said
+    count = len(calibration.accounted)
+    assert f"note: {count} activations near or past fp16's limit are kept in fp32" in said
+    print_conversion(result, full=True)
+    said = capsys.readouterr().err
+    assert all(f"warning: {w}" in said for w in calibration.accounted), said
+
+
 def test_precision_time_embedding_that_overflows_becomes_a_range_island(tmp_path: Path) -> None:
     from diffusers import UNet2DConditionModel
 

@@ -406,6 +406,46 @@ def test_inspect_flags_mixed_dtype_modules(tmp_path: Path) -> None:
     assert not [h for h in hazards if h["kind"] == "mixed-dtype"]
 
 
+def test_inspect_reads_its_own_output_by_its_recorded_map(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An fp16-safe output's config declares float16 over fp16 weights and fp32 islands: the
+    map its ``precision_convert`` record explains, reported as such, no hazard. Weights that
+    no longer hold the record are still a hazard, with the config's dtype."""
+    from typer.testing import CliRunner
+
+    from precision_convert.cli.main import app
+
+    output = tmp_path / "out"
+    options = ConversionOptions(calibrate=False)
+    convert(
+        tiny_model("t5-encoder"), to="fp16-safe", output=output, validate=False, options=options
+    )
+    report = json.loads(CliRunner().invoke(app, ["inspect", str(output), "--json"]).stdout)
+    component = report["components"][0]
+    assert set(component["parameters_by_dtype"]) == {"fp16", "fp32"}
+    assert component["hazards"] == []
+    shown = CliRunner().invoke(app, ["inspect", str(output)])
+    assert shown.exit_code == 0, shown.output
+    kept = len(component["record"]["fp32_modules"])
+    assert f"dtype map recorded by precision-convert (fp16-safe): float16 compute, {kept} " in (
+        shown.stdout
+    )
+    assert "config declares" not in shown.stdout and "no hazards found" in shown.stdout
+
+    weights = output / "model.safetensors"
+    with safe_open(str(weights), "pt") as opened:
+        metadata = opened.metadata()
+    state = load_file(weights)
+    island = next(n for n, t in state.items() if t.dtype == torch.float32)
+    state[island] = state[island].half()  # the record keeps it fp32; the file no longer does
+    save_file(state, str(weights), metadata=metadata)
+    after = json.loads(CliRunner().invoke(app, ["inspect", str(output), "--json"]).stdout)
+    kinds = {h["kind"]: h["detail"] for h in after["components"][0]["hazards"]}
+    assert f"{island!r} is stored as fp16" in kinds["record"]
+    assert kinds["config-dtype"].startswith("config declares float16 but the weights are")
+
+
 def test_source_shard_metadata_is_kept(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     import shutil
 

@@ -23,6 +23,7 @@ from typing import Any
 import _models
 import pytest
 import torch
+from _corrupt import cli_env
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -482,12 +483,14 @@ def test_calibration_warns_once_per_spike_in_the_right_words(hot_t5: Path, tmp_p
 
 
 def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> None:
+    from precision_convert.core.dtypes import FP16_RANGE
     from precision_convert.validation.calibration.watch import (
         CARRIED,
         STILL_LOW,
         WATCH_WARNINGS,
         Watched,
         _watch_warnings,
+        accounted_warnings,
     )
 
     block = "model.layers.3"
@@ -501,13 +504,17 @@ def test_calibration_warnings_name_what_needs_attention_and_count_the_rest() -> 
         Watched(f"model.layers.{i}.mlp.down_proj", "output", "leaf", 4e4 + i, CARRIED)
         for i in range(10, 10 + WATCH_WARNINGS)
     ]
-    warned = _watch_warnings([*spike, *others])
+    warned = _watch_warnings([*spike, *others], FP16_RANGE)
     assert warned[0].startswith(f"{block}.mlp.down_proj (leaf) output peaks at 9e+04, past fp16")
     assert "reaches 2 more module inputs/outputs" in warned[0]
     assert warned[1].startswith(f"{block} (container)") and "still carries it in fp16" in warned[1]
     assert "within 2x of fp16's 65504" in warned[2] and "reaches" not in warned[2]
     assert len(warned) == WATCH_WARNINGS + 1
     assert warned[-1].startswith("2 more module inputs/outputs") and "--json" in warned[-1]
+    # What the plan carries in fp32 is what the verdict judged: the command sums those up;
+    # the spike still carried in fp16, and the count of the rest, stay warnings.
+    accounted = accounted_warnings([*spike, *others], FP16_RANGE)
+    assert accounted == [warned[0], *warned[2:WATCH_WARNINGS]]
 
 
 def test_a_failed_plain_cast_says_it_once_and_points_at_the_safe_target(
@@ -687,6 +694,29 @@ def test_help_reads_like_a_command_line(command: str) -> None:
     assert "<bool>" not in shown
     assert "<bool>" not in _invoke("--help").stdout
     assert not re.search(r"<(str|path|int|float)>", shown), shown
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_in_a_pipe_never_cuts_an_option_name(command: str) -> None:
+    """``model --help | cat`` at 80 columns: every option name (and its ``--no-`` form) is
+    shown whole, the help text wrapped instead."""
+    import typer.main
+
+    script = Path(sys.executable).with_name("precision-convert")
+    done = subprocess.run(
+        [str(script), command, "--help"],
+        capture_output=True,
+        text=True,
+        env={**cli_env(), "COLUMNS": "80"},
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    shown = done.stdout
+    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
+    names = [name for param in params for name in (*param.opts, *param.secondary_opts)]
+    words = set(re.findall(r"(?<![\w-])--?[\w-]+", shown))
+    assert [name for name in names if name.startswith("-") and name not in words] == [], shown
+    assert max(len(line) for line in shown.splitlines()) <= 80, shown
 
 
 def test_fp32_share_never_reads_zero_for_a_plan_with_islands() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import _moe
 import pytest
-from _corrupt import cli_env
+from _corrupt import assert_one_error_line, cli_env
 
 from precision_convert.conversion.analysis import norm_cache
 from precision_convert.conversion.analysis.norms import skeleton_norms
@@ -75,6 +75,40 @@ def _cached_conversion(
     assert (tmp_path / "out" / "model.safetensors").is_file()
     state: dict[str, Any] = json.loads(state_file.read_text())
     return state
+
+
+#: Bad input a command can tell without torch: the arguments, what it says, in one line.
+CHEAP_REFUSALS = (
+    (["validate", "missing", "--verify"], "missing: no such directory: validate takes a "),
+    (["validate", "missing", "--baseline", "gpt2"], "missing: no such directory"),
+    (["push", "missing", "ns/name"], "missing: no such directory: expected a converted model"),
+    (["model", "./missing", "--to", "fp16-safe"], "missing: no such directory"),
+    (["model", ".", "--to", "fp17"], "unknown target 'fp17' (did you mean 'fp16'?)"),
+    (["inspect", "a-file"], "a-file: not a directory: a source is a model directory"),
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"), CHEAP_REFUSALS, ids=[" ".join(a) for a, _ in CHEAP_REFUSALS]
+)
+def test_bad_input_is_refused_before_the_heavy_imports(
+    args: list[str], says: str, tmp_path: Path
+) -> None:
+    """A missing folder, a file given for one or an unknown target is said in one line, exit
+    2, before torch (and so transformers) is imported: at once, not after seconds of imports."""
+    (tmp_path / "a-file").write_text("not a model")
+    state_file = tmp_path / "state.json"
+    done = subprocess.run(
+        [sys.executable, "-c", _COMMAND, str(state_file), *args],
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert_one_error_line(done.stderr, says)
+    assert "torch" not in json.loads(state_file.read_text())["modules"]
 
 
 def test_a_dense_model_converts_without_the_loading_machinery(

@@ -124,6 +124,26 @@ def resolve(
     application; this function changes no huggingface_hub setting. The ``precision-convert``
     command bounds them for its own process (``PRECISION_CONVERT_HUB_TIMEOUT``).
     """
+    path = local_directory(source, revision)
+    if path is not None:
+        return path
+    text = str(source)
+    from huggingface_hub import snapshot_download
+
+    options: dict[str, Any] = {} if timeout is None else {"etag_timeout": timeout}
+    try:
+        if variant is not None:
+            options["allow_patterns"] = _variant_files(text, revision, variant)
+        return Path(snapshot_download(text, revision=revision, **options))
+    except Exception as exc:  # whatever the download raises, the Hub could not provide it
+        raise InputError(_hub_failure(exc, revision), text) from exc
+
+
+def local_directory(source: str | Path, revision: str | None = None) -> Path | None:
+    """The local directory ``source`` names, or None when it names no path and reads as a Hub
+    repo id; :class:`InputError` when it can be neither (a path that does not exist, a file,
+    ``revision`` given for a directory). Cheap: no import, no request, so a command says so
+    before its heavy imports."""
     path = home_expanded(source)
     if path.exists():
         if not path.is_dir():
@@ -136,15 +156,7 @@ def resolve(
     text = str(source)
     if text.startswith((".", "/", "~")) or not HUB_ID.fullmatch(text):
         raise InputError("no such directory", path)
-    from huggingface_hub import snapshot_download
-
-    options: dict[str, Any] = {} if timeout is None else {"etag_timeout": timeout}
-    try:
-        if variant is not None:
-            options["allow_patterns"] = _variant_files(text, revision, variant)
-        return Path(snapshot_download(text, revision=revision, **options))
-    except Exception as exc:  # whatever the download raises, the Hub could not provide it
-        raise InputError(_hub_failure(exc, revision), text) from exc
+    return None
 
 
 def _variant_files(repo_id: str, revision: str | None, variant: str) -> list[str] | None:

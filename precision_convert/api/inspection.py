@@ -17,9 +17,15 @@ from typing import TYPE_CHECKING, Any
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_tensors
 from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.source import ModelSource, PipelineSource, open_source, resolve
-from precision_convert.conversion.plan import RangeStats, build_plan, scan_ranges
-from precision_convert.conversion.runtime.record import read_record
-from precision_convert.core.dtypes import SAFE_TARGETS, WATCHED_RANGE, Target, from_config_string
+from precision_convert.conversion.plan import PlanRecord, RangeStats, build_plan, scan_ranges
+from precision_convert.conversion.runtime.record import read_record, record_mismatch
+from precision_convert.core.dtypes import (
+    FP32,
+    SAFE_TARGETS,
+    WATCHED_RANGE,
+    Target,
+    from_config_string,
+)
 from precision_convert.core.errors import InputError, one_line
 from precision_convert.core.names import units
 from precision_convert.core.quiet import quiet_libraries
@@ -240,16 +246,20 @@ def _inspect_model(
     hazards = _mixed_dtype_hazards(tensors, unit_of)
     ranges = scan_ranges(tensors)
     hazards += _range_hazards(ranges)
-    hazards += _config_dtype_hazard(model, by_dtype)
-    recipe = match_recipe(model.library, model.class_name, model.model_type)
-    norms = normalization_modules(model, trust_remote_code=trust_remote_code)
-    runtime = runtime_modules(model, trust_remote_code=trust_remote_code)  # fused experts
-    tied = tied_tensors(model, trust_remote_code=trust_remote_code)
     try:
         record = read_record(model)
     except InputError as exc:  # pc.load would refuse it: a hazard, not a reason to stop
         record = None
         hazards.append(Hazard("record", model.config_name, one_line(exc)))
+    mismatch = record_mismatch(record, tensors) if record is not None else None
+    if mismatch is not None:
+        hazards.append(Hazard("record", model.config_name, mismatch))
+    if not _recorded_map(record if mismatch is None else None, by_dtype):
+        hazards += _config_dtype_hazard(model, by_dtype)
+    recipe = match_recipe(model.library, model.class_name, model.model_type)
+    norms = normalization_modules(model, trust_remote_code=trust_remote_code)
+    runtime = runtime_modules(model, trust_remote_code=trust_remote_code)  # fused experts
+    tied = tied_tensors(model, trust_remote_code=trust_remote_code)
     islands = {
         target: {
             i.name: i.reason
@@ -323,6 +333,16 @@ def _range_hazards(ranges: dict[str, RangeStats]) -> list[Hazard]:
                 )
             )
     return hazards
+
+
+def _recorded_map(record: PlanRecord | None, by_dtype: Counter[str]) -> bool:
+    """Whether the weights' dtypes are the map a ``precision_convert`` record (one they hold)
+    explains: its compute dtype and its fp32 islands. The config of such an output declares
+    one dtype for a mixed map by design (the compute dtype, or float32 where flowing islands
+    need it), which is no hazard."""
+    compute = record.compute if record is not None else None
+    floats = {d for d in by_dtype if d.startswith(("fp", "bf"))}
+    return compute is not None and floats <= {compute.short, FP32.short}
 
 
 def _config_dtype_hazard(model: ModelSource, by_dtype: Counter[str]) -> list[Hazard]:

@@ -177,6 +177,15 @@ def reported_errors(on_disk: Callable[[], str] = lambda: NOTHING_WRITTEN) -> Ite
         raise typer.Exit(interrupts.exit_code(exc)) from None
 
 
+def existing_directory(path: Path, what: str) -> None:
+    """Refuse ``path`` unless it is a directory (``what``: the directory the command takes).
+    Checked before a command's heavy imports (torch, transformers: seconds), so a mistyped
+    path is said at once."""
+    if not path.is_dir():
+        problem = "not a directory" if path.exists() else "no such directory"
+        raise InputError(f"{problem}: {what}", path)
+
+
 def say(line: str) -> None:
     """One ``precision-convert: ...`` line on stderr, :func:`printable` (a name in it cannot
     write to the terminal). A stderr that is gone (the terminal of a SIGHUP) loses the line;
@@ -432,11 +441,31 @@ def _no_type(ctx: Any) -> None:
     return None
 
 
+#: The narrowest terminal whose boxed help keeps every option name whole. Rich sizes the
+#: options table by shrinking its widest columns together: once the help text is narrowed to
+#: the width of the longest name, the names are cut with it (``--trust-remote-co…``).
+BOXED_HELP_MIN_WIDTH = 100
+
+
+def _boxed_help_fits() -> bool:
+    """Whether typer's boxed help suits where it goes: a terminal at least
+    :data:`BOXED_HELP_MIN_WIDTH` wide. A pipe, a file or a narrower terminal gets the plain
+    help, whose option names are never cut and whose help text wraps beside or below them."""
+    screen = Console()
+    return screen.is_terminal and screen.width >= BOXED_HELP_MIN_WIDTH
+
+
 class Group(TyperGroup):
     """The command group, its flags (``--version``, ``--help``) shown without ``<bool>``."""
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _no_flag_placeholders(super().get_params(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        if _boxed_help_fits():
+            super().format_help(ctx, formatter)
+        else:
+            super(TyperGroup, self).format_help(ctx, formatter)
 
 
 class Command(TyperCommand):
@@ -446,6 +475,12 @@ class Command(TyperCommand):
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _no_flag_placeholders(super().get_params(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        if _boxed_help_fits():
+            super().format_help(ctx, formatter)
+        else:
+            super(TyperCommand, self).format_help(ctx, formatter)
 
     def invoke(self, ctx: Any) -> Any:
         try:

@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 from rich.text import Text
@@ -105,11 +105,24 @@ def print_inspect(report: InspectReport, *, full: bool) -> None:
         _module_table(component, full=full)
         counts = ", ".join(f"{k}: {v:,}" for k, v in sorted(component.parameters_by_dtype.items()))
         out.print(f"parameters by dtype — {counts}")
+        if component.record is not None:
+            out.print(literal(recorded_map_text(component.record)), soft_wrap=True)
         for target, islands in component.islands.items():
             out.print(f"{target}: {len(islands)} fp32 islands")
         _print_hazards(component)
         if component.calibration is not None:
             _print_calibration(component)
+
+
+def recorded_map_text(record: Mapping[str, Any]) -> str:
+    """The dtype map a converted model records (its ``precision_convert`` block), in a line:
+    its target, compute dtype and how many modules it keeps in fp32."""
+    kept = len(record.get("fp32_modules") or ())
+    target = record.get("target") or "unknown target"
+    return (
+        f"dtype map recorded by precision-convert ({target}): {record.get('compute_dtype')} "
+        f"compute, {kept} module{'' if kept == 1 else 's'} kept in fp32"
+    )
 
 
 def _module_table(component: ComponentReport, *, full: bool) -> None:
@@ -234,9 +247,22 @@ def print_conversion(result: ConversionResult, *, full: bool = False) -> None:
             units = dict.fromkeys(t.unit for t in component.plan.tensors if t.source.is_float)
             name = component.name or component.class_name or "model"
             print_islands(f"{name}: fp32 islands", units, islands)
+    accounted = 0
     for component in result.components:
+        # Spikes the plan keeps in fp32 are what the certificate judges: summed up in one
+        # line before the verdict (each named with --report full), not a warning each.
+        calibration = component.calibration
+        summed = frozenset(() if full or calibration is None else calibration.accounted)
+        accounted += len(summed)
         for warning in component.plan.warnings:
-            console.print(f"[yellow]warning[/]: {literal(warning)}")
+            if warning not in summed:
+                console.print(f"[yellow]warning[/]: {literal(warning)}")
+    if accounted:
+        console.print(
+            f"note: {accounted} activations near or past fp16's limit are kept in fp32 by the "
+            "islands the verdict accounts for; --report full names them",
+            highlight=False,
+        )
     if code := code_files(result.files):
         console.print(code_note(code, "copied from the source"), highlight=False, soft_wrap=True)
 

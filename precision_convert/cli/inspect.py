@@ -15,6 +15,7 @@ from precision_convert.cli._common import (
     reported_errors,
     step_progress,
 )
+from precision_convert.conversion.io.source import local_directory
 
 
 def inspect(
@@ -73,6 +74,7 @@ def inspect(
             verb = "applies" if len(ignored) == 1 else "apply"
             raise InputError(f"{' and '.join(ignored)} {verb} only with --calibrate: add it")
     with reported_errors():  # heavy imports: a Ctrl-C meanwhile still gets its line
+        local_directory(source, revision)  # a mistyped path is said before them
         from precision_convert.api.inspection import inspect_source
 
     with reported_errors(), step_progress("calibrating", calibrate, verbose):

@@ -21,6 +21,8 @@ from precision_convert.cli._common import (
     reported_errors,
 )
 from precision_convert.cli.validate import require_pass
+from precision_convert.conversion.io.source import local_directory
+from precision_convert.conversion.plan import check_target
 from precision_convert.core.dtypes import MEASURED_TARGETS, SAFE_TARGETS, TARGETS
 
 
@@ -137,6 +139,8 @@ def model(
 
             raise InputError("--push needs a certificate: drop --no-validate")
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
+        check_target(to)  # cheap checks first: bad input is said before the heavy imports
+        local_directory(source, revision)
         from precision_convert.api.conversion import convert, default_output
         from precision_convert.api.options import ConversionOptions
         from precision_convert.cli._reports import (

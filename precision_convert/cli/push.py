@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from precision_convert.cli._common import console, literal, out_line, reported_errors
+from precision_convert.cli._common import (
+    console,
+    existing_directory,
+    literal,
+    out_line,
+    reported_errors,
+)
 
 if TYPE_CHECKING:
     from precision_convert.hub import PushResult
@@ -95,6 +101,8 @@ def push_command(
             f"holds are not sent again); {converted} is unchanged"
         )
 
+    with reported_errors():  # before the Hub client and the verifier's imports
+        existing_directory(converted, "expected a converted model directory")
     with reported_errors(on_disk):
         if sign is not None:
             _sign_before_push(converted, sign)

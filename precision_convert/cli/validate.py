@@ -18,6 +18,7 @@ from precision_convert.cli._common import (
     VerboseOption,
     console,
     emit_json,
+    existing_directory,
     literal,
     out_line,
     reported_errors,
@@ -105,6 +106,7 @@ def validate_command(
 ) -> None:
     """Compare a converted model with its fp32 baseline and write precision_certificate.json."""
     with reported_errors():  # torch loads here: a Ctrl-C meanwhile still gets its line
+        existing_directory(converted, "validate takes a converted model directory")  # first
         from precision_convert.cli._reports import note_unvalidated, print_certificate
         from precision_convert.core.errors import CannotValidateError
         from precision_convert.validation.certify.runner import validate

@@ -62,6 +62,7 @@ from precision_convert.validation.calibration.watch import (
     _unit_of,
     _watch_warnings,
     _watched,
+    accounted_warnings,
 )
 from precision_convert.validation.probe.inputs.budgets import DEFAULT_LEVEL, budget_for
 from precision_convert.validation.probe.inputs.context_probes import CONTEXT_KIND
@@ -108,6 +109,8 @@ class Calibration:
     near_limit: tuple[Watched, ...] = ()
     #: What ran, for this conversion's validation to reuse (not part of the result).
     runs: PriorRuns | None = field(default=None, compare=False, repr=False)
+    #: Those of ``warnings`` about spikes the plan keeps in fp32: no action asked of a reader.
+    accounted: tuple[str, ...] = ()
 
 
 @stage("calibration")
@@ -184,6 +187,7 @@ def calibrated_plan(
         tuple(warnings),
         tuple(watched),
         candidates.prior(plan),
+        tuple(accounted_warnings(watched, limit)) if limit else (),
     )
     return replace(plan, warnings=tuple(warnings)), calibration
 

@@ -86,22 +86,8 @@ def _watch_warnings(watched: Sequence[Watched], limit: FiniteRange) -> list[str]
     """One warning per near-limit spike (the first :data:`WATCH_WARNINGS`), naming the
     innermost module it leaves or reaches, its peak and what the plan does about it; the rest
     counted in one more. (The calibration record keeps every module.)"""
-    out: list[str] = []
     named = _innermost(watched)
-    for item, also in named[:WATCH_WARNINGS]:
-        what = {
-            CARRIED: "the fp16-safe candidate carries it in fp32",
-            KEPT: "kept in fp32 (range island)",
-            STILL_LOW: "the fp16-safe candidate still carries it in fp16; use bf16-safe",
-            UNCHECKED: "not checked against a candidate",
-        }[item.outcome]
-        if item.islands:
-            what += f" (islands added: {', '.join(item.islands)})"
-        if also:
-            more = "input/output" if also == 1 else "inputs/outputs"
-            what += f"; the same tensor reaches {also} more module {more}"
-        peak = f"peaks at {item.peak:.4g}, {_near(item.peak, limit)}"
-        out.append(f"{item.module or '<model>'} ({item.kind}) {item.side} {peak}: {what}")
+    out = [_watch_line(item, also, limit) for item, also in named[:WATCH_WARNINGS]]
     rest = [item for item, _ in named[WATCH_WARNINGS:]]
     if rest:
         low = sum(1 for w in rest if w.outcome == STILL_LOW)
@@ -112,6 +98,34 @@ def _watch_warnings(watched: Sequence[Watched], limit: FiniteRange) -> list[str]
             "still carried in fp16); --json lists every one (near_limit)"
         )
     return out
+
+
+def accounted_warnings(watched: Sequence[Watched], limit: FiniteRange) -> list[str]:
+    """The warnings of :func:`_watch_warnings` about spikes the plan keeps in fp32 (a range
+    island, or carried in fp32 by one): what the fp16-safe candidate and its certificate are
+    judged with, which a command may sum up in one line."""
+    named = _innermost(watched)[:WATCH_WARNINGS]
+    return [
+        _watch_line(item, also, limit) for item, also in named if item.outcome in (CARRIED, KEPT)
+    ]
+
+
+def _watch_line(item: Watched, also: int, limit: FiniteRange) -> str:
+    """The warning about one near-limit spike against ``limit``; ``also``: the more module
+    inputs and outputs the same tensor reaches."""
+    what = {
+        CARRIED: "the fp16-safe candidate carries it in fp32",
+        KEPT: "kept in fp32 (range island)",
+        STILL_LOW: "the fp16-safe candidate still carries it in fp16; use bf16-safe",
+        UNCHECKED: "not checked against a candidate",
+    }[item.outcome]
+    if item.islands:
+        what += f" (islands added: {', '.join(item.islands)})"
+    if also:
+        more = "input/output" if also == 1 else "inputs/outputs"
+        what += f"; the same tensor reaches {also} more module {more}"
+    peak = f"peaks at {item.peak:.4g}, {_near(item.peak, limit)}"
+    return f"{item.module or '<model>'} ({item.kind}) {item.side} {peak}: {what}"
 
 
 def _innermost(watched: Sequence[Watched]) -> list[tuple[Watched, int]]:
