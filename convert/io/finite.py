@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING
 
 from precision_convert.conversion.io.hashing import BLOCK_BYTES, HASH_THREADS
 from precision_convert.conversion.io.source import ModelSource, WeightFile
-from precision_convert.conversion.io.tensors import BufferPool, FileTensor, LazyTensor
+from precision_convert.conversion.io.tensors import (
+    SERIAL_ELEMENTS,
+    BufferPool,
+    FileTensor,
+    LazyTensor,
+)
 from precision_convert.core.dtypes import DType
 from precision_convert.core.errors import InputError
 from precision_convert.core.progress import ledger_span
@@ -334,6 +339,9 @@ class _Watched:
                 nan, inf = nan + counted[0], inf + counted[1]
             del raw
             yield chunk
+            # Not held while the next chunk is read: its read buffer is then free to reuse
+            # (a chunk still alive makes the tensor fault in a fresh buffer for every chunk).
+            del chunk
         found = self.file.checked_tensor(self.name, nan, inf)
         if found is not None and not found.by_design and self.stop is not None:
             self.stop()
@@ -361,10 +369,11 @@ def _count_all(blocks: Iterable[torch.Tensor]) -> tuple[int, int]:
 def _count(block: torch.Tensor) -> tuple[int, int]:
     """NaN and ±inf in ``block``. The common all-finite block costs one sum (a NaN or ±inf
     anywhere makes it non-finite; a finite block whose sum overflows is only counted, and
-    found clean): several times faster than ``isfinite`` on each value."""
+    found clean): several times faster than ``isfinite`` on each value. The sum runs on this
+    thread, in pieces that never wake torch's intra-op pool."""
     import torch
 
     wide = torch.float64 if block.dtype == torch.float64 else torch.float32
-    if bool(torch.isfinite(block.sum(dtype=wide))):
+    if all(bool(torch.isfinite(piece.sum(dtype=wide))) for piece in block.split(SERIAL_ELEMENTS)):
         return 0, 0
     return int(torch.isnan(block).sum()), int(torch.isinf(block).sum())
