@@ -471,3 +471,30 @@ def test_a_nan_anywhere_in_a_chunk_is_counted(at: int) -> None:
     block[at - 3] = float("-inf")
     assert finite._count(block) == (1, 1)
     assert finite._count(torch.randn(3 * tensors_module.SERIAL_ELEMENTS)) == (0, 0)
+
+
+@pytest.mark.parametrize("to", ["bf16", "fp16"])
+def test_a_plain_target_reads_each_source_byte_once(
+    to: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain target's plan stores every floating tensor in its dtype: fp16's weight ranges
+    only warn, so they are measured on the writer's read, not on a read of their own, and
+    warn as a scan up front would."""
+    src = _llama(tmp_path / "src", 0.5)
+    scaled = "model.layers.0.mlp.down_proj.weight"
+    state = load_file(src / "model.safetensors")
+    state[scaled] = state[scaled] * 1e6  # beyond fp16's range
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    shard(src, ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"])
+    weights = sorted(src.glob("*.safetensors"))
+    reads = _SourceReads(weights, monkeypatch)
+    result = convert(src, to=to, output=tmp_path / "out", validate=False)
+    for path in weights:
+        times = reads.times_read(path)
+        assert set(times[read_header(path).data_start :]) == {1}, path.name
+    warned = [w for w in result.components[0].plan.warnings if scaled in w]
+    if to == "fp16":
+        [warning] = warned
+        assert "exceed the fp16 range" in warning and "stored in fp16 anyway" in warning
+    else:
+        assert warned == []  # bf16 has fp32's range: nothing to warn of

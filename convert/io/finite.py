@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 _BLOB = re.compile(r"[0-9a-f]{64}")
 #: Tensors named in the certificate's error line before "and N more".
 NAMED = 5
+#: Sees each floating chunk the writer reads: (component, tensor name, chunk).
+Observer = Callable[[str, str, "torch.Tensor"], None]
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ class SourceWatch:
     tensors are in memory, not read in file order), or every file when the weights are used
     before the write (calibration runs the model on them), and refuses a broken source then.
     Without ``hashed`` (nothing will certify the output), the files are only checked.
+    ``observe`` is called with (component, tensor name, chunk) for each chunk of a floating
+    tensor the writer reads, for whatever else wants to see the data on the same read; it is
+    dropped (None) once a file is read ahead, which the writer then does not see.
     """
 
     def __init__(
@@ -148,9 +153,11 @@ class SourceWatch:
         *,
         allow_nonfinite: bool,
         hashed: bool = True,
+        observe: Observer | None = None,
     ) -> None:
         self.root = root
         self.allow_nonfinite = allow_nonfinite
+        self.observe = observe
         self._files = [
             _FileCheck(component, f.path, f.tensors, hashed)
             for component, model in models.items()
@@ -169,6 +176,7 @@ class SourceWatch:
         ahead = [f for f in self._files if everything or not f.streamed]
         if not ahead:
             return
+        self.observe = None  # the writer no longer sees every read
         with ledger_span("read and hash the source"), ThreadPoolExecutor(HASH_THREADS) as pool:
             list(pool.map(_FileCheck.read, ahead))
         self._read().refuse_broken(self.root, self.allow_nonfinite)
@@ -180,7 +188,7 @@ class SourceWatch:
         if check.done:
             return weight_file.tensors
         stop = None if self.allow_nonfinite else self._refuse
-        return tuple(_Watched(t, check, stop) for t in check.stored)
+        return tuple(_Watched(t, check, stop, self.observe) for t in check.stored)
 
     def result(self) -> SourceRead:
         """What the read found, once the writer has read every file: each file's sha256 (the
@@ -236,7 +244,7 @@ class _FileCheck:
         with _reading(self.path):
             if self.streamed:
                 for tensor in self.stored:
-                    for _ in _Watched(tensor, self, None).chunks():
+                    for _ in _Watched(tensor, self, None, None).chunks():
                         pass
             else:  # a pickle's tensors, already in memory: checked as they are, file hashed
                 self.check_the_rest()
@@ -313,6 +321,7 @@ class _Watched:
     tensor: FileTensor
     file: _FileCheck
     stop: Callable[[], None] | None
+    observe: Observer | None
 
     @property
     def name(self) -> str:
@@ -337,6 +346,8 @@ class _Watched:
             if self.dtype.is_float:
                 counted = _count(chunk)
                 nan, inf = nan + counted[0], inf + counted[1]
+                if self.observe is not None:
+                    self.observe(self.file.component, self.name, chunk)
             del raw
             yield chunk
             # Not held while the next chunk is read: its read buffer is then free to reuse
