@@ -12,11 +12,11 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # The record's key, where the io layer (which recognises this tool's outputs) keeps it.
 from precision_convert.conversion.io.staging import RECORD_KEY as RECORD_KEY
-from precision_convert.conversion.io.tensors import LazyTensor, numel
+from precision_convert.conversion.io.tensors import LazyTensor
 from precision_convert.core.dtypes import (
     FP32,
     TARGETS,
@@ -33,6 +33,9 @@ from precision_convert.core.names import (
     validate_pattern,
 )
 from precision_convert.recipes import ISLAND_REASONS, Recipe
+
+if TYPE_CHECKING:
+    import torch
 
 #: Its key in a diffusers model's config: diffusers warns about every config key its class does
 #: not take (the whole record, on every load, for every user) but passes over keys that start
@@ -321,16 +324,13 @@ def build_plan(
     warnings: list[str] = []
     # Range matters only to targets whose row watches one; bf16 has fp32's exponent.
     limit = decoded.range
-    for name, stats in (ranges or {}).items():
-        problem = _range_problem(stats, limit) if limit is not None else None
-        if problem is None:
-            continue
-        if safe:
-            keep(unit_of[name], "range", f"weights {problem}")
-        else:
-            warnings.append(
-                f"{name}: {problem}; stored in {decoded.storage.short} anyway (target {target})"
-            )
+    if limit is not None and safe:
+        for name, stats in (ranges or {}).items():
+            problem = _range_problem(stats, limit)
+            if problem is not None:
+                keep(unit_of[name], "range", f"weights {problem}")
+    elif limit is not None:
+        warnings += range_warnings(ranges or {}, decoded)
     for island in _fused_with(islands, run_names):
         keep(island.name, island.reason, island.rule)
     for island in _tied_with(islands, ties, tied_units, unit_of):
@@ -421,23 +421,56 @@ def _range_problem(stats: RangeStats, limit: FiniteRange) -> str | None:
     return None
 
 
+def range_warnings(ranges: Mapping[str, RangeStats], target: Target) -> list[str]:
+    """A plain target's warnings: the tensors of ``ranges`` its row's range overflows or fp16
+    flushes, stored in its dtype all the same (a plain cast's stored dtypes never depend on
+    them); none for a target that watches no range."""
+    limit = target.range
+    if limit is None:
+        return []
+    return [
+        f"{name}: {problem}; stored in {target.storage.short} anyway (target {target.value})"
+        for name, stats in ranges.items()
+        if (problem := _range_problem(stats, limit)) is not None
+    ]
+
+
 def scan_ranges(tensors: Iterable[LazyTensor]) -> dict[str, RangeStats]:
     """Read every floating tensor once and measure what fp16 would do to it."""
-    import torch
-
-    out: dict[str, RangeStats] = {}
+    scan = RangeScan()
     for tensor in tensors:
-        if not tensor.dtype.is_float or numel(tensor) == 0:
-            continue
-        max_abs, nonzero, flushed, non_finite = 0.0, 0, 0, 0
-        for chunk in tensor.chunks():
-            finite = torch.isfinite(chunk)
-            non_finite += int((~finite).sum())
-            values = chunk[finite].float().abs()
-            if values.numel():
-                max_abs = max(max_abs, float(values.max()))
-            nz = values != 0
-            nonzero += int(nz.sum())
-            flushed += int((nz & (values.to(torch.float16) == 0)).sum())
-        out[tensor.name] = RangeStats(max_abs, flushed / nonzero if nonzero else 0.0, non_finite)
-    return out
+        if tensor.dtype.is_float:
+            for chunk in tensor.chunks():
+                scan.add(tensor.name, chunk)
+    return scan.stats()
+
+
+class RangeScan:
+    """What fp16 would do to floating tensors, measured chunk by chunk as they pass: on a
+    read of its own (:func:`scan_ranges`) or on one made for something else (a plain fp16
+    conversion's writer, whose plan the ranges only warn about)."""
+
+    def __init__(self) -> None:
+        # name -> [max |x|, non-zero values, values fp16 flushes to zero, NaN and ±inf]
+        self._counts: dict[str, list[float]] = {}
+
+    def add(self, name: str, chunk: torch.Tensor) -> None:
+        """Count ``chunk``, the next piece of floating tensor ``name``."""
+        import torch
+
+        counts = self._counts.setdefault(name, [0.0, 0, 0, 0])
+        finite = torch.isfinite(chunk)
+        counts[3] += int((~finite).sum())
+        values = chunk[finite].float().abs()
+        if values.numel():
+            counts[0] = max(counts[0], float(values.max()))
+        nz = values != 0
+        counts[1] += int(nz.sum())
+        counts[2] += int((nz & (values.to(torch.float16) == 0)).sum())
+
+    def stats(self) -> dict[str, RangeStats]:
+        """Each tensor counted so far (one that had no chunk, being empty, is not)."""
+        return {
+            name: RangeStats(max_abs, flushed / nonzero if nonzero else 0.0, int(non_finite))
+            for name, (max_abs, nonzero, flushed, non_finite) in self._counts.items()
+        }

@@ -429,3 +429,72 @@ def test_the_writer_hashes_whole_files_with_gaps(
     assert read.nonfinite == {"": (finite.NonFinite("a", 0, 1),)}
     assert read == finite.read_source(src, models)
     assert torch.equal(load_file(out)["a"], values)
+
+
+def test_the_watched_writer_reuses_its_read_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch hands each chunk on and lets go of it before the next is read, so a tensor
+    of many chunks is read through one buffer of the run's pool, not a fresh one per chunk
+    (fresh memory costs a page fault per 4 KiB, and freeing it an unmap)."""
+    monkeypatch.setattr(tensors_module, "CHUNK_BYTES", 4096)
+    values = torch.randn(40 * 1024)  # 40 chunks of 4 KiB
+    src = tiny_source(tmp_path / "src", {"w": values})
+    models = {"": open_source(src)}
+    made: list[int] = []
+    real_init = tensors_module._Buffer.__init__
+
+    def counted_init(self: Any, size: int) -> None:
+        made.append(size)
+        real_init(self, size)
+
+    monkeypatch.setattr(tensors_module._Buffer, "__init__", counted_init)
+    watch = finite.SourceWatch(src, models, allow_nonfinite=False, hashed=True)
+    [weight_file] = models[""].files
+    out = tmp_path / "out.safetensors"
+    write_file(out, [(t, t.dtype) for t in watch.watched(weight_file)], {})
+    assert len(made) == 1, made
+    read = watch.result()
+    assert (
+        read.files["model.safetensors"]
+        == hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    )
+    assert torch.equal(load_file(out)["w"], values)
+
+
+@pytest.mark.parametrize("at", [0, tensors_module.SERIAL_ELEMENTS + 5, -1])
+def test_a_nan_anywhere_in_a_chunk_is_counted(at: int) -> None:
+    """The check sums a chunk in pieces on its own thread: a NaN or ±inf in any piece, the
+    first, a middle one or the short last one, is found and counted exactly."""
+    block = torch.randn(3 * tensors_module.SERIAL_ELEMENTS + 7)
+    block[at] = float("nan")
+    block[at - 3] = float("-inf")
+    assert finite._count(block) == (1, 1)
+    assert finite._count(torch.randn(3 * tensors_module.SERIAL_ELEMENTS)) == (0, 0)
+
+
+@pytest.mark.parametrize("to", ["bf16", "fp16"])
+def test_a_plain_target_reads_each_source_byte_once(
+    to: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain target's plan stores every floating tensor in its dtype: fp16's weight ranges
+    only warn, so they are measured on the writer's read, not on a read of their own, and
+    warn as a scan up front would."""
+    src = _llama(tmp_path / "src", 0.5)
+    scaled = "model.layers.0.mlp.down_proj.weight"
+    state = load_file(src / "model.safetensors")
+    state[scaled] = state[scaled] * 1e6  # beyond fp16's range
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    shard(src, ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"])
+    weights = sorted(src.glob("*.safetensors"))
+    reads = _SourceReads(weights, monkeypatch)
+    result = convert(src, to=to, output=tmp_path / "out", validate=False)
+    for path in weights:
+        times = reads.times_read(path)
+        assert set(times[read_header(path).data_start :]) == {1}, path.name
+    warned = [w for w in result.components[0].plan.warnings if scaled in w]
+    if to == "fp16":
+        [warning] = warned
+        assert "exceed the fp16 range" in warning and "stored in fp16 anyway" in warning
+    else:
+        assert warned == []  # bf16 has fp32's range: nothing to warn of

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING
 
 from precision_convert.conversion.io.hashing import BLOCK_BYTES, HASH_THREADS
 from precision_convert.conversion.io.source import ModelSource, WeightFile
-from precision_convert.conversion.io.tensors import BufferPool, FileTensor, LazyTensor
+from precision_convert.conversion.io.tensors import (
+    SERIAL_ELEMENTS,
+    BufferPool,
+    FileTensor,
+    LazyTensor,
+)
 from precision_convert.core.dtypes import DType
 from precision_convert.core.errors import InputError
 from precision_convert.core.progress import ledger_span
@@ -39,6 +44,8 @@ if TYPE_CHECKING:
 _BLOB = re.compile(r"[0-9a-f]{64}")
 #: Tensors named in the certificate's error line before "and N more".
 NAMED = 5
+#: Sees each floating chunk the writer reads: (component, tensor name, chunk).
+Observer = Callable[[str, str, "torch.Tensor"], None]
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,9 @@ class SourceWatch:
     tensors are in memory, not read in file order), or every file when the weights are used
     before the write (calibration runs the model on them), and refuses a broken source then.
     Without ``hashed`` (nothing will certify the output), the files are only checked.
+    ``observe`` is called with (component, tensor name, chunk) for each chunk of a floating
+    tensor the writer reads, for whatever else wants to see the data on the same read; it is
+    dropped (None) once a file is read ahead, which the writer then does not see.
     """
 
     def __init__(
@@ -143,9 +153,11 @@ class SourceWatch:
         *,
         allow_nonfinite: bool,
         hashed: bool = True,
+        observe: Observer | None = None,
     ) -> None:
         self.root = root
         self.allow_nonfinite = allow_nonfinite
+        self.observe = observe
         self._files = [
             _FileCheck(component, f.path, f.tensors, hashed)
             for component, model in models.items()
@@ -164,6 +176,7 @@ class SourceWatch:
         ahead = [f for f in self._files if everything or not f.streamed]
         if not ahead:
             return
+        self.observe = None  # the writer no longer sees every read
         with ledger_span("read and hash the source"), ThreadPoolExecutor(HASH_THREADS) as pool:
             list(pool.map(_FileCheck.read, ahead))
         self._read().refuse_broken(self.root, self.allow_nonfinite)
@@ -175,7 +188,7 @@ class SourceWatch:
         if check.done:
             return weight_file.tensors
         stop = None if self.allow_nonfinite else self._refuse
-        return tuple(_Watched(t, check, stop) for t in check.stored)
+        return tuple(_Watched(t, check, stop, self.observe) for t in check.stored)
 
     def result(self) -> SourceRead:
         """What the read found, once the writer has read every file: each file's sha256 (the
@@ -231,7 +244,7 @@ class _FileCheck:
         with _reading(self.path):
             if self.streamed:
                 for tensor in self.stored:
-                    for _ in _Watched(tensor, self, None).chunks():
+                    for _ in _Watched(tensor, self, None, None).chunks():
                         pass
             else:  # a pickle's tensors, already in memory: checked as they are, file hashed
                 self.check_the_rest()
@@ -308,6 +321,7 @@ class _Watched:
     tensor: FileTensor
     file: _FileCheck
     stop: Callable[[], None] | None
+    observe: Observer | None
 
     @property
     def name(self) -> str:
@@ -332,8 +346,13 @@ class _Watched:
             if self.dtype.is_float:
                 counted = _count(chunk)
                 nan, inf = nan + counted[0], inf + counted[1]
+                if self.observe is not None:
+                    self.observe(self.file.component, self.name, chunk)
             del raw
             yield chunk
+            # Not held while the next chunk is read: its read buffer is then free to reuse
+            # (a chunk still alive makes the tensor fault in a fresh buffer for every chunk).
+            del chunk
         found = self.file.checked_tensor(self.name, nan, inf)
         if found is not None and not found.by_design and self.stop is not None:
             self.stop()
@@ -361,10 +380,11 @@ def _count_all(blocks: Iterable[torch.Tensor]) -> tuple[int, int]:
 def _count(block: torch.Tensor) -> tuple[int, int]:
     """NaN and ±inf in ``block``. The common all-finite block costs one sum (a NaN or ±inf
     anywhere makes it non-finite; a finite block whose sum overflows is only counted, and
-    found clean): several times faster than ``isfinite`` on each value."""
+    found clean): several times faster than ``isfinite`` on each value. The sum runs on this
+    thread, in pieces that never wake torch's intra-op pool."""
     import torch
 
     wide = torch.float64 if block.dtype == torch.float64 else torch.float32
-    if bool(torch.isfinite(block.sum(dtype=wide))):
+    if all(bool(torch.isfinite(piece.sum(dtype=wide))) for piece in block.split(SERIAL_ELEMENTS)):
         return 0, 0
     return int(torch.isnan(block).sum()), int(torch.isinf(block).sum())

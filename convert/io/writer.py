@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from precision_convert.conversion.io import tensors as _tensors
 from precision_convert.conversion.io.context import IOContext
-from precision_convert.conversion.io.tensors import LazyTensor
+from precision_convert.conversion.io.tensors import SERIAL_ELEMENTS, LazyTensor
 from precision_convert.core import interrupts
 from precision_convert.core.dtypes import DType
 
@@ -44,9 +44,6 @@ _ALIGN = 8
 _BLOCK = 4096
 #: Staging buffers: one being filled while the other is written.
 _STAGES = 2
-#: Elements per cast call: ATen's grain size (``at::internal::GRAIN_SIZE``). An element-wise op
-#: over at most this many elements runs on the calling thread alone, never on the intra-op pool.
-_SERIAL_ELEMENTS = 32768
 
 
 def header_bytes(items: Sequence[tuple[LazyTensor, DType]], metadata: dict[str, str]) -> bytes:
@@ -256,12 +253,10 @@ class _Sink:
 def _cast_into(out: torch.Tensor, source: torch.Tensor) -> None:
     """``out.copy_(source)`` (flat, same length), on this thread only: in pieces at most ATen's
     grain size, so the copy never wakes torch's intra-op workers, whatever their number."""
-    if out.numel() <= _SERIAL_ELEMENTS:
+    if out.numel() <= SERIAL_ELEMENTS:
         out.copy_(source)
         return
-    for piece, part in zip(
-        out.split(_SERIAL_ELEMENTS), source.split(_SERIAL_ELEMENTS), strict=True
-    ):
+    for piece, part in zip(out.split(SERIAL_ELEMENTS), source.split(SERIAL_ELEMENTS), strict=True):
         piece.copy_(part)
 
 

@@ -16,7 +16,7 @@ from precision_convert.api.options import ConversionOptions, OptionKeywords
 from precision_convert.conversion.analysis.norms import normalization_modules, tied_tensors
 from precision_convert.conversion.analysis.runtime_names import runtime_modules
 from precision_convert.conversion.io.context import IOContext
-from precision_convert.conversion.io.finite import SourceRead, SourceWatch
+from precision_convert.conversion.io.finite import Observer, SourceRead, SourceWatch
 from precision_convert.conversion.io.source import (
     ModelSource,
     PipelineSource,
@@ -30,9 +30,11 @@ from precision_convert.conversion.output import NEVER_COPY, ProgressHook, copy_e
 from precision_convert.conversion.plan import (
     Island,
     ModelPlan,
+    RangeScan,
     RangeStats,
     build_plan,
     check_target,
+    range_warnings,
     scan_ranges,
 )
 from precision_convert.core.dtypes import IslandChoice, Target
@@ -44,6 +46,7 @@ from precision_convert.recipes import get as get_recipe
 from precision_convert.recipes import match as match_recipe
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Unpack
 
     from precision_convert.validation.calibration.plans import Calibration
@@ -325,8 +328,15 @@ def _convert(
     # refused when they hold NaN or ±inf. The writer's reads are that read, but calibration
     # runs the model on the weights before anything is written, and a pickle's tensors are
     # in memory already: those are read now, before anything is planned.
+    # A plain fp16 target stores every floating tensor in fp16 whatever its range: the ranges
+    # only warn, so they are measured on the writer's read too, not on a read of their own.
+    scan = RangeScan() if target.range_limited and not target.safe else None
     watch = SourceWatch(
-        root, models, allow_nonfinite=options.allow_nonfinite_source, hashed=run.validate
+        root,
+        models,
+        allow_nonfinite=options.allow_nonfinite_source,
+        hashed=run.validate,
+        observe=None if scan is None else _by_component(scan),
     )
     watch.read_ahead(everything=bool(options.calibrate) and target.safe)
     # Validated in the staging directory and renamed into place with its certificate, so the
@@ -334,7 +344,7 @@ def _convert(
     # Calibration's probe outputs wait on disk for validation, which reuses them.
     with staged, _probe_outputs(bool(options.calibrate) and run.validate):
         components, written = _plan_and_write(
-            opened, models, staged, target, options, data, run.on_progress, watch
+            opened, models, staged, target, options, data, run.on_progress, watch, scan
         )
         certificate = None
         if run.validate:
@@ -400,9 +410,12 @@ def _plan_and_write(
     data: CalibrationData | None,
     on_progress: ProgressHook | None,
     watch: SourceWatch,
+    scan: RangeScan | None,
 ) -> tuple[list[ConvertedComponent], list[str]]:
     """Plan every model and write the output into the staging directory, the writer's reads
-    of the source watched by ``watch``."""
+    of the source watched by ``watch`` (and, when it observes them, measured by ``scan``:
+    the plans' range warnings are added once the write has read every tensor)."""
+    ranges_on_write = scan is not None and watch.observe is not None
     # The run's buffers and prefetch thread: all released, the thread joined, before
     # validation (whether the conversion succeeds or fails).
     with IOContext() as io:
@@ -421,6 +434,7 @@ def _plan_and_write(
                 coverage=options.coverage,
                 calibration_data=data,
                 budget=budget_seconds(options.budget),
+                ranges={} if ranges_on_write else None,
             )
             for name, model in models.items()
         }
@@ -434,7 +448,34 @@ def _plan_and_write(
             )
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", staged.given) from None
+    if ranges_on_write:
+        assert scan is not None
+        components = [_with_range_warnings(c, models[c.name], scan, target) for c in components]
     return components, written
+
+
+def _by_component(scan: RangeScan) -> Observer:
+    """``scan.add`` for the chunks of every component, each tensor named by component."""
+
+    def observe(component: str, name: str, chunk: torch.Tensor) -> None:
+        scan.add(f"{component}/{name}" if component else name, chunk)
+
+    return observe
+
+
+def _with_range_warnings(
+    component: ConvertedComponent, model: ModelSource, scan: RangeScan, target: Target
+) -> ConvertedComponent:
+    """``component`` whose plan warns of the ranges ``scan`` measured, as a plan made from
+    them up front would (in the model's tensor order)."""
+    measured = scan.stats()
+    prefix = f"{component.name}/" if component.name else ""
+    ranges = {
+        t.name: measured[prefix + t.name] for t in model.tensors() if prefix + t.name in measured
+    }
+    plan = component.plan
+    plan = replace(plan, warnings=(*range_warnings(ranges, target), *plan.warnings))
+    return replace(component, plan=plan)
 
 
 def _probe_outputs(spill: bool) -> AbstractContextManager[None]:
