@@ -1,19 +1,17 @@
 """Activation analysis: what overflows fp16, and the smallest set of fp32 islands that fixes it.
 
 Calibration runs the fp32 model once on the validation inputs with a hook on every module that
-keeps a few running numbers per module (largest |input|, largest |output|, largest |x| of its
-main output, share of output values fp16 would flush to zero). Nothing else is kept, so memory
-stays bounded whatever the model, and the hooks are removed when the pass ends, even on error.
+keeps a few running numbers (largest |input|, |output| and |x| of its main output, the share of
+outputs fp16 would flush to zero): memory stays bounded, and the hooks go when the pass ends.
 
 Every module is judged, not only those that own weights (:func:`near_limit`): a container's
 main output is the stream it hands on (a decoder layer's residual sum), which no weighted
 module ever outputs, and a module that owns weights is judged on what it receives too, since
 the loader casts that to the module's own dtype.
 
-The search (:func:`search_islands`) then checks a candidate plan against the fp32 outputs and,
-while it fails, bisects over modules in execution order for the next module that must stay
-fp32, as onnxconverter-common's ``auto_convert_mixed_precision`` and Polygraphy's
-``debug precision`` do for graphs.
+The search (:func:`search_islands`) then bisects over modules in execution order for the next
+module that must stay fp32 while a candidate fails against the fp32 outputs, as
+onnxconverter-common's ``auto_convert_mixed_precision`` and Polygraphy's do for graphs.
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ class ActivationStats:
         return self.main_out if self.kind == CONTAINER else self.max_out
 
     def headroom(self, limit: FiniteRange = WATCHED_RANGE) -> float:
-        """``limit``'s finite maximum divided by the largest activation: below 1 it
-        overflows."""
+        """``limit``'s finite maximum over the largest activation: below 1 it overflows."""
         peak = max(self.max_in, self.max_out)
         return limit.finite_max / peak if peak else float("inf")
 

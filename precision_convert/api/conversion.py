@@ -448,8 +448,7 @@ def _plan_and_write(
             )
         except OSError as exc:  # disk full, permissions, a vanished source file: nothing kept
             raise InputError(f"cannot write output: {exc.strerror or exc}", staged.given) from None
-    if ranges_on_write:
-        assert scan is not None
+    if scan is not None and ranges_on_write:
         components = [_with_range_warnings(c, models[c.name], scan, target) for c in components]
     return components, written
 
@@ -473,9 +472,8 @@ def _with_range_warnings(
     ranges = {
         t.name: measured[prefix + t.name] for t in model.tensors() if prefix + t.name in measured
     }
-    plan = component.plan
-    plan = replace(plan, warnings=(*range_warnings(ranges, target), *plan.warnings))
-    return replace(component, plan=plan)
+    warnings = (*range_warnings(ranges, target), *component.plan.warnings)
+    return replace(component, plan=replace(component.plan, warnings=warnings))
 
 
 def _probe_outputs(spill: bool) -> AbstractContextManager[None]:

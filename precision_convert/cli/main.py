@@ -17,7 +17,8 @@ from precision_convert.cli import model as model_cmd
 from precision_convert.cli import push as push_cmd
 from precision_convert.cli import recipes as recipes_cmd
 from precision_convert.cli import validate as validate_cmd
-from precision_convert.cli._common import Command, Group, one_line_usage_errors, say
+from precision_convert.cli._commands import Command, Group, one_line_usage_errors
+from precision_convert.cli._common import say
 from precision_convert.conversion.runtime.memory import own_heap
 from precision_convert.core import interrupts
 from precision_convert.core.hub_client import bound_hub_requests
