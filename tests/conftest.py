@@ -30,9 +30,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PRECISION_CONVERT_CACHE", tempfile.mkdtemp(prefix="pc-test-cache-"))
 
 
+#: Files whose tests share most of ``zoo_converted``'s conversions: run on one xdist worker,
+#: so that each conversion is made once (a session fixture is built once per worker).
+SHARING_ZOO = frozenset({"test_zoo.py", "test_zoo_usage.py"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` (the zoo at standard coverage) run only when asked for with
-    ``pytest -m slow``; tests/reliability decides for its own."""
+    """Each file's tests go to one xdist worker (``--dist loadgroup``), those of
+    :data:`SHARING_ZOO` to the same one. Tests marked ``slow`` (the zoo at standard coverage)
+    run only when asked for with ``pytest -m slow``; tests/reliability decides for its own."""
+    for item in items:
+        group = "zoo" if item.path.name in SHARING_ZOO else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="long: run with pytest -m slow")
