@@ -34,4 +34,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the demo's stderr is the command's own progress
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-t5"))
