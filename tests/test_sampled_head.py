@@ -154,3 +154,23 @@ def test_a_row_wise_hook_sees_every_row_in_chunks() -> None:
     assert max(peaks) == float(everything.abs().max())
     assert max(shapes) == FULL_ROW_CHUNK and sum(shapes) > 1200  # chunks, then whole
     _assert_same(sampled, whole, torch.float32)
+
+
+def test_the_chunks_of_full_rows_share_one_buffer() -> None:
+    """Every chunk of full rows is written over the previous one's storage: a fresh tensor per
+    chunk was a fresh mapping for the kernel to zero (256 rows of a 128k head: 131 MB)."""
+    torch.manual_seed(0)
+    model = _models.llama().eval()
+    probe = _probe(torch.randint(0, 256, (3, 400)))  # 1200 rows: five chunks
+    storages: list[int] = []
+
+    def record(module: Any, args: Any, out: torch.Tensor) -> None:
+        if out.shape[0] == FULL_ROW_CHUNK:
+            storages.append(out.untyped_storage().data_ptr())
+
+    handle = model.lm_head.register_forward_hook(row_wise(record))
+    try:
+        call_probe(model, probe, "cpu", None)
+    finally:
+        handle.remove()
+    assert len(storages) == 4 and len(set(storages)) == 1
