@@ -46,32 +46,36 @@ def _boxed_help_fits() -> bool:
     return screen.is_terminal and screen.width >= BOXED_HELP_MIN_WIDTH
 
 
-class Group(TyperGroup):
-    """The command group, its flags (``--version``, ``--help``) shown without ``<bool>``."""
+class _CommandLineHelp:
+    """What the group and every command share: flags shown without ``<bool>``, and the boxed
+    help only where it fits (:func:`_boxed_help_fits`), click's plain help elsewhere."""
 
     def get_params(self, ctx: Any) -> list[Any]:
-        return _no_flag_placeholders(super().get_params(ctx))
+        return _no_flag_placeholders(super().get_params(ctx))  # type: ignore[misc]
+
+    #: The typer class whose boxed help this one replaces off a wide terminal: the help of the
+    #: class below it (click's plain one) is used there.
+    boxed: type
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         if _boxed_help_fits():
-            super().format_help(ctx, formatter)
+            super().format_help(ctx, formatter)  # type: ignore[misc]
         else:
-            super(TyperGroup, self).format_help(ctx, formatter)
+            super(self.boxed, self).format_help(ctx, formatter)  # type: ignore[arg-type]
 
 
-class Command(TyperCommand):
+class Group(_CommandLineHelp, TyperGroup):
+    """The command group, its flags (``--version``, ``--help``) shown without ``<bool>``."""
+
+    boxed = TyperGroup
+
+
+class Command(_CommandLineHelp, TyperCommand):
     """A command whose help reads like a command line: the usage names its arguments as the
     README does (``model [OPTIONS] SOURCE``, not ``{source}``), and a flag shows no value
     placeholder (``--overwrite``, not ``--overwrite <bool>``: a flag takes none)."""
 
-    def get_params(self, ctx: Any) -> list[Any]:
-        return _no_flag_placeholders(super().get_params(ctx))
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        if _boxed_help_fits():
-            super().format_help(ctx, formatter)
-        else:
-            super(TyperCommand, self).format_help(ctx, formatter)
+    boxed = TyperCommand
 
     def invoke(self, ctx: Any) -> Any:
         try:
