@@ -75,6 +75,27 @@ def test_spot_probes_keep_the_layout_and_each_sweep_kinds_ends() -> None:
     assert [p.name for p in spot_inputs(inputs, crossed=True).probes] == ["forward", "len0", "len3"]
 
 
+def test_bf16_library_load_under_eager_runs_the_one_key_rows_at_their_ends() -> None:
+    """Under bf16 (fp32's exponent range) ``pc.load`` under another attention runs every
+    probe but the first-position rows between the first and last; under fp16, whose scores
+    can overflow where fp32's do not, every probe; the attention spot leaves the free
+    generation out (never compared)."""
+    from precision_convert.core.dtypes import BF16, FP16, FP32, range_binds
+    from precision_convert.validation.probe.inputs.spots import attention_spot, one_key_rows_at_ends
+
+    probes = [Probe("forward", "forward", {})]
+    probes += [
+        Probe(f"first{i}", "forward", {}, sweep={"kind": "first-position"}) for i in range(4)
+    ]
+    probes += [Probe(f"len{i}", "forward", {}, sweep={"kind": "length"}) for i in range(3)]
+    probes.append(Probe("free", "generate", {}, sweep={"kind": "generation"}, finite_only=True))
+    inputs = ModelInputs(task="causal-lm", probes=tuple(probes), seed=0)
+    kept = [p.name for p in one_key_rows_at_ends(inputs).probes]
+    assert kept == ["forward", "first0", "first3", "len0", "len1", "len2", "free"]
+    assert range_binds(FP16) and not range_binds(BF16) and not range_binds(FP32)
+    assert "free" not in [p.name for p in attention_spot(inputs).probes]
+
+
 def test_progress_off_a_terminal_is_plain_lines_with_an_estimate(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -202,3 +223,36 @@ def test_a_free_generation_passes_the_recording_hooks_its_forced_twin_feeds(
     # outside any recording the free generation is a plain run_probes call, as before
     plain = run_probes(model, ModelInputs(task="causal-lm", probes=(free,), seed=0))
     torch.testing.assert_close(plain[free.name]["generated_logits"], out["generated_logits"])
+
+
+def test_rows_after_bos_share_one_bos_and_compute_what_whole_rows_do() -> None:
+    """A causal LM's after-BOS rows continue one BOS cache instead of each recomputing BOS:
+    every layer's hidden states at the row's own token are those of the two-token row."""
+    from precision_convert.validation.probe.inputs.budgets import budget_for
+    from precision_convert.validation.probe.inputs.contexts import first_position_probes
+    from precision_convert.validation.probe.inputs.token_probes import token_spec
+    from precision_convert.validation.probe.run.execute import build_inputs, call_probe
+
+    torch.manual_seed(0)
+    model = _models.llama().eval()
+    chosen = build_inputs(model)
+    spec = token_spec(model, chosen.probes[0], None, chosen.task)
+    assert spec is not None
+    probes = first_position_probes(
+        model, spec, chosen.probes[0].kwargs, budget_for("standard"), None, trimmed_tokens=4096
+    )
+    after = [p for p in probes if p.sweep["bos"] is not None]
+    bos = after[0].sweep["bos"]
+    assert after and all(p.prefix is not None for p in after)
+    assert sum(p.kwargs["input_ids"].numel() for p in after) == spec.vocab  # one token a row
+    probe = after[0]
+    ids = probe.kwargs["input_ids"]
+    assert ids.shape[1] == 1
+    shared = call_probe(model, probe)
+    with torch.no_grad():
+        whole = model(
+            torch.cat([torch.full_like(ids, bos), ids], 1), output_hidden_states=True
+        ).hidden_states
+    assert len(whole) == sum(k.startswith("hidden_states.") for k in shared)
+    for layer, states in enumerate(whole):
+        torch.testing.assert_close(shared[f"hidden_states.{layer}"], states[:, 1:])

@@ -263,19 +263,21 @@ def test_long_generation_decides_the_certificate(planted: bool, tmp_path: Path) 
 
 def test_a_family_with_bos_gets_every_id_after_it_too() -> None:
     """Llama starts prompts with BOS: every id runs alone at position 0 and right after BOS
-    (judged on hidden states, with no row of logits), and the triggers record counts both."""
+    (each row continuing one BOS's cache, judged on hidden states, with no row of logits), and
+    the triggers record counts both."""
     from precision_convert.validation.probe.inputs.contexts import triggers
     from precision_convert.validation.probe.inputs.positions import reach
+    from precision_convert.validation.probe.run.execute import call_probe
 
     model = _models.llama()
     inputs = build_inputs(model, coverage="quick")
     bos = model.config.bos_token_id
     after = [p for p in inputs.probes if p.name.startswith("forward:first-position-bos")]
-    assert after and all(bool((p.kwargs["input_ids"][:, 0] == bos).all()) for p in after)
+    assert after and all(p.prefix and p.prefix["input_ids"].tolist() == [[bos]] for p in after)
     assert all(p.kwargs["logits_to_keep"].numel() == 0 for p in after)
-    with torch.no_grad():
-        out = model(**after[0].kwargs)
-    assert out.logits.shape[1] == 0 and len(out.hidden_states) == model.config.num_hidden_layers + 1
+    out = call_probe(model, after[0])
+    assert out["logits"].shape[1] == 0
+    assert sum(k.startswith("hidden_states.") for k in out) == model.config.num_hidden_layers + 1
     first = triggers(inputs, reach(inputs))["positions"]["first_position"]
     assert first == {"ids": 256, "after_bos": 256, "of": 256}
 

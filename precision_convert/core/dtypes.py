@@ -237,6 +237,12 @@ MEASURED_TARGETS: tuple[str, ...] = tuple(
 )
 
 
+def range_binds(dtype: DType) -> bool:
+    """Whether a target watches ``dtype``'s finite range (fp16's 65504): bf16 has fp32's
+    exponent, so nothing fp32 holds overflows it."""
+    return any(row.range is not None and row.range.dtype == dtype for row in FORMATS.values())
+
+
 def from_torch(dtype: torch.dtype) -> DType:
     """Look up a torch dtype (``torch.float16``) in the table."""
     name = str(dtype).removeprefix("torch.")

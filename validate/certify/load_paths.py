@@ -56,6 +56,7 @@ from precision_convert.conversion.io.source import ModelSource, PipelineSource, 
 from precision_convert.conversion.runtime.devices import move
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.conversion.runtime.memory import freed
+from precision_convert.core.dtypes import from_torch, range_binds
 from precision_convert.core.errors import InputError, one_line
 from precision_convert.core.progress import ledger_span, stage
 from precision_convert.validation.certify.certificate import LoadPath, failure_line
@@ -76,7 +77,7 @@ from precision_convert.validation.certify.load_ways import (
     stored_dtypes,
 )
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
-from precision_convert.validation.probe.inputs.spots import spot_inputs
+from precision_convert.validation.probe.inputs.spots import one_key_rows_at_ends, spot_inputs
 from precision_convert.validation.probe.run.execute import RUN_ERRORS, Outputs, run_probes
 from precision_convert.validation.probe.run.metrics import METRICS, Measurement
 from precision_convert.validation.probe.run.parity import compare_outputs
@@ -128,6 +129,7 @@ def check_model(
     if shared is not None:
         first.detail = SHARED_WITH_CANDIDATE
     spot, cross = spot_inputs(inputs), spot_inputs(inputs, crossed=True)
+    library = _library_crossed(component, inputs)
     ways = model_ways(component)
     records = [first, *_check(component.name, ways, inputs, baseline, thresholds, device, spot)]
     for implementation, outputs in (attention or {}).items():
@@ -141,11 +143,27 @@ def check_model(
         else:
             ways.insert(0, pc_way)
         records += _check(
-            component.name, ways, inputs, outputs, thresholds, device, cross, crossed=True
+            component.name, ways, inputs, outputs, thresholds, device, cross, library=library
         )
     if not component.name:
         records += _resaved(component, inputs, baseline, thresholds, device)
     return records
+
+
+def _library_crossed(component: Component, inputs: ModelInputs) -> ModelInputs:
+    """What ``pc.load`` runs under another attention implementation: every probe, or under
+    a compute format with fp32's exponent range, the one-key rows at their ends only."""
+    if range_binds(from_torch(component.compute_dtype)):
+        return inputs
+    return one_key_rows_at_ends(inputs)
+
+
+#: Why ``pc.load`` under another attention left first-position rows out (bf16 compute).
+ONE_KEY_ROWS = (
+    "the first-position rows between the first and last, which attend to one or two keys: in a "
+    "format with fp32's exponent range attention implementations differ there by rounding "
+    "only, judged on the rows kept, and the default attention ran every row"
+)
 
 
 #: The detail of a ``pc.load`` record judged on outputs calibration already ran.
@@ -243,26 +261,32 @@ def _check(
     thresholds: dict[str, float],
     device: torch.device,
     spot: ModelInputs | None = None,
-    crossed: bool = False,
+    library: ModelInputs | None = None,
 ) -> list[LoadPath]:
     """Each way loaded and run: ``pc.load`` and any deciding way on every probe, the others
-    on ``spot`` (a recorded subset) when given; with ``crossed`` (the ways under another
-    attention implementation), every way but ``pc.load`` on ``spot``."""
+    on ``spot`` (a recorded subset) when given; with ``library`` (the ways under another
+    attention implementation), ``pc.load`` on ``library`` and every other way on ``spot``."""
     records: list[LoadPath] = []
     seen: dict[tuple[Any, ...], LoadPath] = {}
+    crossed = library is not None
     for way in ways:
         if way.build is None:
             records += _not_checked(component, [way], "")
             continue
         on_spot = not way.decides or (crossed and way.key != PC_LOAD)
         subset = spot if spot is not None and on_spot else None
+        if library is not None and way.key == PC_LOAD and len(library.probes) < len(inputs.probes):
+            subset = library
         judged = {p.name: baseline[p.name] for p in subset.probes} if subset else baseline
         record = _run(
             component, way, subset or inputs, judged, thresholds, device, seen, subset is None
         )
         if subset is not None and record.verdict != "not-checked" and record.metrics:
             scope = _scope(subset, inputs)
-            if way.decides:
+            if subset is library:
+                left = len(inputs.probes) - len(subset.probes)
+                scope = f"{left} of {len(inputs.probes)} probes not run under it: {ONE_KEY_ROWS}"
+            elif way.decides:
                 scope += (
                     f": its dtypes are judged on every probe by `{way.key}` under the default "
                     f"attention, {way.attention} attention by `{PC_LOAD}`"
@@ -288,7 +312,8 @@ def planned_forwards(
     every, spot = len(inputs.probes), len(spot_inputs(inputs).probes)
     count = sum(every if w.decides else spot for w in model_ways(component) if w.build is not None)
     cross = len(spot_inputs(inputs, crossed=True).probes)
-    count += attention * ((0 if shared else every) + cross)
+    library = len(_library_crossed(component, inputs).probes)
+    count += attention * ((0 if shared else library) + cross)
     if not component.name and component.converted.library != "open_clip":
         count += len(resave_inputs(inputs).probes) * len(RESAVED)
     return count

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from precision_convert.validation.probe.inputs.budgets import Budget
 from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
     Probe,
+    cache_argument,
     parameters_of,
     seeded_generator,
 )
@@ -135,15 +137,18 @@ def first_position_probes(
         else sampled.reshape(-1).unique()
     )
     bos = bos_of(model, tokenizer, spec.vocab)
-    trimmed = "logits_to_keep" in parameters_of(model.forward)
+    parameters = parameters_of(model.forward)
+    trimmed = "logits_to_keep" in parameters
+    # A causal LM's rows after BOS all attend to the same BOS: its cache is computed once.
+    shared = trimmed and cache_argument(model) is not None and spec.decoder_start is None
     probes = []
     for lead in (None, bos) if bos is not None else (None,):
-        width = 1 if lead is None else 2
+        width = 1 if lead is None or shared else 2
         per_probe = max(1, (trimmed_tokens if trimmed else budget.tokens_per_probe) // width)
         chunks = math.ceil(len(ids) / per_probe)
         for i in range(chunks):
             part = ids[i * per_probe : (i + 1) * per_probe].unsqueeze(1)
-            if lead is not None:
+            if lead is not None and not shared:
                 part = torch.cat([torch.full_like(part, lead), part], 1)
             label = "first-position" if lead is None else "first-position-bos"
             how: dict[str, Any] = {
@@ -153,8 +158,25 @@ def first_position_probes(
                 "bos": lead,
             }
             probe = _probe(spec, template, budget, f"{label}-{i + 1}of{chunks}", part, how)
-            probes.append(probe.on_hidden_states(0) if trimmed else probe)
+            probe = probe.on_hidden_states(0) if trimmed else probe
+            if lead is not None and shared:
+                probe = _after_prefix(spec, template, probe, lead)
+            probes.append(probe)
     return probes
+
+
+def _after_prefix(spec: TokenSpec, template: Mapping[str, Any], probe: Probe, lead: int) -> Probe:
+    """``probe``'s one-token rows continuing the cache of ``[lead]``: the mask covers the
+    prefix too, and the prefix call keeps no logits (only its cache is read)."""
+    rows = probe.kwargs[spec.arg]
+    kwargs = dict(probe.kwargs)
+    if spec.mask and spec.mask in kwargs:
+        kwargs[spec.mask] = torch.ones(rows.shape[0], 1 + rows.shape[1], dtype=rows.dtype)
+    prefix = with_tokens(spec, template, torch.tensor([[lead]], dtype=rows.dtype))
+    prefix["use_cache"] = True
+    prefix["logits_to_keep"] = torch.zeros(0, dtype=torch.long)
+    sweep = {**probe.sweep, "prefix": "BOS run once; its cache continued by every row"}
+    return replace(probe, kwargs=kwargs, prefix=prefix, sweep=sweep)
 
 
 def bos_of(model: Any, tokenizer: ProbeTokenizer | None, vocab: int) -> int | None:

@@ -64,6 +64,10 @@ class Probe:
     #: Judged for NaN/Inf only: the candidate's own free generation, which may legitimately
     #: pick other tokens than fp32's (its teacher-forced twin is judged on every metric).
     finite_only: bool = False
+    #: Keyword arguments of a one-row call every row continues from (the BOS that after-BOS
+    #: rows share): run once, its cache repeated to the batch, not recomputed in every row.
+    #: Only the rows' own positions are in the outputs.
+    prefix: Mapping[str, Any] | None = None
 
     def on_hidden_states(self, logits_kept: int) -> Probe:
         """This probe judged on every layer's hidden states at every position, with the logits
@@ -151,6 +155,8 @@ def _describe_probe(probe: Probe) -> dict[str, Any]:
         record["compared_positions"] = "real tokens only (padding excluded)"
     if probe.finite_only:
         record["judged"] = "NaN/Inf only"
+    if probe.prefix is not None:
+        record["prefix"] = _describe(probe.prefix, INLINE_INTEGERS)
     # A swept probe's record says how its ids were made (ids, seeds, rows): its long id rows
     # are left to the digest, which a replay checks, so a 128k-vocabulary sweep stays small.
     record["args"] = _describe(probe.kwargs, INLINE_FLOATS if probe.sweep else INLINE_INTEGERS)
@@ -223,6 +229,13 @@ def parameters_of(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
         for n, p in inspect.signature(fn).parameters.items()
         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
+
+
+def cache_argument(model: Any) -> str | None:
+    """The name ``model``'s forward takes a key/value cache by (transformers 5 renamed
+    ``past_key_values`` to ``cache``), None when it takes none."""
+    parameters = parameters_of(model.forward)
+    return next((n for n in ("cache", "past_key_values") if n in parameters), None)
 
 
 # --------------------------------------------------------------------------- family detection

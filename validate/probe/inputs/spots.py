@@ -58,8 +58,23 @@ def padded(probe: Probe) -> bool:
 
 def attention_spot(inputs: ModelInputs) -> ModelInputs:
     """The probes fp32 runs again under another attention implementation: every probe with
-    padding and the spot subset without the vocabulary chunks (``crossed``), in sweep order.
-    The default's outputs stand in for the rest when these agree with them."""
+    padding and the spot subset without the vocabulary chunks (``crossed``), in sweep order,
+    but no free generation (its fp32 outputs are never compared: candidates' are judged for
+    NaN/Inf only, and its teacher-forced twin is checked). The default's outputs stand in for
+    the rest when these agree with them."""
     spot = {p.name for p in spot_inputs(inputs, crossed=True).probes}
-    kept = tuple(p for p in inputs.probes if p.name in spot or padded(p))
+    kept = tuple(p for p in inputs.probes if (p.name in spot or padded(p)) and not p.finite_only)
+    return replace(inputs, probes=kept)
+
+
+def one_key_rows_at_ends(inputs: ModelInputs) -> ModelInputs:
+    """The probes the library's own load runs under another attention implementation when
+    its compute format has fp32's exponent range (bf16): every probe but the first-position
+    rows between the spot ends. Those rows attend to one key (or a cached BOS): where no
+    score can overflow that fp32's does not, implementations differ there by rounding only,
+    which the kept rows judge; the default attention ran every row."""
+    spot = {p.name for p in spot_inputs(inputs).probes}
+    kept = tuple(
+        p for p in inputs.probes if p.sweep.get("kind") != "first-position" or p.name in spot
+    )
     return replace(inputs, probes=kept)

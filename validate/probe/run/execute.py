@@ -36,6 +36,7 @@ from precision_convert.validation.probe.inputs.model_inputs import (
     ModelInputs,
     Probe,
     Seeded,
+    cache_argument,
 )
 from precision_convert.validation.probe.inputs.sweep import sweep
 from precision_convert.validation.probe.run.head import head_outputs, sampled_head
@@ -148,9 +149,13 @@ def call_probe(
     with (
         torch.no_grad(),
         unrecorded() if probe.finite_only else contextlib.nullcontext(),
-        sampled_head(model, limit) as head,
     ):
-        result = method(**kwargs)
+        if probe.prefix is not None:
+            kwargs[cache_argument(model) or "cache"] = _continued_cache(
+                model, probe.prefix, kwargs, device
+            )
+        with sampled_head(model, limit) as head:
+            result = method(**kwargs)
     if probe.method == "generate":
         result = generated_logits(result)
     if probe.max_output is None and probe.positions is None:
@@ -167,6 +172,21 @@ def call_probe(
         kept = summarize(kept, probe.max_output)
     kept.update(summarized)
     return {name: tensor.to("cpu") for name, tensor in kept.items()}
+
+
+def _continued_cache(
+    model: Any, prefix: Mapping[str, Any], kwargs: Mapping[str, Any], device: torch.device
+) -> Any:
+    """The cache of the one-row ``prefix`` call, repeated to the batch ``kwargs`` holds."""
+    rows = next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim())
+    result = model(**{k: _prepare(v, device, None) for k, v in prefix.items()})
+    names = ("cache", "past_key_values")
+    past = next((c for n in names if (c := getattr(result, n, None)) is not None), None)
+    repeat = getattr(past, "batch_repeat_interleave", None)
+    if not callable(repeat):
+        raise RuntimeError(f"{type(model).__name__} returned no cache its rows can continue")
+    repeat(rows)
+    return past
 
 
 def generated_logits(result: Any) -> dict[str, torch.Tensor]:
