@@ -292,8 +292,10 @@ def probe_sizes(config: Any, inputs: ModelInputs) -> dict[str, dict[str, int]]:
                     )
         elif argument and probe.method == "forward" and "position_ids" not in probe.kwargs:
             ids = probe.kwargs.get(argument)
+            lead = (probe.prefix or {}).get(argument)  # rows continuing a cached prefix
             if isinstance(ids, torch.Tensor) and ids.dim():
-                found["sequence_length"] = int(ids.shape[-1])
+                extra = int(lead.shape[-1]) if isinstance(lead, torch.Tensor) else 0
+                found["sequence_length"] = int(ids.shape[-1]) + extra
         if found:
             out[probe.name] = found
     return out
