@@ -185,7 +185,7 @@ def test_a_free_generation_passes_the_recording_hooks_its_forced_twin_feeds(
 
     from precision_convert.conversion.analysis.activations import recording
     from precision_convert.conversion.analysis.factors import FactorRecorder, recording_factors
-    from precision_convert.validation.probe.run.execute import run_probes
+    from precision_convert.validation.probe.run.execute import STEP_PEAKS, run_probes
     from precision_convert.validation.probe.run.growth import run_sized
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama")).eval()
@@ -198,8 +198,6 @@ def test_a_free_generation_passes_the_recording_hooks_its_forced_twin_feeds(
             "max_new_tokens": 3,
             "min_new_tokens": 3,
             "do_sample": False,
-            "output_logits": True,
-            "return_dict_in_generate": True,
         },
         finite_only=True,
     )
@@ -217,12 +215,21 @@ def test_a_free_generation_passes_the_recording_hooks_its_forced_twin_feeds(
 
     modules, gated, out = recorded(free)
     assert (modules, gated) == (0, 0)
-    assert out["generated_logits"].shape[:2] == (1, 3)  # the generation itself still ran
+    assert out[STEP_PEAKS].shape == (1, 3)  # the generation itself still ran
     modules, gated, _ = recorded(forced)
     assert modules > 10 and gated == len(FactorRecorder(model).gated) > 0
     # outside any recording the free generation is a plain run_probes call, as before
     plain = run_probes(model, ModelInputs(task="causal-lm", probes=(free,), seed=0))
-    torch.testing.assert_close(plain[free.name]["generated_logits"], out["generated_logits"])
+    torch.testing.assert_close(plain[free.name][STEP_PEAKS], out[STEP_PEAKS])
+    # each step's peak is the largest |logit| generate returns for it; an inf logit shows
+    with torch.no_grad():
+        kept = model.generate(**free.kwargs, output_logits=True, return_dict_in_generate=True)
+    whole = torch.stack([step.abs().amax(-1) for step in kept.logits], 1)
+    torch.testing.assert_close(out[STEP_PEAKS], whole)
+    with torch.no_grad():
+        model.lm_head.weight[7] = float("inf")
+    broken = run_probes(model, ModelInputs(task="causal-lm", probes=(free,), seed=0))
+    assert not bool(torch.isfinite(broken[free.name][STEP_PEAKS]).all())
 
 
 def test_rows_after_bos_share_one_bos_and_compute_what_whole_rows_do() -> None:

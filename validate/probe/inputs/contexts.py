@@ -300,8 +300,7 @@ def generation_probes(
         forced["decoder_input_ids"] = sequences
         if "decoder_attention_mask" in forced:
             forced["decoder_attention_mask"] = torch.ones_like(sequences)
-    free = {**prompt, **settings, "output_logits": True}
-    free["return_dict_in_generate"] = True
+    free = {**prompt, **settings}
     name = f"generation-{prompts}x{new_tokens}"
     return [
         Probe(
