@@ -14,12 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 # The real-config zoo lives with the examples, which must not import tests/: tests and benches
 # reach it through this module.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import zoo  # noqa: F401 - re-exported: tests and benches reach the zoo as _models.zoo
+
+#: The safe targets the zoo's conversions run in: ``bf16-safe`` in the default run,
+#: ``fp16-safe`` with ``pytest -m slow``. The rest of the default run reaches every line the
+#: zoo's fp16-safe conversions reach (measured with pytest-cov per test; tests/README.md).
+ZOO_TARGETS = ("bf16-safe", pytest.param("fp16-safe", marks=pytest.mark.slow))
 
 #: The minimal configs below are the one definition of each small fixture model: tests that
 #: need a variant (a bias, another vocabulary, more layers) pass only what differs.

@@ -2,8 +2,9 @@
 
 The structural tests check what makes a zoo entry a small model *of that family* (the values
 kept from its published config, its tokenizer's kind, size and special tokens, its shard
-layout); the conversion tests run every family through both safe targets at ``quick``
-coverage and require a passing certificate.
+layout); the conversion tests run every family through ``bf16-safe`` at ``quick`` coverage
+(``fp16-safe`` too with ``pytest -m slow``, and both at ``standard``) and require a passing
+certificate.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _models import with_custom_head, zoo
+from _models import ZOO_TARGETS, with_custom_head, zoo
 
 from precision_convert.api.conversion import convert, plan_model
 
@@ -81,7 +82,7 @@ def test_mistral_is_sharded_with_an_index(tiny_model: Callable[[str], Path]) -> 
     assert (directory / "tokenizer.model").is_file()  # the sentencepiece model ships too
 
 
-@pytest.mark.parametrize("target", SAFE_TARGETS)
+@pytest.mark.parametrize("target", ZOO_TARGETS)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_certifies(
     tiny_model: Callable[[str], Path],

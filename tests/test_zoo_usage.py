@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from _models import ZOO_TARGETS
 
 from precision_convert.conversion.runtime.loader import load
 from precision_convert.validation.probe.run.parity import thresholds_for
 
-SAFE_TARGETS = ("bf16-safe", "fp16-safe")
 CAUSAL_LMS = (
     "llama-3.2-1b",
     "mistral-7b-v0.3",
@@ -63,7 +63,7 @@ def _unexplained(
     return bad
 
 
-@pytest.mark.parametrize("target", SAFE_TARGETS)
+@pytest.mark.parametrize("target", ZOO_TARGETS)
 @pytest.mark.parametrize("name", CAUSAL_LMS)
 def test_generate_with_kv_cache_agrees_with_fp32(
     tiny_model: Callable[[str], Path],
@@ -125,7 +125,7 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1.0 / mse)).item()
 
 
-@pytest.mark.parametrize("target", SAFE_TARGETS)
+@pytest.mark.parametrize("target", ZOO_TARGETS)
 @pytest.mark.parametrize("name", PIPELINES)
 def test_guided_pipeline_call_matches_fp32(
     tiny_model: Callable[[str], Path],
@@ -144,7 +144,7 @@ def test_guided_pipeline_call_matches_fp32(
     assert _psnr(images, reference) > 30.0
 
 
-@pytest.mark.parametrize("target", SAFE_TARGETS)
+@pytest.mark.parametrize("target", ZOO_TARGETS)
 def test_sentence_transformers_encode_matches_fp32(
     tiny_model: Callable[[str], Path], converted: Callable[[str, str], Path], target: str
 ) -> None:
