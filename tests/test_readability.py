@@ -644,13 +644,19 @@ def test_a_conversion_report_fits_a_screen(
 @pytest.mark.parametrize("name", SUMMARISED)
 def test_the_card_opens_with_loading_and_limitations(zoo_converted: Any, name: str) -> None:
     """A Hub visitor reads how to load the model and what was not judged before line 60,
-    the detail tables after; the certificate stays far below a megabyte."""
+    the detail tables after, in a card under 12 KB (a pipeline's 20 KB): per-probe values stay
+    in the certificate, which stays far below a megabyte."""
     from huggingface_hub import ModelCard
 
     output = zoo_converted(name, "fp16-safe").output
-    lines = (output / "README.md").read_text().splitlines()
+    card = (output / "README.md").read_text()
+    lines = card.splitlines()
     at = {line: i + 1 for i, line in reversed(list(enumerate(lines))) if line.startswith("## ")}
-    assert at["## Loading"] < at["## Limitations"] < 60 < len(lines), at
+    assert at["## Loading"] < at["## Limitations"] < 60, at
+    # a pipeline's card names each component's ways of loading: five components' rows
+    assert len(card.encode()) < (20_000 if (output / "model_index.json").exists() else 12_000)
+    assert "rel_l2 per probe" not in card
+    assert "Every probe's value of every metric is in `precision_certificate.json`" in card
     assert at["## Limitations"] < at["## Parity"] < at["## Ways of loading"]
     limits = "\n".join(lines[at["## Limitations"] : at["## Parity"]])
     assert "Judged on cpu only" in limits and "not real data" in limits

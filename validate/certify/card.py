@@ -23,17 +23,17 @@ from typing import Any
 from urllib.parse import quote
 
 from precision_convert.conversion.analysis.chart import CHART_NAME
-from precision_convert.core.dtypes import BY_TORCH_NAME, Target
-from precision_convert.core.patterns import REPO_ID, code_files
+from precision_convert.core.dtypes import Target
+from precision_convert.core.patterns import CERTIFICATE_NAME, REPO_ID, code_files
 from precision_convert.validation.certify.card_cast import cast_warning
-from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
+from precision_convert.validation.certify.card_loading import ways_of_loading
+from precision_convert.validation.certify.card_metrics import _rows
 from precision_convert.validation.certify.card_sizes import reach_lines
 from precision_convert.validation.certify.card_text import (
     certified,
     code,
     escape,
     way_passed,
-    way_result,
 )
 from precision_convert.validation.certify.card_triggers import trigger_lines
 from precision_convert.validation.certify.certificate import (
@@ -41,7 +41,6 @@ from precision_convert.validation.certify.certificate import (
     FAIL,
     SMOKE_PASS,
     Certificate,
-    LoadPath,
     write_atomically,
 )
 from precision_convert.validation.certify.consistency import budget_limited, contradiction
@@ -50,16 +49,6 @@ from precision_convert.validation.certify.consistency import budget_limited, con
 #: through ``precision_convert.load`` (the library's plain load was not checked).
 PLAIN_TAG = "parity-certified"
 PC_LOAD_ONLY_TAG = "parity-certified-pc-load-only"
-#: How the card names each way of loading (see validation.certify.load_paths).
-WAY_NAMES = {
-    "pc.load": "precision-convert",
-    "plain": "plain default",
-    "auto": '`"auto"` dtype',
-    "compute": "explicit compute dtype",
-    "resave:plain": "re-saved, plain default",
-    "resave:auto": 're-saved, `"auto"` dtype',
-    "resave:pc.load": "re-saved, precision-convert",
-}
 
 
 def base_model_id(certificate: Certificate) -> str | None:
@@ -227,7 +216,7 @@ def render(
     lines += _parity(certificate)
     lines += _components(certificate)
     lines += _charts(charts)
-    lines += _ways_of_loading(certificate)
+    lines += ways_of_loading(certificate)
     lines += [
         f"Every file's sha256 is listed in `{certificate.file_name}`; "
         "`precision-convert push` refuses files that differ from it.",
@@ -312,7 +301,8 @@ def _why_failed(certificate: Certificate) -> list[str]:
 
 
 def _parity(certificate: Certificate) -> list[str]:
-    """The parity section: the metric rows and the per-probe chart."""
+    """The parity section: each metric's worst row per output; every probe's values stay in
+    the certificate (a per-probe table of each output made a Llama's card 70 KB)."""
     if not certificate.metrics:
         return ["## Parity", "", "Nothing was compared with fp32.", ""]
     return [
@@ -320,7 +310,9 @@ def _parity(certificate: Certificate) -> list[str]:
         "",
         *_rows(certificate.metrics),
         "",
-        *_probe_chart(certificate.metrics),
+        f"Every probe's value of every metric is in `{CERTIFICATE_NAME}` (`metrics`); "
+        "`precision-convert validate --report full` charts them per probe.",
+        "",
     ]
 
 
@@ -442,124 +434,6 @@ MAX_CALLS = 6
 def _calls(calls: Sequence[str]) -> str:
     shown = ", ".join(code(c) for c in calls[:MAX_CALLS])
     return shown + (f" and {len(calls) - MAX_CALLS} more" if len(calls) > MAX_CALLS else "")
-
-
-def _ways_of_loading(certificate: Certificate) -> list[str]:
-    """What every way of loading these files gives, judged like the model itself."""
-    lines = ["## Ways of loading", ""]
-    if not certificate.load_paths:
-        checked = (
-            "Only `precision_convert.load` was checked"
-            if certificate.metrics
-            else "No way of loading was checked (validation did not run)"
-        )
-        lines += [
-            f"{checked}: the library's own `from_pretrained` may load these files differently.",
-            "",
-        ]
-        return lines
-    components = list(dict.fromkeys(p.component for p in certificate.load_paths))
-    several = len(components) > 1
-    each = (
-        ", under each attention implementation judged"
-        if any(c.attention for c in certificate.components)
-        else ""
-    )
-    lines += [
-        "Every way of loading these files, run on the validation inputs and judged against "
-        "fp32 like the model itself; the verdict depends on `precision_convert.load` and the "
-        f"plain default load{each}.",
-        "",
-        (
-            "| component | way | call | loads as | result |"
-            if several
-            else "| way | call | loads as | result |"
-        ),
-        "|---|---|---|---|---|" if several else "|---|---|---|---|",
-    ]
-    for p in certificate.load_paths:
-        reference = certificate.load_path("pc.load", p.component)
-        name = WAY_NAMES.get(p.way, p.way)
-        cells = [
-            f"{name}, {escape(p.attention)} attention" if p.attention else name,
-            code(p.call),
-            _loads_as(p, reference),
-            way_result(p),
-        ]
-        if several:
-            cells.insert(0, escape(p.component or "—"))
-        lines.append("| " + " | ".join(cells) + " |")  # each cell escaped, its | too
-    lines.append("")
-    lines += attention_lines(certificate)
-    return lines
-
-
-def attention_lines(certificate: Certificate) -> list[str]:
-    """One line per component with a choice of attention: the implementations its probes
-    were judged under, and those that were not (with why)."""
-    lines = []
-    for c in certificate.components:
-        if not c.attention:
-            continue
-        default, judged = c.attention.get("default"), c.attention.get("judged", [])
-        named = [code(a) + (" (the default)" if a == default else "") for a in judged]
-        skipped = "; ".join(
-            f"{code(a)}: {escape(why, code_spans=True)}"
-            for a, why in c.attention.get("not_judged", {}).items()
-        )
-        where = f"{escape(c.name)}: " if c.name else ""
-        stood_in = "; ".join(
-            f"{code(a)}'s fp32 baseline of {', '.join(code(n) for n in record['probes'])} is the "
-            f"default's ({escape(record['why'], code_spans=True)})"
-            for a, record in c.attention.get("baseline_from_default", {}).items()
-        )
-        lines.append(
-            f"{where}Attention judged under {' and '.join(named)}"
-            + (f"; not judged: {skipped}" if skipped else "")
-            + (f"; {stood_in}" if stood_in else "")
-            + "."
-        )
-    return [*lines, ""] if lines else []
-
-
-def _nbytes(dtypes: dict[str, int]) -> int:
-    """Bytes of the floating elements a load path records per dtype (4 for one not known)."""
-    return sum(
-        n * (BY_TORCH_NAME[d].itemsize if d in BY_TORCH_NAME else 4) for d, n in dtypes.items()
-    )
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
-
-
-def _loads_as(path: LoadPath, reference: LoadPath | None) -> str:
-    """The dtypes a way of loading ends up with, and its memory against ``pc.load``'s."""
-    if not path.dtypes:
-        return "—"
-    total = sum(path.dtypes.values())
-    main = max(path.dtypes, key=path.dtypes.__getitem__)
-    if len(path.dtypes) == 1:
-        text = f"{escape(main)} throughout"
-    else:
-        rest = ", ".join(
-            f"{n / total:.0%} {escape(d)}" for d, n in sorted(path.dtypes.items()) if d != main
-        )
-        text = f"{escape(main)}, {rest}"
-    if reference is not None and reference is not path and reference.dtypes:
-        mine, theirs = _nbytes(path.dtypes), _nbytes(reference.dtypes)
-        if mine > theirs * 1.2:
-            text += (
-                f"; weights {_size(mine)} vs {_size(theirs)} with `pc.load`: "
-                "the memory saving is lost"
-            )
-        elif path.dtypes.get("float32", 0) < reference.dtypes.get("float32", 0):
-            some = "fp32 islands" if "float32" not in path.dtypes else "some fp32 islands"
-            text += f" ({some} flattened)"
-    return text
 
 
 def write_card(certificate: Certificate, directory: str | Path) -> Path:

@@ -2,8 +2,8 @@
 
 A sweep judges every output on every probe and a block-wise run every block; the card lists
 each metric once per output (or layer role) with its worst value and where that was
-(:func:`folded_metrics`), and draws the parity metric of every swept output per probe as a
-small log-scaled bar chart (:func:`probe_series`).
+(:func:`folded_metrics`); the CLI's full report draws the parity metric of every swept output
+per probe as a small log-scaled bar chart (:func:`probe_series`).
 """
 
 from __future__ import annotations
@@ -154,18 +154,3 @@ def probe_series(metrics: Iterable[Measurement]) -> list[ProbeSeries]:
         for where, group in found.items()
         if len({m.probe for m in group}) > 1
     ]
-
-
-def _probe_chart(metrics: Iterable[Measurement]) -> list[str]:
-    """The card's per-probe section: one small Markdown bar chart per swept output."""
-    lines: list[str] = []
-    for series in probe_series(metrics):
-        lines += [
-            f"### {code(series.where)}: {escape(series.metric)} per probe",
-            "",
-            f"| probe | {series.metric} | {BAR_LABEL} |",
-            "|---|---|---|",
-            *(f"| {code(probe)} | {value} | `{bar}` |" for probe, value, bar in series.rows()),
-            "",
-        ]
-    return lines
