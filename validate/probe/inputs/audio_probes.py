@@ -12,7 +12,7 @@ The probes go through the model's own feature extractor (``preprocessor_config.j
 its weights) where it has one that makes ``input_values``, else through the library's
 ``Wav2Vec2FeatureExtractor`` at its defaults (the same padding rule). Each is a batch of a
 :data:`CLIP_SECONDS` clip padded beside a longer one; the longer one's length (samples) is
-the ``audio_length`` size family: intermediate lengths (:data:`GROWTH_SECONDS`, ``size-growth``
+the ``audio_length`` size family: intermediate lengths (:data:`GROWTH_SECONDS`, ``padded-audio``
 probes) while one activation stays cheap, and the declared length (:data:`DECLARED_SECONDS`,
 a ``declared-size`` probe) at every level where one forward fits
 :attr:`~.budgets.Budget.declared_activation_bytes`; the growth fit predicts past what ran.
@@ -46,6 +46,9 @@ GROWTH_SECONDS = (2, 8)
 SAMPLING_RATE = 16_000
 #: The size family these probes vary, as the certificate's ``inputs.sizes`` names it.
 FAMILY = "audio_length"
+#: Sweep kind of the padded batches below the declared length (the ledger's and a time
+#: budget's name for them); the declared one is a ``declared-size`` probe.
+GROWTH_KIND = "padded-audio"
 #: Bytes of one fp32 activation element.
 FP32 = 4
 
@@ -113,7 +116,7 @@ def padded_audio_probes(
     rate = _sampling_rate(extractor)
     declared = DECLARED_SECONDS * rate
     lengths = [
-        (s * rate, "size-growth") for s in GROWTH_SECONDS if audio_bytes(config, s * rate) <= cheap
+        (s * rate, GROWTH_KIND) for s in GROWTH_SECONDS if audio_bytes(config, s * rate) <= cheap
     ]
     runs = audio_bytes(config, declared) <= budget.declared_activation_bytes
     if runs:

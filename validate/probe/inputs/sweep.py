@@ -217,8 +217,10 @@ def replay(
     data: CalibrationData | None = None,
     component: str = "",
     train_timesteps: int | None = None,
+    directory: Path | None = None,
 ) -> ModelInputs:
-    """Rebuild the probes a certificate's ``inputs`` record describes, and check them.
+    """Rebuild the probes a certificate's ``inputs`` record describes, and check them
+    (``directory``: the source's, whose feature extractor padded its audio probes).
 
     The layout is rebuilt from the recorded seed and layout index, the sweep from the recorded
     coverage level; every rebuilt argument must match its recorded sha256.
@@ -246,6 +248,7 @@ def replay(
             component=component,
             train_timesteps=train_timesteps,
             memory=description.get("memory_budget"),
+            directory=directory,
         )
     recorded: Mapping[str, Any] = description.get("probes", {})
     probes = {p.name: p for p in (*inputs.probes, *rebuilt_contexts(model, inputs, recorded))}
