@@ -6,6 +6,7 @@ Probes at small sizes then pass a model that is NaN at 1024 px or 49 frames. So,
 small built probes, a sweep runs:
 
 - an autoencoder's encode and decode at its ``sample_size`` (pixels a side);
+- a raw-audio model on batches its feature extractor pads, up to 30 s (:mod:`.audio_probes`);
 - a denoiser at its declared latent frames (``sample_frames`` through the temporal
   compression, or ``num_frames``), at every level where one forward at the built side fits
   :attr:`~.budgets.Budget.declared_activation_bytes`, and at its ``sample_size``
