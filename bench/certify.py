@@ -56,6 +56,7 @@ REFERENCE: dict[str, dict[str, Any]] = {
     "zoo:llama-3.2-1b": {"zoo": "llama-3.2-1b", "coverage": "standard"},
     "zoo:bert-base-uncased": {"zoo": "bert-base-uncased", "coverage": "standard"},
     "zoo:stable-diffusion-1.5": {"zoo": "stable-diffusion-1.5", "coverage": "standard"},
+    "zoo:stable-diffusion-xl": {"zoo": "stable-diffusion-xl", "coverage": "standard"},
 }
 #: The reference rows ``--reference`` runs: (model, target), as the certificate's cost
 #: targets name them.

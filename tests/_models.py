@@ -273,6 +273,43 @@ def wav2vec2(hidden_size: int = 64) -> Any:
     return Wav2Vec2Model(cfg)
 
 
+#: The unit scaled in the planted wav2vec2-base-shaped model: the GroupNorm over time of the
+#: first conv layer up by :data:`PADDED_AUDIO_SCALE`, the next conv down by its inverse.
+PADDED_AUDIO_UNIT = "feature_extractor.conv_layers.0.layer_norm"
+PADDED_AUDIO_SCALE = 4000.0
+
+
+def wav2vec2_base(*, planted: bool = False) -> Any:
+    """wav2vec2-base's shape, narrow: its seven-layer feature encoder (320 samples a frame)
+    with a GroupNorm over time in the first conv layer (``feat_extract_norm="group"``) and the
+    post-norm encoder, seeded. With ``planted``, that GroupNorm's gains are scaled up so that a
+    1 s clip zero-padded to 30 s beside a long one (as its feature extractor batches it) drives
+    the layer past fp16's limit while dense audio stays under half of it; the next conv reads
+    it scaled back down, so fp32 and bf16 stay finite."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    torch.manual_seed(0)
+    cfg = Wav2Vec2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(16,) * 7,
+        conv_stride=(5, 2, 2, 2, 2, 2, 2),
+        conv_kernel=(10, 3, 3, 3, 3, 2, 2),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        feat_extract_norm="group",
+        do_stable_layer_norm=False,
+    )
+    model = Wav2Vec2Model(cfg).eval()
+    if planted:
+        with torch.no_grad():
+            model.get_submodule(PADDED_AUDIO_UNIT).weight.mul_(PADDED_AUDIO_SCALE)
+            model.feature_extractor.conv_layers[1].conv.weight.div_(PADDED_AUDIO_SCALE)
+    return model
+
+
 UNET: dict[str, Any] = {
     "sample_size": 16,
     "in_channels": 4,
@@ -635,6 +672,48 @@ def sdxl_sized_unet() -> Any:
         down_block_types=("DownBlock2D", "DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
     ).eval()
+
+
+#: The UNet's text-and-time conditioning: 8 sinusoidal features per time id, SDXL's six ids.
+SDXL_TIME_DIM = 8
+SDXL_TEXT_DIM = 16
+#: The call's side (pixels) at which the planted SDXL UNet's added embedding overflows fp16.
+SDXL_DEFAULT_SIDE = 1024
+#: The planted unit's output at the default call: past fp16's limit (at 128-768 px, under 45k).
+SDXL_PLANTED_PEAK = 1.0e5
+
+
+def sdxl_conditioned_unet(*, planted: bool = False) -> Any:
+    """:func:`sdxl_sized_unet` with SDXL's ``text_time`` added conditioning (text embeds and
+    six time ids), seeded. With ``planted``, one unit of ``add_embedding.linear_1`` reads the
+    four size ids through weights equal to their fast sinusoidal features at 1024: it peaks
+    where the ids are 1024 (the default 1024 px call) at :data:`SDXL_PLANTED_PEAK`, and
+    ``linear_2`` reads that unit scaled back down, so fp32 and bf16 stay finite."""
+    torch.manual_seed(0)
+    model = unet(
+        sample_size=128,
+        block_out_channels=(8, 8, 16),
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
+        addition_embed_type="text_time",
+        addition_time_embed_dim=SDXL_TIME_DIM,
+        projection_class_embeddings_input_dim=SDXL_TEXT_DIM + 6 * SDXL_TIME_DIM,
+    ).eval()
+    if planted:
+        with torch.no_grad():
+            features = model.add_time_proj(torch.tensor([float(SDXL_DEFAULT_SIDE)]))[0]
+            # Only the two fastest of the four frequencies ([cos | sin], fastest first): the
+            # slow ones barely tell 1024 from 256, the fast ones do.
+            features = features * torch.tensor([1.0, 1.0, 0.0, 0.0] * 2)
+            crop = torch.zeros_like(features)
+            sizes = torch.cat([features, features, crop, crop, features, features])
+            unit = model.add_embedding.linear_1
+            unit.weight[0].zero_()
+            unit.weight[0, SDXL_TEXT_DIM:] = sizes * SDXL_PLANTED_PEAK / float(sizes @ sizes)
+            unit.bias[0] = 0.0
+            model.add_embedding.linear_2.weight[:, 0] /= SDXL_PLANTED_PEAK
+    return model
 
 
 def generate(pipe: Any) -> torch.Tensor:

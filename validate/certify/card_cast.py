@@ -23,6 +23,7 @@ _SIZE_KEYS = (
     ("num_frames", "{} frames"),
     ("latent_frames", "{} latent frames"),
     ("latent_side", "{0}x{0} latents"),
+    ("audio_length", "audio padded to {} samples"),
 )
 
 

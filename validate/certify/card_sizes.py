@@ -38,6 +38,7 @@ def reach_lines(certificate: Certificate) -> list[str]:
             steps = ", ".join(f"{t:g}" for t in reach["timesteps"]["reached"])
             parts.append(f"timesteps run: {steps} (none between)")
         parts += sizes_run(c.inputs.get("sizes") or {})
+        parts += arguments_run(c.inputs.get("arguments") or {})
         if parts:
             who = f"{code(c.name)}: " if c.name else ""
             level = c.inputs.get("coverage") or "no sweep"
@@ -107,3 +108,29 @@ def _fitted(entry: dict[str, Any] | None) -> str:
     if near:
         words += f"; predicted near fp16's limit: {', '.join(near)}"
     return words
+
+
+def arguments_run(arguments: dict[str, Any]) -> list[str]:
+    """The range each forward argument was fed (per column for a row of scalars such as SDXL's
+    ``time_ids``), and the arguments not covered: never fed, or one value in every probe."""
+    fed = arguments.get("fed") or {}
+    not_covered = arguments.get("not_covered") or {}
+    parts = []
+    shown = [
+        f"{code(name)} {_span(entry)}"
+        for name, entry in fed.items()
+        if name not in not_covered and (entry.get("columns") or entry.get("range"))
+    ]
+    if shown:
+        parts.append(f"arguments fed: {', '.join(shown)}")
+    if not_covered:
+        missing = ", ".join(f"{code(name)} ({escape(why)})" for name, why in not_covered.items())
+        parts.append(f"arguments not covered: {missing}")
+    return parts
+
+
+def _span(entry: dict[str, Any]) -> str:
+    columns = entry.get("columns")
+    spans = columns if columns else [entry["range"]]
+    text = ", ".join(f"{low:g}" if low == high else f"{low:g}–{high:g}" for low, high in spans)
+    return f"[{text}]" if columns else text

@@ -13,6 +13,7 @@ from precision_convert.conversion.io.source import ModelSource
 from precision_convert.conversion.plan import PlanRecord
 from precision_convert.core.errors import CannotValidateError
 from precision_convert.validation.certify.certificate import ComponentRecord, LoadPath
+from precision_convert.validation.probe.inputs.arguments import argument_ranges
 from precision_convert.validation.probe.inputs.contexts import triggers
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.positions import reach
@@ -77,10 +78,20 @@ def component_record(
 
 
 def _with_reach(inputs: ModelInputs) -> dict[str, Any]:
-    """The probes' record, with what they reached and left untested, and which kinds of
-    trigger they searched."""
+    """The probes' record, with what they reached and left untested, the range of each forward
+    argument they fed, and which kinds of trigger they searched."""
     reached = reach(inputs)
-    return {**inputs.describe(), "reach": reached, "triggers": triggers(inputs, reached)}
+    arguments = (
+        {"arguments": argument_ranges(inputs.probes, inputs.forward_arguments)}
+        if inputs.forward_arguments
+        else {}
+    )
+    return {
+        **inputs.describe(),
+        **arguments,
+        "reach": reached,
+        "triggers": triggers(inputs, reached),
+    }
 
 
 def check_baseline(outputs: Outputs, component: Component, hint: str = "") -> None:

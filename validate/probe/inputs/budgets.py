@@ -264,14 +264,16 @@ def fit_budget(budget: Budget, model: Any, memory: int) -> Budget:
 #: (every id alone, where a causal model's token attends only to itself: the overflows of
 #: rare ids), the special tokens (BOS/EOS rows that spike), the sizes a model declares and
 #: the growth toward them (an SD VAE overflows only at 1024 px; CogVideoX at its 13th latent
-#: frame), a denoiser's first step; then the vocabulary's chunks, the lengths and positions,
-#: the repeated ids and generated contexts, padding, and the rest. The layout's own probe
+#: frame; wav2vec2 on a 1 s clip padded to 30 s), a denoiser's first step; then the
+#: vocabulary's chunks, the lengths and positions, the repeated ids and generated contexts,
+#: padding, and the rest. The layout's own probe
 #: always runs first; a kind not listed here comes last.
 CAUGHT_FIRST = (
     "first-position",
     "special",
     "declared-size",
     "size-growth",
+    "padded-audio",
     "timestep",
     "vocabulary",
     "length",
@@ -284,7 +286,6 @@ CAUGHT_FIRST = (
     "text",
     "conditioning",
     "image-size",
-    "audio-length",
     "contrast",
 )
 

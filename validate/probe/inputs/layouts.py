@@ -73,6 +73,9 @@ DECLARED_SAMPLES_CAP = 1 << 20
 #: Denoising timestep fed to diffusion models: mid-schedule on the usual 0..1000 scale, and
 #: exact in fp16 and bf16 so baseline and candidate see the same value.
 TIMESTEP = 500.0
+#: Pixels a latent of the SD-family autoencoders spans (their four levels halve three times):
+#: the pipeline's ``vae_scale_factor``, which turns latents into the call's pixel size.
+VAE_SCALE = 8
 #: Most candidate layouts tried before giving up on a model.
 MAX_CANDIDATES = 8
 
@@ -411,10 +414,11 @@ def _conditioning(ctx: _Ctx, latent: torch.Tensor) -> list[dict[str, Any]]:
     if ctx.cfg("addition_embed_type") == "text_time":
         time_dim = int(ctx.cfg("addition_time_embed_dim"))
         text = int(ctx.cfg("projection_class_embeddings_input_dim")) - 6 * time_dim
+        height, width = (VAE_SCALE * int(n) for n in latent.shape[-2:])
         options.append(
             {
                 "text_embeds": 0.5 * ctx.randn("text_embeds", BATCH, text),
-                "time_ids": torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]] * BATCH),
+                "time_ids": sdxl_time_ids(height, width, batch=BATCH),
             }
         )
     options.append(None)  # most models: nothing extra
@@ -424,6 +428,31 @@ def _conditioning(ctx: _Ctx, latent: torch.Tensor) -> list[dict[str, Any]]:
     return [
         {**out, "added_cond_kwargs": option} if option is not None else out for option in options
     ]
+
+
+def sdxl_time_ids(
+    height: int, width: int, *, crop: tuple[int, int] = (0, 0), batch: int = 1
+) -> torch.Tensor:
+    """SDXL's micro-conditioning at a call of ``height`` x ``width`` pixels, as diffusers'
+    ``StableDiffusionXLPipeline._get_add_time_ids`` builds it: ``original_size +
+    crops_coords_top_left + target_size``, where the call's defaults are ``original_size =
+    target_size = (height, width)`` and a crop at (0, 0)."""
+    row = [float(height), float(width), float(crop[0]), float(crop[1]), float(height), float(width)]
+    return torch.tensor([row] * batch)
+
+
+def at_latent_side(
+    kwargs: Mapping[str, Any], height: int, width: int, *, crop: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
+    """A denoiser's ``kwargs`` with the conditioning that depends on the call's size (SDXL's
+    ``time_ids``) recomputed for latents ``height`` x ``width``, as the pipeline computes it
+    at that size; other arguments unchanged."""
+    added = kwargs.get("added_cond_kwargs")
+    if not isinstance(added, Mapping) or not isinstance(added.get("time_ids"), torch.Tensor):
+        return dict(kwargs)
+    batch = int(added["time_ids"].shape[0])
+    ids = sdxl_time_ids(VAE_SCALE * height, VAE_SCALE * width, crop=crop, batch=batch)
+    return {**kwargs, "added_cond_kwargs": {**added, "time_ids": ids}}
 
 
 def _denoiser_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:

@@ -3,18 +3,23 @@
 - diffusion denoisers: timesteps across the schedule, including its first step (t=999 on the
   usual scale, sigma 1.0 for models taking t in [0, 1]), and realistic conditioning magnitudes;
 - autoencoders: larger images, each encoded and its latents decoded;
-- vision encoders: normalized-image contrast; speech encoders: longer audio.
+- vision encoders: normalized-image contrast (speech encoders: :mod:`.audio_probes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from precision_convert.validation.probe.inputs.budgets import Budget
-from precision_convert.validation.probe.inputs.layouts import scales_timestep, smooth_image
+from precision_convert.validation.probe.inputs.layouts import (
+    VAE_SCALE,
+    at_latent_side,
+    scales_timestep,
+    smooth_image,
+)
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,
@@ -27,6 +32,8 @@ TRAIN_TIMESTEPS = 1000
 #: Magnitude of the outlier channels in the realistic conditioning probe: CLIP text encoders'
 #: hidden states carry a few channels near +-30, the rest near unit scale.
 CONDITIONING_OUTLIER = 30.0
+#: SDXL's crop in the conditioning probe: a quarter of the image side from the top left.
+CROP_FRACTION = 4
 
 
 def timestep_values(model: Any, budget: Budget, train_timesteps: int | None) -> list[Any]:
@@ -87,6 +94,16 @@ def timestep_probes(
                     tensor.shape, seeded_generator(chosen.seed, key)
                 )
                 changed.append(key)
+        latent = next(iter(template.values()))
+        added = kwargs.get("added_cond_kwargs")
+        crop: dict[str, Any] = {}
+        if isinstance(added, Mapping) and "time_ids" in added and isinstance(latent, torch.Tensor):
+            # SDXL's time ids with a crop off the origin (users crop; the default call does not).
+            height, width = (int(n) for n in latent.shape[-2:])
+            offset = (VAE_SCALE * height // CROP_FRACTION, VAE_SCALE * width // CROP_FRACTION)
+            kwargs = at_latent_side(kwargs, height, width, crop=offset)
+            crop = {"crop": list(offset)}
+            changed.append("added_cond_kwargs.time_ids")
         if changed:
             probes.append(
                 Probe(
@@ -99,6 +116,7 @@ def timestep_probes(
                         "arguments": changed,
                         "seed": chosen.seed,
                         "outlier": CONDITIONING_OUTLIER,
+                        **crop,
                     },
                     max_output=budget.max_output,
                 )
@@ -175,20 +193,3 @@ def contrast_probes(chosen: ModelInputs, budget: Budget) -> list[Probe]:
     kwargs = {**template, key: (template[key] * NORMALIZED_SPAN).clamp(-2.1, 2.6)}
     how = {"kind": "contrast", "scale": NORMALIZED_SPAN, "clamp": [-2.1, 2.6]}
     return [Probe("forward:contrast", "forward", kwargs, sweep=how, max_output=budget.max_output)]
-
-
-def longer_audio_probes(chosen: ModelInputs, budget: Budget) -> list[Probe]:
-    """Raw-audio encoders on a clip four times longer (one sample): positions and conv edges."""
-    if budget.level == "quick":
-        return []
-    template = chosen.probes[0].kwargs
-    audio = template.get("input_values")
-    if not isinstance(audio, torch.Tensor) or audio.dim() != 2:
-        return []
-    samples = int(audio.shape[1]) * 4
-    g = seeded_generator(chosen.seed, "audio-4x")
-    longer = 0.1 * torch.randn(1, samples, generator=g)
-    kwargs = {k: v for k, v in template.items() if k != "attention_mask"}
-    kwargs["input_values"] = longer
-    how = {"kind": "audio-length", "samples": samples, "seed": chosen.seed}
-    return [Probe("forward:audio-4x", "forward", kwargs, sweep=how, max_output=budget.max_output)]

@@ -115,6 +115,9 @@ class ModelInputs:
     #: (:func:`~precision_convert.validation.probe.run.time_budget.fit_to_budget`). None:
     #: no budget was given.
     budget: Mapping[str, Any] | None = None
+    #: The arguments of ``forward`` that take an input (set by the sweep): what the
+    #: certificate's ``inputs.arguments`` measures the probes against.
+    forward_arguments: tuple[str, ...] = ()
 
     @property
     def judged_share(self) -> float:

@@ -6,6 +6,7 @@ Probes at small sizes then pass a model that is NaN at 1024 px or 49 frames. So,
 small built probes, a sweep runs:
 
 - an autoencoder's encode and decode at its ``sample_size`` (pixels a side);
+- a raw-audio model on batches its feature extractor pads, up to 30 s (:mod:`.audio_probes`);
 - a denoiser at its declared latent frames (``sample_frames`` through the temporal
   compression, or ``num_frames``), at every level where one forward at the built side fits
   :attr:`~.budgets.Budget.declared_activation_bytes`, and at its ``sample_size``
@@ -30,12 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from precision_convert.validation.probe.inputs.audio_probes import FAMILY as AUDIO
+from precision_convert.validation.probe.inputs.audio_probes import padded_audio_probes
 from precision_convert.validation.probe.inputs.budgets import Budget, bytes_per_token
-from precision_convert.validation.probe.inputs.layouts import smooth_image
+from precision_convert.validation.probe.inputs.layouts import at_latent_side, smooth_image
 from precision_convert.validation.probe.inputs.media_probes import encode_decode
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
@@ -60,7 +64,7 @@ SMALLEST_LATENT_SIDE = 8
 #: every level, so they stay cheap (an SD-1.5-sized VAE at 256 px takes 32 MiB).
 GROWTH_ACTIVATION_BYTES = 256 << 20
 #: The size families probes vary, as the certificate's ``inputs.sizes`` names them.
-FAMILIES = ("image_side", "latent_side", "latent_frames", "sequence_length")
+FAMILIES = ("image_side", "latent_side", "latent_frames", "sequence_length", AUDIO)
 
 
 def _first(value: Any) -> int | None:
@@ -143,13 +147,17 @@ def _size(
 
 
 def declared_size_probes(
-    model: Any, chosen: ModelInputs, budget: Budget
+    model: Any, chosen: ModelInputs, budget: Budget, directory: Path | None = None
 ) -> tuple[list[Probe], dict[str, Any]]:
-    """Probes at the sizes ``model`` declares beyond the built ones, and the sizes record."""
+    """Probes at the sizes ``model`` declares beyond the built ones, and the sizes record
+    (``directory``: where the model was loaded from, whose feature extractor pads audio)."""
     config = getattr(model, "config", None)
     first = chosen.probes[0] if chosen.probes else None
     if config is None or first is None:
         return [], {}
+    audio = first.kwargs.get("input_values")
+    if chosen.task == "speech" and isinstance(audio, torch.Tensor) and audio.dim() == 2:
+        return padded_audio_probes(config, chosen, budget, directory, cheap=GROWTH_ACTIVATION_BYTES)
     if chosen.task == "vae" and first.method == "encode":
         return _autoencoder(config, chosen, budget)
     if chosen.task == "denoise" and first.method == "forward" and "img_ids" not in first.kwargs:
@@ -253,6 +261,7 @@ class Latents:
         label = f"{side}x{side}" + (f"x{frames}f" if self.frame_axis is not None else "")
         g = seeded_generator(self.seed, f"declared-{label}")
         kwargs = {**_at_batch_one(dict(self.template)), self.name: torch.randn(*shape, generator=g)}
+        kwargs = at_latent_side(kwargs, side, side)  # SDXL's time ids: the call at this size
         how = {
             "kind": kind,
             "latent_side": side,
@@ -266,7 +275,8 @@ class Latents:
 
 def probe_sizes(config: Any, inputs: ModelInputs) -> dict[str, dict[str, int]]:
     """Per probe, its size in each family it varies: an autoencoder's image side (a decode
-    takes its encode's), a denoiser's latent side and frames, a token model's sequence
+    takes its encode's), a denoiser's latent side and frames, a padded audio batch's length
+    (samples), a token model's sequence
     length (rows given ``position_ids`` offsets left out: their positions, not their length,
     are what they probe)."""
     out: dict[str, dict[str, int]] = {}
@@ -290,6 +300,8 @@ def probe_sizes(config: Any, inputs: ModelInputs) -> dict[str, dict[str, int]]:
                     found["latent_frames"] = int(
                         latent.shape[2 if latent.shape[1] == channels else 1]
                     )
+        elif AUDIO in probe.sweep:
+            found[AUDIO] = int(probe.sweep[AUDIO])
         elif argument and probe.method == "forward" and "position_ids" not in probe.kwargs:
             ids = probe.kwargs.get(argument)
             lead = (probe.prefix or {}).get(argument)  # rows continuing a cached prefix

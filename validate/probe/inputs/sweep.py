@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from precision_convert.core.errors import CannotValidateError
+from precision_convert.validation.probe.inputs.arguments import input_arguments
 from precision_convert.validation.probe.inputs.budgets import (
     DEFAULT_LEVEL,
     Budget,
@@ -49,7 +50,6 @@ from precision_convert.validation.probe.inputs.layouts import input_candidates
 from precision_convert.validation.probe.inputs.media_probes import (
     contrast_probes,
     image_size_probes,
-    longer_audio_probes,
     timestep_probes,
 )
 from precision_convert.validation.probe.inputs.model_inputs import (
@@ -87,6 +87,7 @@ def sweep(
     component: str = "",
     train_timesteps: int | None = None,
     memory: int | None = None,
+    directory: Path | None = None,
 ) -> ModelInputs:
     """``chosen`` plus the probes ``level`` sweeps for this model, plus user data.
 
@@ -109,6 +110,7 @@ def sweep(
             probes are sized to it and few, since each is a pass over every block (see
             :func:`~.budgets.fit_budget`); the certificate notes how much of the vocabulary
             was reached.
+        directory: where the model was loaded from (its feature extractor pads audio).
     """
     budget = (
         fit_budget(budget_for(level), model, memory)
@@ -124,7 +126,7 @@ def sweep(
         made, made_notes = _built(model, chosen, budget, tok, train_timesteps)
         probes += made
         notes += made_notes
-        declared, sizes = declared_size_probes(model, chosen, budget)
+        declared, sizes = declared_size_probes(model, chosen, budget, directory)
         probes += declared
     if data is not None:
         probes += user_probes(
@@ -150,6 +152,11 @@ def sweep(
         memory=memory,
         limits=token_limits(spec) if spec is not None else None,
         sizes=sizes or None,
+        forward_arguments=(
+            input_arguments(model.forward)
+            if first is not None and first.method == "forward"
+            else ()
+        ),
     )
 
 
@@ -183,6 +190,7 @@ class SweepSettings:
             component=component,
             train_timesteps=train_timesteps_of(directory) if directory is not None else None,
             memory=memory,
+            directory=directory,
         )
 
 
@@ -209,8 +217,10 @@ def replay(
     data: CalibrationData | None = None,
     component: str = "",
     train_timesteps: int | None = None,
+    directory: Path | None = None,
 ) -> ModelInputs:
-    """Rebuild the probes a certificate's ``inputs`` record describes, and check them.
+    """Rebuild the probes a certificate's ``inputs`` record describes, and check them
+    (``directory``: the source's, whose feature extractor padded its audio probes).
 
     The layout is rebuilt from the recorded seed and layout index, the sweep from the recorded
     coverage level; every rebuilt argument must match its recorded sha256.
@@ -238,6 +248,7 @@ def replay(
             component=component,
             train_timesteps=train_timesteps,
             memory=description.get("memory_budget"),
+            directory=directory,
         )
     recorded: Mapping[str, Any] = description.get("probes", {})
     probes = {p.name: p for p in (*inputs.probes, *rebuilt_contexts(model, inputs, recorded))}
@@ -299,8 +310,6 @@ def _built(
         k in first.kwargs for k in ("input_ids", "text")
     ):
         probes += contrast_probes(chosen, budget)
-    if chosen.task == "speech":
-        probes += longer_audio_probes(chosen, budget)
     return probes, notes
 
 

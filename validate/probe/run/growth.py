@@ -35,6 +35,7 @@ WORDS = {
     "latent_side": "latent side",
     "latent_frames": "latent frames",
     "sequence_length": "sequence length",
+    "audio_length": "padded audio length (samples)",
     # A pipeline's call: the pixels and frames it defaults to.
     "height": "height (px)",
     "width": "width (px)",
