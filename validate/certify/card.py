@@ -27,6 +27,7 @@ from precision_convert.core.dtypes import BY_TORCH_NAME, Target
 from precision_convert.core.patterns import REPO_ID, code_files
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_metrics import _probe_chart, _rows
+from precision_convert.validation.certify.card_proofs import proof_lines
 from precision_convert.validation.certify.card_sizes import reach_lines
 from precision_convert.validation.certify.card_text import (
     certified,
@@ -224,6 +225,7 @@ def render(
     lines += _loading(certificate, repo_id)
     lines += _code_files(certificate)
     lines += _limitations(certificate)
+    lines += proof_lines(certificate)
     lines += _parity(certificate)
     lines += _components(certificate)
     lines += _charts(charts)
