@@ -428,6 +428,7 @@ def module_status(
         elements = sum(n for n, s in owned.values() if s == kind)
         out[kind] = {
             "modules": [role.label for role in fold(names)],
+            "count": len(names),
             "parameters": elements,
             "share": round(elements / total, 6),
         }

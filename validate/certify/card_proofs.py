@@ -40,15 +40,16 @@ def proof_lines(certificate: Certificate) -> list[str]:
 def _component(name: str, record: Mapping[str, Any]) -> list[str]:
     who = f"{code(name)}: " if name else ""
     lines = [
-        f"{who}each module against {record['limit']:.6g} with margin {record['margin']:g}.",
+        f"{who}every module that owns a parameter, against {record['limit']:.6g} (the compute "
+        f"dtype's largest finite value) with a margin of {record['margin']:g}x:",
         "",
         "| status | parameters | modules |",
         "|---|---|---|",
     ]
     for status, title in TITLES.items():
         entry = record.get(status) or {}
-        modules = entry.get("modules") or []
-        lines.append(f"| {escape(title)} | {100 * entry.get('share', 0.0):.1f}% | {len(modules)} |")
+        share = 100 * entry.get("share", 0.0)
+        lines.append(f"| {escape(title)} | {share:.1f}% | {entry.get('count', 0)} |")
     sampled = (record.get("sampled_only") or {}).get("modules") or []
     lines.append("")
     if sampled:
