@@ -28,6 +28,7 @@ from precision_convert.core.patterns import CERTIFICATE_NAME, REPO_ID, code_file
 from precision_convert.validation.certify.card_cast import cast_warning
 from precision_convert.validation.certify.card_loading import ways_of_loading
 from precision_convert.validation.certify.card_metrics import _rows
+from precision_convert.validation.certify.card_proofs import proof_lines
 from precision_convert.validation.certify.card_sizes import reach_lines
 from precision_convert.validation.certify.card_text import (
     certified,
@@ -213,6 +214,7 @@ def render(
     lines += _loading(certificate, repo_id)
     lines += _code_files(certificate)
     lines += _limitations(certificate)
+    lines += proof_lines(certificate)
     lines += _parity(certificate)
     lines += _components(certificate)
     lines += _charts(charts)

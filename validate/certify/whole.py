@@ -83,7 +83,9 @@ def _validate_whole(
     record, thresholds = component_record(component, swept.task, swept.inputs, "whole")
     choices = swept.attention
     record.attention = choices.to_json() if choices is not None and choices.default else None
-    record.calibration = swept.calibration_record()
+    record.calibration = swept.calibration_record(
+        component.record.fp32_modules, component.compute_dtype
+    )
     record.inputs["triggers"] = with_bounds(record.inputs.get("triggers", {}), record.calibration)
     metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
     if shared is not None and shared.candidate is not None:

@@ -450,18 +450,19 @@ def with_bounds(found: dict[str, Any], calibration: Mapping[str, Any] | None) ->
     if search.get("searched"):
         out["pairs"] = {
             "searched": True,
-            "how": "gradient-guided search for the worst context of each bound near the limit",
+            "how": "gradient-guided search for the worst context of each bound near the limit "
+            "and of each sound bound not proven below it",
             "modules": len(search["searched"]),
             "seconds": search.get("seconds"),
             "highest_peak": search.get("highest_peak"),
         }
     elif search.get("not_searched"):
         out["pairs"] = {"searched": False, "why": f"not searched: {search['not_searched']}"}
-    elif search and not search.get("near_limit"):
+    elif search and not search.get("near_limit") and not search.get("sound_targets"):
         out["pairs"] = {
             "searched": False,
             "why": "not searched: no bound (conditional on the factor peaks seen) came near "
-            "fp16's limit",
+            "fp16's limit, and every sound bound was proven below it",
         }
     return out
 

@@ -10,6 +10,14 @@ tries a batch of single-token swaps drawn from them, and moves to the best when 
 It starts from the id windows where the bound's factors peaked during the sweep (the token
 that peaked the up factor followed by the one that peaked the gate, and the reverse).
 
+Observed peaks miss what no probe reached, and a gradient cannot lead there: behind a ReLU at
+zero, or a product of two factors that are both zero, it is zero. So the search also starts
+from the channels whose sound bound (:mod:`~precision_convert.conversion.analysis.proofs`, from
+the weights alone) is largest and not proven: it tries every ordering of up to
+:data:`LONGEST_COMBINATION` of the tokens that drive those channels' factor rows most directly
+(:func:`~precision_convert.conversion.analysis.proofs.driving_tokens`), then climbs from the
+best.
+
 The search costs a share of the certificate's floor (:attr:`~.budgets.Budget.context_search`):
 none at ``quick``. The worst context found becomes a probe like any other (kind ``context``,
 its ids recorded inline), so the fp32 baseline, every candidate and every load path are judged
@@ -18,6 +26,7 @@ on it, and calibration sees its peaks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +35,8 @@ from typing import Any
 import torch
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN
-from precision_convert.conversion.analysis.factors import Bound
+from precision_convert.conversion.analysis.factors import CONVEX, PRODUCT, Bound
+from precision_convert.conversion.analysis.proofs import SoundBound, driving_tokens
 from precision_convert.core.dtypes import WATCHED_RANGE, FiniteRange
 from precision_convert.validation.probe.inputs.context_probes import context_probe
 from precision_convert.validation.probe.inputs.model_inputs import (
@@ -47,6 +57,16 @@ MIN_LENGTH = 8
 #: Most bounded modules searched, and most context probes added (the highest peaks first).
 MOST_TARGETS = 8
 MOST_PROBES = 4
+#: Unproven sound bounds searched (the largest first), the tokens driving them that are
+#: combined, and the most of them in one seed: 8 tokens give 8 + 56 + 336 seeds.
+MOST_SOUND_TARGETS = 4
+DRIVING_TOKENS = 8
+LONGEST_COMBINATION = 3
+
+
+#: Where a search started (:attr:`Found.origin`).
+OBSERVED = "observed factor peaks"
+SOUND = "sound bound"
 
 
 class _Reached(Exception):
@@ -64,6 +84,7 @@ class Found:
     start_peak: float
     peak: float
     context: tuple[int, ...]
+    origin: str = OBSERVED
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +99,7 @@ class Found:
             "start_peak": self.start_peak,
             "peak": self.peak,
             "context": list(self.context),
+            "from": self.origin,
         }
 
 
@@ -85,6 +107,33 @@ def near_bounds(bounds: Sequence[Bound], limit: FiniteRange) -> list[Bound]:
     """Bounds within the activation margin of ``limit``, highest first."""
     near = limit.finite_max / ACTIVATION_MARGIN
     return sorted((b for b in bounds if b.bound > near), key=lambda b: -b.bound)
+
+
+def sound_targets(
+    model: Any, proofs: Sequence[SoundBound], observed: Sequence[Bound], limit: FiniteRange
+) -> list[Bound]:
+    """The largest channels of the sound bounds not proven below ``limit`` (a gated MLP's
+    down input, attention's output projection input), as search targets seeded with every
+    ordering of up to :data:`LONGEST_COMBINATION` of the tokens that drive the largest sound
+    bounds (:func:`~precision_convert.conversion.analysis.proofs.driving_tokens`)."""
+    unproven = sorted(
+        (
+            p
+            for p in proofs
+            if p.kind in (PRODUCT, CONVEX) and not p.proven(limit.finite_max, ACTIVATION_MARGIN)
+        ),
+        key=lambda p: -(p.input or 0.0),
+    )[:MOST_SOUND_TARGETS]
+    if not unproven:
+        return []
+    tokens = driving_tokens(model, proofs, DRIVING_TOKENS)
+    seeds = tuple(
+        combination
+        for n in range(1, LONGEST_COMBINATION + 1)
+        for combination in itertools.permutations(tokens, n)
+    )
+    seen = {(b.module, b.side): b.observed for b in observed}
+    return [p.as_target(seen.get((p.module, "input"), 0.0), seeds) for p in unproven]
 
 
 def searchable(model: Any, inputs: ModelInputs) -> TokenSpec | str:
@@ -158,6 +207,7 @@ def _search_one(
     deadline: float,
     steps_left: int,
     generator: torch.Generator,
+    origin: str,
 ) -> Found:
     objective = _Objective(model, bound, device)
     embedding = model.get_input_embeddings().weight.detach()[:vocab]
@@ -194,7 +244,8 @@ def _search_one(
         else:
             stalled += 1
         last = time.perf_counter() - began
-    return Found(bound, len(contexts), steps, evaluations, start, best, tuple(ids[0].tolist()))
+    context = tuple(ids[0].tolist())
+    return Found(bound, len(contexts), steps, evaluations, start, best, context, origin)
 
 
 def search_contexts(
@@ -206,15 +257,24 @@ def search_contexts(
     steps: int,
     device: torch.device,
     seed: int,
+    sound: Sequence[Bound] = (),
 ) -> tuple[list[Probe], dict[str, Any]]:
     """Search ``model`` (fp32, resident) for the worst context of each bound near the range
-    every certificate watches (fp16's limit), within ``seconds`` and ``steps`` per module;
-    returns the probes of the contexts that beat the sweep's peak (highest first) and the
-    certificate's record of the search."""
-    targets = near_bounds(bounds, WATCHED_RANGE)
+    every certificate watches (fp16's limit), and of each ``sound`` target
+    (:func:`sound_targets`), within ``seconds`` and ``steps`` per module; returns the probes
+    of the contexts that beat the sweep's peak (highest first) and the certificate's record
+    of the search."""
+    near = near_bounds(bounds, WATCHED_RANGE)
+    picked = {(b.module, b.side, b.channel) for b in near[:MOST_TARGETS]}
+    sound = [b for b in sound if (b.module, b.side, b.channel) not in picked]
+    targets = [
+        *((b, OBSERVED) for b in near[:MOST_TARGETS]),
+        *((b, SOUND) for b in sound[:MOST_SOUND_TARGETS]),
+    ]
     record: dict[str, Any] = {
         "budget_seconds": round(seconds, 3),
-        "near_limit": len(targets),
+        "near_limit": len(near),
+        "sound_targets": len(sound),
         "searched": [],
         "highest_peak": None,
         "seconds": 0.0,
@@ -228,16 +288,16 @@ def search_contexts(
     deadline = began + seconds
     generator = seeded_generator(seed, "context-search")
     found: list[Found] = []
-    for k, bound in enumerate(targets[:MOST_TARGETS]):
+    for k, (bound, origin) in enumerate(targets):
         # Each module gets an equal share of what is left; seeds are always tried.
-        share = (deadline - time.perf_counter()) / (min(len(targets), MOST_TARGETS) - k)
+        share = (deadline - time.perf_counter()) / (len(targets) - k)
         end = time.perf_counter() + max(share, 0.0)
-        found.append(_search_one(model, bound, spec.vocab, device, end, steps, generator))
+        found.append(_search_one(model, bound, spec.vocab, device, end, steps, generator, origin))
     record["seconds"] = round(time.perf_counter() - began, 3)
     record["searched"] = [f.to_json() for f in found]
     record["highest_peak"] = max(f.peak for f in found)
-    if len(targets) > MOST_TARGETS:
-        record["not_searched"] = f"{len(targets) - MOST_TARGETS} more modules near the limit"
+    if len(near) > MOST_TARGETS:
+        record["not_searched"] = f"{len(near) - MOST_TARGETS} more modules near the limit"
     worse = sorted((f for f in found if f.peak > f.bound.observed), key=lambda f: -f.peak)
     template = inputs.probes[0].kwargs
     probes = [

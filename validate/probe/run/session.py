@@ -24,14 +24,22 @@ from typing import Any
 
 import torch
 
+from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN
 from precision_convert.conversion.analysis.factors import (
     Bound,
     FactorRecorder,
     holding,
     recording_factors,
 )
+from precision_convert.conversion.analysis.proofs import (
+    SoundBound,
+    module_status,
+    parameter_owners,
+    sound_bounds,
+)
 from precision_convert.conversion.io.hashing import hash_paths
 from precision_convert.conversion.runtime.memory import freed, large_allocations_mapped
+from precision_convert.core.dtypes import WATCHED_RANGE
 from precision_convert.validation.probe.inputs.budgets import activation_allowance, budget_for
 from precision_convert.validation.probe.inputs.layouts import input_candidates, inputs_from_tensors
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
@@ -42,7 +50,7 @@ from precision_convert.validation.probe.run.attention import (
     attention_choices,
     outputs_by_attention,
 )
-from precision_convert.validation.probe.run.contexts import search_contexts
+from precision_convert.validation.probe.run.contexts import search_contexts, sound_targets
 from precision_convert.validation.probe.run.execute import (
     Outputs,
     resolve,
@@ -89,15 +97,28 @@ class Swept:
     #: Bounds a probe passed (:func:`~precision_convert.conversion.analysis.factors.holding`):
     #: reported, not used.
     refuted: tuple[Bound, ...] = ()
+    #: The weights-only bounds (:mod:`~precision_convert.conversion.analysis.proofs`) and the
+    #: parameters of every module, for the proven/islanded/sampled table.
+    proofs: tuple[SoundBound, ...] = ()
+    owners: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
-    def calibration_record(self) -> dict[str, Any]:
-        """The certificate's ``calibration`` record of this session: the bound table and
-        the context search."""
-        return {
+    def calibration_record(
+        self, fp32_modules: tuple[str, ...] = (), compute: torch.dtype | None = None
+    ) -> dict[str, Any]:
+        """The certificate's ``calibration`` record of this session: the bound table, the
+        context search and, for a ``compute`` dtype below fp32, each module as proven,
+        islanded (one of ``fp32_modules``) or sampled only against its finite range."""
+        record: dict[str, Any] = {
             "bounds": [b.to_json() for b in self.bounds],
             "context_search": dict(self.context_search) if self.context_search else None,
             "refuted": [b.to_json() for b in self.refuted],
         }
+        if compute is not None and compute.is_floating_point and compute.itemsize < 4:
+            limit = float(torch.finfo(compute).max)
+            record["modules"] = module_status(
+                self.owners, self.proofs, fp32_modules, limit, ACTIVATION_MARGIN
+            )
+        return record
 
     @property
     def resolved(self) -> ModelInputs:
@@ -225,6 +246,7 @@ def fp32_session(
         choices = attention_choices(fp32.model) if attention else None
         others = len(choices.others) if choices is not None else 0
         factors = FactorRecorder(fp32.model)
+        proofs = sound_bounds(fp32.model)
 
         def recorded(model: Any, probes: ModelInputs) -> Outputs:
             # The factor hooks keep small blocks live between a forward's activations, as
@@ -252,11 +274,13 @@ def fp32_session(
             inputs,
             outputs,
             holding(factors.bounds(fp32.model))[0],
+            proofs,
             settings,
             time.perf_counter() - began,
             device,
         )
         bounds, refuted = holding(factors.bounds(fp32.model))  # the contexts' peaks included
+        owners = parameter_owners(fp32.model)
         if choices is not None:
             choices, by_attention = outputs_by_attention(
                 fp32.model,
@@ -283,6 +307,8 @@ def fp32_session(
         tuple(bounds),
         searched,
         tuple(refuted),
+        tuple(proofs),
+        owners,
     )
 
 
@@ -292,12 +318,14 @@ def _worst_contexts(
     inputs: ModelInputs,
     outputs: Outputs,
     bounds: list[Bound],
+    proofs: list[SoundBound],
     settings: SweepSettings,
     swept_seconds: float,
     device: torch.device,
 ) -> tuple[ModelInputs, Outputs, dict[str, Any]]:
     """The sweep's probes and outputs with the worst contexts the search finds for the
-    bounds near fp16's limit (run with ``run``, so what it records sees them too), and the
+    bounds near fp16's limit and the largest sound bounds ``proofs`` do not prove below it
+    (run with ``run``, so what it records sees them too), and the
     search's record. Its budget is the level's share of the floor, estimated as twice the fp32
     sweep's ``swept_seconds`` (the fp32 sweep, and the candidate's of the same probes)."""
     budget = budget_for(settings.level)
@@ -313,6 +341,7 @@ def _worst_contexts(
         steps=budget.context_steps,
         device=device,
         seed=inputs.seed,
+        sound=sound_targets(model, proofs, bounds, WATCHED_RANGE),
     )
     if not probes:
         return inputs, outputs, record
