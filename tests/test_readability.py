@@ -644,7 +644,7 @@ def test_a_conversion_report_fits_a_screen(
 @pytest.mark.parametrize("name", SUMMARISED)
 def test_the_card_opens_with_loading_and_limitations(zoo_converted: Any, name: str) -> None:
     """A Hub visitor reads how to load the model and what was not judged before line 60,
-    the detail tables after, in a card under 12 KB (a pipeline's 20 KB): per-probe values stay
+    the detail tables after, in a card under 12 KB (a pipeline's 24 KB): per-probe values stay
     in the certificate, which stays far below a megabyte."""
     from huggingface_hub import ModelCard
 
@@ -654,7 +654,7 @@ def test_the_card_opens_with_loading_and_limitations(zoo_converted: Any, name: s
     at = {line: i + 1 for i, line in reversed(list(enumerate(lines))) if line.startswith("## ")}
     assert at["## Loading"] < at["## Limitations"] < 60, at
     # a pipeline's card names each component's ways of loading: five components' rows
-    assert len(card.encode()) < (20_000 if (output / "model_index.json").exists() else 12_000)
+    assert len(card.encode()) < (24_000 if (output / "model_index.json").exists() else 12_000)
     assert "rel_l2 per probe" not in card
     assert "Every probe's value of every metric is in `precision_certificate.json`" in card
     assert at["## Limitations"] < at["## Parity"] < at["## Ways of loading"]

@@ -21,6 +21,9 @@ TITLES = {
     "sampled_only": "sampled only (range as the probes measured it)",
 }
 
+#: Most sampled-only module roles a component's line names (the certificate names them all).
+MAX_NAMED = 12
+
 
 def proof_lines(certificate: Certificate) -> list[str]:
     """The ``## Range proofs`` section, or nothing where no component has the record."""
@@ -53,7 +56,10 @@ def _component(name: str, record: Mapping[str, Any]) -> list[str]:
     sampled = (record.get("sampled_only") or {}).get("modules") or []
     lines.append("")
     if sampled:
-        lines.append("Sampled only: " + ", ".join(code(m) for m in sampled) + ".")
+        shown = [code(m) if m else "the model's own parameters" for m in sampled[:MAX_NAMED]]
+        more = len(sampled) - MAX_NAMED
+        rest = f" and {more} more (the certificate's `calibration.modules`)" if more > 0 else ""
+        lines.append("Sampled only: " + ", ".join(shown) + rest + ".")
         top = record.get("largest_unproven")
         if isinstance(top, Mapping):
             lines.append(
