@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cache
 
 from torch import nn
 
@@ -84,16 +83,13 @@ def _named_by_parent(model: nn.Module, name: str) -> bool:
     while isinstance(parent, _CONTAINERS) and parent_name:
         parent_name, _, attribute = parent_name.rpartition(".")
         parent = model.get_submodule(parent_name)
-    cls: Hashable = type(parent)
-    return _class_names(cls, attribute)
+    return _class_names(type(parent), attribute)
 
 
-@cache
-def _class_names(cls: Hashable, attribute: str) -> bool:
+def _class_names(cls: type, attribute: str) -> bool:
     name = re.escape(attribute)
     # A use, not the assignment that made it (``self.pooler = ...`` in ``__init__``).
     pattern = re.compile(rf"self\.{name}\b(?!\s*=[^=])|getattr\(self, *[\"']{name}[\"']")
-    assert isinstance(cls, type)
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch.") or klass is object:
             continue
