@@ -111,7 +111,8 @@ def test_every_problem_of_a_manifest_is_reported_with_what_was_meant(tmp_path: P
     assert done.exit_code == 2 and "Traceback" not in done.output, done.output
     assert done.stderr.splitlines() == [
         f"precision-convert: {manifest}:4: [defaults]: unknown key 'calbrate' (did you mean "
-        "'calibrate'?) (known: allow_nonfinite_source, budget, calibrate, calibration_data, "
+        "'calibrate'?) (known: allow_nonfinite_source, allow_unexercised, budget, calibrate, "
+        "calibration_data, "
         "coverage, "
         "create_pr, device, inputs, keep_fp32, output_dir, private, push, recipe, revision, to, "
         "trust_remote_code, variant)",

@@ -393,6 +393,7 @@ def _certify(
             budget=options.budget,
             trust_remote_code=options.trust_remote_code,
             allow_nonfinite_source=options.allow_nonfinite_source,
+            allow_unexercised=options.allow_unexercised,
             prior=prior,
             source_read=read,
         )

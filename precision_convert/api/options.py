@@ -40,6 +40,8 @@ class ConversionOptions:
         allow_nonfinite_source: convert a source whose own weights hold NaN or ±inf (beyond
             attention masks stored as ±inf by design), which is refused otherwise; its
             certificate then fails, naming the tensors.
+        allow_unexercised: module patterns (``COMPONENT/MODULE`` in a pipeline) that no probe
+            may run: recorded as not covered instead of failing the certificate.
         variant: write the weights under the Hub's variant names (``model.<variant>.
             safetensors``…) and keep the source's config files unchanged, so the output can
             be added to the source repo and loaded with ``from_pretrained(..., variant=)``;
@@ -57,6 +59,7 @@ class ConversionOptions:
     device: str | None = None
     trust_remote_code: bool = False
     allow_nonfinite_source: bool = False
+    allow_unexercised: tuple[str, ...] = ()
     variant: str | None = None
 
     @classmethod
@@ -74,8 +77,9 @@ class ConversionOptions:
         unknown = sorted(set(keywords) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
-        if "keep_fp32" in keywords:
-            keywords["keep_fp32"] = tuple(keywords["keep_fp32"])
+        for listed in ("keep_fp32", "allow_unexercised"):
+            if listed in keywords:
+                keywords[listed] = tuple(keywords[listed])
         if options is None:
             return cls(**keywords)
         differ = sorted(k for k, v in keywords.items() if v != getattr(options, k))
@@ -102,6 +106,7 @@ class OptionKeywords(TypedDict, total=False):
     trust_remote_code: bool
     variant: str | None
     allow_nonfinite_source: bool
+    allow_unexercised: Sequence[str]
 
 
 #: Option names, in declaration order (a batch manifest's keys among them).

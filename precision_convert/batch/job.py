@@ -192,6 +192,7 @@ def validate_stage(job: Job, settings: Settings, outcome: Outcome, device: str |
                 budget=options.budget,
                 trust_remote_code=options.trust_remote_code,
                 allow_nonfinite_source=options.allow_nonfinite_source,
+                allow_unexercised=options.allow_unexercised,
             )
         except CannotValidateError:
             # With the failing certificate saying what is missing.

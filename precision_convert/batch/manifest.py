@@ -47,7 +47,7 @@ OPTION_KEYS = frozenset(
 _BOOL_KEYS = frozenset(
     {"calibrate", "trust_remote_code", "allow_nonfinite_source", "create_pr", "private"}
 )
-_LIST_KEYS = frozenset({"to", "keep_fp32"})  # a string or a list of strings
+_LIST_KEYS = frozenset({"to", "keep_fp32", "allow_unexercised"})  # a string or a list of strings
 _PATH_KEYS = frozenset({"calibration_data", "inputs"})
 #: ``push = "pr"``: a variant pull request into the source repo.
 PUSH_PR = "pr"

@@ -483,6 +483,16 @@ AllowNonfiniteSourceOption = Annotated[
     ),
 ]
 
+AllowUnexercisedOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-unexercised",
+        metavar="MODULE",
+        help="Record modules matching MODULE that no probe ran as not covered instead of "
+        "failing the certificate (repeatable; pipelines: COMPONENT/MODULE; the card says so).",
+    ),
+]
+
 #: The libraries' own messages, held back inside the command's stages (see
 #: :mod:`precision_convert.core.quiet`), shown.
 VerboseOption = Annotated[

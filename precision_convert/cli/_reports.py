@@ -341,7 +341,11 @@ def print_certificate(
         probe_series,
     )
     from precision_convert.validation.certify.certificate import SMOKE_PASS
-    from precision_convert.validation.certify.consistency import BUDGET, budget_limited
+    from precision_convert.validation.certify.consistency import (
+        BUDGET,
+        budget_limited,
+        modules_not_covered,
+    )
 
     folded = folded_metrics(certificate.metrics)
     shown = folded if full else nearest_bounds(folded, SUMMARY_ROWS)
@@ -405,6 +409,8 @@ def print_certificate(
         for item in certificate.not_covered or ():
             if item.get("why") == BUDGET:
                 out.print(literal(f"not covered: {item['what']} (budget)"), soft_wrap=True)
+    if (modules := modules_not_covered(certificate)) is not None:
+        out.print(literal(modules), soft_wrap=True)
     verdict = f"verdict: [bold {colour}]{literal(certificate.verdict)}[/]"
     out.print(verdict + (f", {literal(limited)}" if limited else ""), soft_wrap=True)
 

@@ -9,6 +9,7 @@ import typer
 
 from precision_convert.cli._common import (
     AllowNonfiniteSourceOption,
+    AllowUnexercisedOption,
     BudgetOption,
     CalibrationDataOption,
     CoverageOption,
@@ -102,6 +103,7 @@ def model(
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
     allow_nonfinite_source: AllowNonfiniteSourceOption = False,
+    allow_unexercised: AllowUnexercisedOption = None,
     variant: Annotated[
         str | None,
         typer.Option(
@@ -174,6 +176,7 @@ def model(
                     device=None if device == "auto" else device,
                     trust_remote_code=trust_remote_code,
                     allow_nonfinite_source=allow_nonfinite_source,
+                    allow_unexercised=tuple(allow_unexercised or ()),
                     variant=variant,
                 )
                 result = convert(

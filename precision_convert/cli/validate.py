@@ -9,6 +9,7 @@ import typer
 
 from precision_convert.cli._common import (
     AllowNonfiniteSourceOption,
+    AllowUnexercisedOption,
     BudgetOption,
     CalibrationDataOption,
     CoverageOption,
@@ -71,6 +72,7 @@ def validate_command(
         typer.Option("--trust-remote-code", help="Allow the model's own code (auto_map) to run."),
     ] = False,
     allow_nonfinite_source: AllowNonfiniteSourceOption = False,
+    allow_unexercised: AllowUnexercisedOption = None,
     verify: Annotated[
         bool,
         typer.Option(
@@ -138,6 +140,7 @@ def validate_command(
                     budget=budget,
                     trust_remote_code=trust_remote_code,
                     allow_nonfinite_source=allow_nonfinite_source,
+                    allow_unexercised=tuple(allow_unexercised or ()),
                     locked=True,
                 )
         except CannotValidateError:

@@ -75,7 +75,7 @@ from precision_convert.validation.probe.inputs.userdata import (
     read_calibration_data,
 )
 from precision_convert.validation.probe.run.contexts import near_bounds
-from precision_convert.validation.probe.run.execute import Coverage
+from precision_convert.validation.probe.run.execute import Coverage, all_finite
 from precision_convert.validation.probe.run.growth import (
     Predicted,
     SizedRun,
@@ -257,6 +257,8 @@ def _fp32_sweep(
                 seen=recorder.seen,
                 paused=lambda: recorder.paused,
             )
+            if not all_finite(outputs):
+                used.unjudged()
         stats = recorder.stats()
         if all(p.sweep.get("kind") == CONTEXT_KIND for p in inputs.probes):
             # The worst contexts run after the sweep: their peaks join the sweep's; the growth
@@ -275,7 +277,7 @@ def _fp32_sweep(
         device=torch.device("cpu"),
         tokenizer=tokenizer_for(model.root),
         component=component,
-        coverage=lambda: used.fraction,
+        usage=lambda: used.usage,
         before=lambda inputs, others: _expect(inputs, others, searching),
         per_probe=lambda inputs, others: _per_probe(
             inputs, others, searching, half_precision_pace("cpu", target.compute.torch)

@@ -111,7 +111,9 @@ def _certificate(
     root, source, components = run.root, run.source, run.components
     metrics = [m for r in results for m in r.metrics]
     paths = [p for r in results for p in r.load_paths]
-    failures = [e for r in results for e in r.errors] + metric_failures(metrics)
+    # A coverage shortfall's own lines (among the errors) name the modules that never ran.
+    failures = [e for r in results for e in r.errors]
+    failures += metric_failures(m for m in metrics if m.metric != "coverage")
     failures += failure_lines(paths)  # the plain default load decides too
     if cannot is not None:
         failures = [*_cannot_validate_lines(cannot), *failures]

@@ -48,6 +48,7 @@ from precision_convert.validation.certify.components import (
     check_baseline,
     component_record,
 )
+from precision_convert.validation.certify.modules import judge_modules
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.sweep import SweepSettings
 from precision_convert.validation.probe.inputs.tokenizers import tokenizer_for
@@ -55,6 +56,7 @@ from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
     Coverage,
     Outputs,
+    all_finite,
     flatten,
     run_probes,
 )
@@ -295,7 +297,10 @@ def validate_blockwise(
         def run(model: nn.Module, inputs: ModelInputs) -> Outputs:
             base_pass.reset()
             with coverage.track(model):
-                return run_probes(model, inputs, device, torch.float32)
+                outputs = run_probes(model, inputs, device, torch.float32)
+                if not all_finite(outputs):
+                    coverage.unjudged()
+                return outputs
 
         with base_pass.installed():
             # The sweep runs in the same pass: every probe's block activations are kept.
@@ -321,8 +326,8 @@ def validate_blockwise(
             component, task, swept, "blockwise", blocks=len(blocks)
         )
         block_thresholds = thresholds_for("block", recipe_validation(record.recipe))
-        covered = coverage.fraction * swept.judged_share  # unanswered probes: not covered
-        metrics = measure(component.name, "forward", "*", {"coverage": covered}, thresholds)
+        covered = judge_modules(component, coverage.usage, swept, record)
+        metrics = measure(component.name, "forward", "*", {"coverage": covered.share}, thresholds)
         try:
             cand_out, block_metrics = _candidate_pass(
                 component, blocks, store, frozen, device, block_thresholds
@@ -338,7 +343,7 @@ def validate_blockwise(
             )
         metrics += block_metrics
         metrics += compare_outputs(component.name, frozen, base_out, cand_out, thresholds)
-        return ComponentResult(record, metrics, [])
+        return ComponentResult(record, metrics, covered.failures(component.name))
     finally:
         store.close()
 

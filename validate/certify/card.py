@@ -44,7 +44,11 @@ from precision_convert.validation.certify.certificate import (
     Certificate,
     write_atomically,
 )
-from precision_convert.validation.certify.consistency import budget_limited, contradiction
+from precision_convert.validation.certify.consistency import (
+    budget_limited,
+    contradiction,
+    modules_not_covered,
+)
 
 #: The tag of a certificate that holds wherever users load it, and of one that holds only
 #: through ``precision_convert.load`` (the library's plain load was not checked).
@@ -276,12 +280,13 @@ def _verdict(certificate: Certificate) -> str:
 
 
 def _budget_warning(certificate: Certificate) -> list[str]:
-    """The card's first warning when a time budget left probes out: the verdict does not
-    cover them."""
-    limited = budget_limited(certificate)
-    if limited is None:
-        return []
-    return [f"**Not a full certificate**: {escape(limited, code_spans=True)}.", ""]
+    """The card's first warnings when a time budget left probes out, or modules no probe ran
+    were allowed (``--allow-unexercised``): the verdict does not cover them."""
+    lines: list[str] = []
+    for limited in (budget_limited(certificate), modules_not_covered(certificate)):
+        if limited is not None:
+            lines += [f"**Not a full certificate**: {escape(limited, code_spans=True)}.", ""]
+    return lines
 
 
 def _why_failed(certificate: Certificate) -> list[str]:

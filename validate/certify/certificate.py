@@ -82,6 +82,9 @@ class ComponentRecord:
     #: What the fp32 sweep bounds and the search for the worst context found
     #: (``{"bounds": [...], "context_search": {...}}``); None where no fp32 session ran whole.
     calibration: dict[str, Any] | None = None
+    #: Each module owning a cast parameter by status (``exercised``, ``unused``,
+    #: ``not_covered``, ``unreached``; see :mod:`.modules`); None in certificates from before.
+    modules: dict[str, Any] | None = None
 
 
 #: Verdicts of one way of loading (see :mod:`.load_paths`).
@@ -297,10 +300,8 @@ def failure_line(m: Measurement) -> str:
         return f"{m.where}: {what}"
     if m.metric == "coverage":
         return (
-            f"{m.component or 'model'}: coverage {m.value or 0:.0%} (parameters exercised, "
-            f"times the share of probes the fp32 baseline answered; must be >= "
-            f"{m.threshold:.0%}); pass --inputs that reach the rest (probes not judged are "
-            "named in the notes)"
+            f"{m.component or 'model'}: coverage {m.value or 0:.0%} (modules owning cast "
+            f"parameters that ran in a judged probe; must be >= {m.threshold:.0%})"
         )
     if m.metric == "constant_frames":
         return f"{m.where}: {int(m.value or 0)} constant (black) frame planes"

@@ -34,6 +34,8 @@ class Component:
     baseline_dir: Path
     record: PlanRecord  # empty when the model carries none
     trust_remote_code: bool = False  # the user allowed the model's own code (auto_map) to run
+    #: Module patterns ``--allow-unexercised`` named: recorded as not covered if no probe ran them.
+    allow_unexercised: tuple[str, ...] = ()
 
     @property
     def compute_dtype(self) -> torch.dtype:

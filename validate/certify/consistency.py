@@ -152,9 +152,9 @@ def not_covered(
 ) -> list[dict[str, str]]:
     """What a verdict does not cover, one ``{"what", "why"}`` each: the deciding ways of
     loading that were not checked, and the probes whose fp32 baseline was not finite (not
-    judged; counted against coverage), and the probes a time budget left out (``why``:
-    :data:`BUDGET`). Written by the writer; derived so for a certificate from before the
-    field existed."""
+    judged), the probes a time budget left out (``why``: :data:`BUDGET`) and the modules no
+    probe ran that ``--allow-unexercised`` named (``why``: :data:`ALLOW_UNEXERCISED`).
+    Written by the writer; derived so for a certificate from before the field existed."""
     found = [
         {"what": way_name(p), "why": p.detail or "no reason recorded"}
         for p in load_paths
@@ -169,7 +169,31 @@ def not_covered(
                 }
             )
         found += budget_left_out(record)
+        found += [
+            {"what": f"{_name(record)}: module `{m}` never ran", "why": ALLOW_UNEXERCISED}
+            for m in (record.modules or {}).get("not_covered", ())
+        ]
     return found
+
+
+#: The ``why`` of a module no probe ran that ``--allow-unexercised`` named.
+ALLOW_UNEXERCISED = "--allow-unexercised"
+
+
+def modules_not_covered(certificate: Certificate) -> str | None:
+    """One line naming the modules ``--allow-unexercised`` recorded as not covered (None:
+    none): the card's first screen and the report say it beside the verdict."""
+    named = [
+        f"{_name(record)}: `{m}`" if record.name else f"`{m}`"
+        for record in certificate.components
+        for m in (record.modules or {}).get("not_covered", ())
+    ]
+    if not named:
+        return None
+    return (
+        f"not covered (--allow-unexercised): {', '.join(named)} never ran in a judged probe; "
+        "the verdict says nothing about them"
+    )
 
 
 #: The ``why`` of what a time budget (``--budget``) left out: a reader filters on it.

@@ -23,7 +23,7 @@ says what is missing, and the error is raised as before.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +43,7 @@ from precision_convert.conversion.plan import PlanRecord
 from precision_convert.conversion.runtime.devices import resolve_device
 from precision_convert.conversion.runtime.loader import read_record
 from precision_convert.core.errors import CannotValidateError, InputError
+from precision_convert.core.names import validate_pattern
 from precision_convert.core.progress import forecasting, stage
 from precision_convert.core.quiet import quiet_libraries
 from precision_convert.validation.certify.assembly import _certificate, _not_run, _Run
@@ -114,6 +115,7 @@ def validate(
     budget: str | float | None = None,
     trust_remote_code: bool = False,
     allow_nonfinite_source: bool = False,
+    allow_unexercised: Sequence[str] = (),
     prior: Mapping[str, PriorRuns] | None = None,
     source_read: SourceRead | None = None,
     locked: bool = False,
@@ -148,6 +150,9 @@ def validate(
         allow_nonfinite_source: go on when the baseline's own weights hold NaN or ±inf
             (beyond masks stored as ±inf by design); the verdict is then ``fail``, and the
             certificate names the tensors. Off: such a baseline is refused.
+        allow_unexercised: module patterns (``COMPONENT/MODULE`` in a pipeline; each covers
+            the module's descendants) that no probe may run: recorded as not covered
+            (``not_covered``, the card's first lines) instead of failing the certificate.
         prior: by component name, what the conversion that wrote ``converted`` already ran
             (``convert`` passes its calibration's): its fp32 sweep stands in for the baseline
             when it was made from the same source with the same probes on the same device, and
@@ -167,7 +172,8 @@ def validate(
             another architecture; a certificate in ``converted`` that this run would replace
             with a weaker or unrelated one (made against the source, or against another
             source); a baseline whose own weights are not finite (without
-            ``allow_nonfinite_source``); an unknown coverage level; unreadable or malformed
+            ``allow_nonfinite_source``); an unknown coverage level; an empty module name
+            in ``allow_unexercised``; unreadable or malformed
             calibration data; a bad ``budget``, or one below the smallest certificate of
             the model (before the sweep runs, nothing written).
         CannotValidateError: no inputs could be built for a model; pass ``inputs``. A failing
@@ -179,9 +185,10 @@ def validate(
     budget_for(coverage)  # an unknown level fails before anything runs
     seconds = budget_seconds(budget)
     data = _calibration_data(calibration_data)
+    allowed = _allowed_modules(allow_unexercised)
     run = _set_up(
         root, baseline, device, inputs, max_memory, data, trust_remote_code,
-        _Baseline(allow_nonfinite_source, source_read),
+        _Baseline(allow_nonfinite_source, source_read), allowed,
     )  # fmt: skip
     # Taken only once everything that can be refused was (a refused run touches nothing, not
     # even the folder the lock file would go in).
@@ -216,6 +223,7 @@ def _set_up(
     data: CalibrationData | None,
     trust_remote_code: bool,
     given: _Baseline,
+    allowed: Mapping[str, tuple[str, ...]],
 ) -> _Run:
     """The converted model and its baseline opened, the device, memory budget and supplied
     inputs resolved: everything that can be refused is refused here, before anything runs."""
@@ -242,7 +250,7 @@ def _set_up(
         opened, data=data, inputs=supplied, trust_remote_code=trust_remote_code,
         inputs_path=inputs if isinstance(inputs, str | Path) else None,
     )  # fmt: skip
-    components = _components(opened, source, trust_remote_code)
+    components = _components(opened, source, trust_remote_code, allowed)
     return _Run(
         root, opened, source, read, reference, target_device, budget, max_memory, supplied,
         components,
@@ -364,8 +372,25 @@ def _inputs_for(
     return mine or None
 
 
+def _allowed_modules(patterns: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """``--allow-unexercised`` patterns by component (``COMPONENT/MODULE``; a bare pattern
+    is every component's, under the key ``*``), each checked to be a module name."""
+    found: dict[str, list[str]] = {}
+    for given in patterns:
+        component, _, pattern = given.rpartition("/")
+        try:
+            validate_pattern(pattern)
+        except ValueError as exc:
+            raise InputError(f"--allow-unexercised {given!r}: {exc}") from None
+        found.setdefault(component or "*", []).append(pattern)
+    return {k: tuple(v) for k, v in found.items()}
+
+
 def _components(
-    opened: ModelSource | PipelineSource, source: SourceInfo, trust_remote_code: bool
+    opened: ModelSource | PipelineSource,
+    source: SourceInfo,
+    trust_remote_code: bool,
+    allowed: Mapping[str, tuple[str, ...]],
 ) -> list[Component]:
     if isinstance(opened, PipelineSource):
         found = list(opened.components.items())
@@ -375,7 +400,10 @@ def _components(
     for name, model in found:
         baseline_dir = source.path / name if name else source.path
         record = read_record(model) or PlanRecord()
-        components.append(Component(name, model, baseline_dir, record, trust_remote_code))
+        mine = (*allowed.get("*", ()), *allowed.get(name, ()))
+        components.append(
+            Component(name, model, baseline_dir, record, trust_remote_code, tuple(mine))
+        )
     return components
 
 

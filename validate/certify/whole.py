@@ -28,6 +28,7 @@ from precision_convert.validation.certify.components import (
     component_record,
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
+from precision_convert.validation.certify.modules import judge_modules
 from precision_convert.validation.certify.sizes import predicted_failures, predictions_decide
 from precision_convert.validation.probe.inputs.contexts import with_bounds
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
@@ -38,6 +39,7 @@ from precision_convert.validation.probe.run.execute import (
     RUN_ERRORS,
     Coverage,
     Outputs,
+    all_finite,
     run_probes,
 )
 from precision_convert.validation.probe.run.growth import SizedRun, run_sized, size_growth
@@ -87,7 +89,8 @@ def _validate_whole(
         component.record.fp32_modules, component.compute_dtype
     )
     record.inputs["triggers"] = with_bounds(record.inputs.get("triggers", {}), record.calibration)
-    metrics = measure(component.name, "forward", "*", {"coverage": swept.coverage}, thresholds)
+    covered = judge_modules(component, swept.usage, swept.inputs, record)
+    metrics = measure(component.name, "forward", "*", {"coverage": covered.share}, thresholds)
     if shared is not None and shared.candidate is not None:
         compared = compare_outputs(component.name, frozen, base_out, shared.candidate, thresholds)
         # Calibration's pc.load of these very files was checked against their record.
@@ -109,6 +112,7 @@ def _validate_whole(
             recorded=component.converted,
         )
     metrics += compared
+    errors += covered.failures(component.name)
     errors += predicted_failures(component, swept.inputs)
     paths = check_model(
         component,
@@ -139,6 +143,8 @@ def _baseline(
         with coverage.track(model):
             deciding = predictions_decide(component)
             outputs, found = run_sized(model, inputs, device, torch.float32, id_sweeps=deciding)
+            if not all_finite(outputs):
+                coverage.unjudged()
         sized[:] = [found]
         return outputs
 
@@ -158,7 +164,7 @@ def _baseline(
             component=component.name,
             supplied=supplied,
             check=lambda outputs: check_baseline(outputs, component),
-            coverage=lambda: coverage.fraction,
+            usage=lambda: coverage.usage,
             before=lambda inputs, others: _expect(
                 component, inputs, others, baseline=True, candidate=True
             ),

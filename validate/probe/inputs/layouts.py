@@ -172,6 +172,60 @@ def _pixel_values(ctx: _Ctx) -> torch.Tensor:
     return smooth_image(ctx.gen("pixel_values"), BATCH, int(channels), side, side)
 
 
+def _processor_prompt(ctx: _Ctx) -> dict[str, torch.Tensor] | None:
+    """:data:`SENTENCES` each after an image, through the model's own processor: the image
+    token expanded as the processor expands it, and the image resized and normalised by its
+    image processor. None without such a processor, or when it refuses."""
+    processor = ctx.tokenizer.processor if ctx.tokenizer is not None else None
+    if processor is None or "input_ids" not in ctx.params:
+        return None
+    rows: list[list[int]] = []
+    pixels: list[torch.Tensor] = []
+    for index, sentence in enumerate(SENTENCES[:BATCH]):
+        image = smooth_image(ctx.gen(f"processor_image{index}"), 3, PIXEL_SIDE, PIXEL_SIDE)
+        pixels_hwc = ((image + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        try:  # one row at a time: padding is done by hand, so no pad token is needed
+            batch = processor(
+                images=[pixels_hwc], text=[f"{processor.image_token}\n{sentence}"],
+                return_tensors="pt",
+            )  # fmt: skip
+        # Processors raise plain Exception (and their tokenizers' Rust errors): no prompt.
+        except Exception:
+            return None
+        rows.append(batch["input_ids"][0].tolist())
+        pixels.append(batch["pixel_values"])
+    assert ctx.tokenizer is not None
+    ids, mask = pad_rows(rows, ctx.tokenizer.pad()[0], side=ctx.tokenizer.padding_side)
+    prompt = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat(pixels)}
+    return {k: v for k, v in prompt.items() if k in ctx.params}
+
+
+def _image_prompt(ctx: _Ctx, text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Text with an image in it, as a vision-language model's processor makes it: the image
+    token its config names repeated once per image feature, after the first text token, and
+    the image's ``pixel_values`` at the vision tower's size. None when the config names no
+    image token (the model cannot be told where an image goes)."""
+    token = ctx.cfg("image_token_index", "image_token_id")
+    patch = ctx.cfg("patch_size", prefer=("vision_config",))
+    side = ctx.cfg("image_size", prefer=("vision_config",))
+    vocab = ctx.cfg("vocab_size", prefer=("text_config",))
+    if not isinstance(token, int) or not patch or not side or "input_ids" not in ctx.params:
+        return None
+    if isinstance(vocab, int) and not 0 <= token < vocab:  # no id the model can embed
+        return None
+    # LLaVA's default strategy drops the CLS feature; "full" keeps it.
+    features = (_side(side, 224, 1024) // int(patch)) ** 2
+    features += ctx.cfg("vision_feature_select_strategy") == "full"
+    ids = text["input_ids"]
+    ids = torch.where(ids == token, torch.ones_like(ids), ids)  # no stray image token
+    image = torch.full((ids.shape[0], features), token, dtype=ids.dtype)
+    prompt = {"input_ids": torch.cat([ids[:, :1], image, ids[:, 1:]], dim=1)}
+    if "attention_mask" in text:
+        mask = text["attention_mask"]
+        prompt["attention_mask"] = torch.cat([mask[:, :1], torch.ones_like(image), mask[:, 1:]], 1)
+    return {**prompt, "pixel_values": _pixel_values(ctx)}
+
+
 def smooth_image(g: torch.Generator, *shape: int) -> torch.Tensor:
     """A smooth seeded image in [-1, 1]: low-frequency waves plus a little noise.
 
@@ -222,12 +276,16 @@ def _transformers_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
     name = type(model).__name__
     modalities: list[list[tuple[dict[str, torch.Tensor], str]]] = []
     origin = "builder"
+    prompts: list[dict[str, torch.Tensor]] = []
     if "input_ids" in params:
         ids, origin = _token_ids(ctx)
         if "token_type_ids" in params and ctx.cfg("type_vocab_size"):
             ids["token_type_ids"] = torch.zeros_like(ids["input_ids"])
         if "attention_mask" not in params:
             ids.pop("attention_mask", None)
+        if "pixel_values" in params:  # the processor's prompt first, then the config's
+            made = (_processor_prompt(ctx), _image_prompt(ctx, ids))
+            prompts = [prompt for prompt in made if prompt is not None]
         modalities.append([(ids, "text")])
     if "pixel_values" in params:
         modalities.append([({"pixel_values": _pixel_values(ctx)}, "vision")])
@@ -254,9 +312,12 @@ def _transformers_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
         extras["decoder_input_ids"] = dec
     if "use_cache" in params:
         extras["use_cache"] = False
-    # Every modality the signature offers first; then each alone, so a model that refuses a
-    # combination still gets validated (its coverage metric then shows what went unexercised).
-    subsets = [modalities] + ([[m] for m in modalities] if len(modalities) > 1 else [])
+    # A prompt holding an image first; every modality the signature offers; then each alone,
+    # so a model that refuses a combination still gets validated (the modules it leaves
+    # unreached then fail the coverage check, named).
+    image: dict[str, torch.Tensor] = {}  # the prompt holds the pixels
+    subsets = [[[(prompt, "text")], [(image, "vision")]] for prompt in prompts]
+    subsets += [modalities] + ([[m] for m in modalities] if len(modalities) > 1 else [])
     for subset in subsets:
         for combo in itertools.product(*subset):
             kwargs = {k: v for part, _ in combo for k, v in part.items()}
@@ -274,6 +335,9 @@ _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGenerat
 
 
 def _transformers_task(model: Any, kinds: set[str], seq2seq: bool) -> str:
+    lm_head = type(model).__name__.endswith(_LM_HEADS)
+    if {"text", "vision"} <= kinds and lm_head and not seq2seq:
+        return "lm-logits"  # a vision-language model: logits over the vocabulary
     if {"text", "vision"} <= kinds:
         return "clip"
     if "speech" in kinds:
@@ -282,7 +346,7 @@ def _transformers_task(model: Any, kinds: set[str], seq2seq: bool) -> str:
         return "vision"
     if seq2seq:
         return "seq2seq"
-    return "lm-logits" if type(model).__name__.endswith(_LM_HEADS) else "encoder"
+    return "lm-logits" if lm_head else "encoder"
 
 
 # --------------------------------------------------------------------------- diffusers

@@ -95,6 +95,9 @@ class TokenSpec:
     #: Elements a token's hidden states take over every layer (``output_hidden_states``) when
     #: the forward can keep only the last positions' logits (``logits_to_keep``); else None.
     hidden_elements: int | None = None
+    #: The image a vision-language layout placed in its prompt (``pixel_values``...): left out
+    #: of the token probes, whose rows hold no image tokens for it (the layout judges it).
+    image_inputs: tuple[str, ...] = ()
 
 
 def _ids(value: Any) -> list[int]:
@@ -189,7 +192,16 @@ def token_spec(
         causal=arg == "input_ids" and decoder_start is None and _generates(model),
         positions="position_ids" in params,
         hidden_elements=_hidden_elements(config) if "logits_to_keep" in params else None,
+        image_inputs=_image_inputs(config, kwargs, template),
     )
+
+
+def _image_inputs(config: Any, kwargs: Mapping[str, Any], ids: torch.Tensor) -> tuple[str, ...]:
+    """The image arguments of a prompt holding the image token its config names."""
+    token = config_value(config, "image_token_index", "image_token_id")
+    if not isinstance(token, int) or not bool((ids == token).any()):
+        return ()
+    return tuple(k for k in ("pixel_values", "image_sizes") if k in kwargs)
 
 
 def _hidden_elements(config: Any) -> int | None:
@@ -231,6 +243,8 @@ def with_tokens(
     keep = {"pixel_values", "image"} if spec.task == "clip" else set()
     out: dict[str, Any] = {}
     for key, value in template.items():
+        if key in spec.image_inputs:
+            continue
         if (
             isinstance(value, torch.Tensor)
             and value.dim()

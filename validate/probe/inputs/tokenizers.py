@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,9 @@ class ProbeTokenizer:
     tokenizer: Any | None
     where: str  # the folder it was read from, by name only (certificates are published)
     note: str | None = None
+    #: The model's own processor where it ships one that puts images into prompts (a
+    #: vision-language model's: image processor, tokenizer and image token together).
+    processor: Any | None = None
 
     @classmethod
     def wrap(cls, tokenizer: Any, where: str = "") -> ProbeTokenizer:
@@ -156,6 +159,7 @@ class ProbeTokenizer:
             "model_max_length": self.max_length if self.max_length is not None else "unbounded",
             "special_tokens": len(self.special_tokens()),
             "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+            **({"processor": type(self.processor).__name__} if self.processor else {}),
         }
 
 
@@ -231,6 +235,28 @@ def tokenizer_for(directory: Path) -> ProbeTokenizer | None:
             continue
         found = ProbeTokenizer.wrap(loaded, where)
         if found.usable:
-            return found
+            return replace(found, processor=image_processor_for(candidate))
         failed = failed or found
     return failed
+
+
+#: Files a saved processor writes beside the tokenizer's.
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def image_processor_for(directory: Path) -> Any | None:
+    """The processor a vision-language model ships (``AutoProcessor``, never remote code),
+    when it puts images into prompts: it names an image token and has an image processor.
+    None otherwise, or when it cannot be loaded (token probes do not need it)."""
+    if not any((directory / name).is_file() for name in _PROCESSOR_FILES):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(directory, trust_remote_code=False)
+    # The library's loaders raise plain Exception on files they cannot read: no processor.
+    except Exception:
+        return None
+    token = getattr(processor, "image_token", None)
+    has_images = getattr(processor, "image_processor", None) is not None
+    return processor if isinstance(token, str) and has_images else None

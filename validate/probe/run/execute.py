@@ -40,6 +40,7 @@ from precision_convert.validation.probe.inputs.model_inputs import (
 )
 from precision_convert.validation.probe.inputs.sweep import sweep
 from precision_convert.validation.probe.run.head import head_outputs, sampled_head
+from precision_convert.validation.probe.run.modules import ModuleUsage, module_usage
 
 #: Output fields that are caches or bookkeeping, not results: never compared.
 _SKIP_OUTPUTS = frozenset({"past_key_values", "cache_params", "nsfw_content_detected"})
@@ -550,12 +551,17 @@ def select_inputs(
 
 
 class Coverage(TorchFunctionMode):
-    """Which share of a model's parameters a run computed with.
+    """Which parameters, and so which modules, a model's judged probes computed with.
 
     A model fed only part of what it takes (a vision-language model given text alone) still
-    produces outputs; this is what shows that half of it was never compared. Use is seen at
+    produces outputs; this is what shows that part of it was never compared. Use is seen at
     the level of torch operations, so weights a module uses without being called
     (``nn.MultiheadAttention``'s ``out_proj``) count, and metadata reads (``self.dtype``) do not.
+    No forward runs for it: it watches the probes' own.
+
+    Each :meth:`track` is one run; what a run read joins :attr:`usage` when it returns, unless
+    it raised (a layout the model refused may have run half of it) or :meth:`unjudged` was
+    called (its fp32 outputs are not finite: nothing was compared there).
     """
 
     def __init__(self) -> None:
@@ -563,20 +569,25 @@ class Coverage(TorchFunctionMode):
         self.names: dict[int, str] = {}  # id of a tensor -> the parameter it is
         self.sizes: dict[str, int] = {}
         self.used: set[str] = set()
-        self.fraction = 0.0
+        self.judged: set[str] = set()  # every judged run's, together
+        self.usage = ModuleUsage()
+        self._judged_run = True
 
     @contextmanager
     def track(self, model: torch.nn.Module) -> Iterator[Coverage]:
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.sizes = {name: p.numel() for name, p in model.named_parameters()}
         self.used = set()
-        try:
-            with self:
-                yield self
-        finally:
-            total = sum(self.sizes.values())
-            used = sum(self.sizes[name] for name in self.used)
-            self.fraction = used / total if total else 1.0
+        self._judged_run = True
+        with self:
+            yield self
+        if self._judged_run:
+            self.judged |= self.used
+            self.usage = module_usage(model, self.judged)
+
+    def unjudged(self) -> None:
+        """The run being tracked judges nothing: what it read does not count."""
+        self._judged_run = False
 
     def alias(self, tensor: torch.Tensor, name: str) -> None:
         """``tensor`` now stands for parameter ``name`` (block-wise runs load weights anew)."""
@@ -595,3 +606,8 @@ class Coverage(TorchFunctionMode):
                 if name is not None:
                     self.used.add(name)
         return func(*args, **kwargs)
+
+
+def all_finite(outputs: Outputs) -> bool:
+    """Whether every output of every probe is finite (a probe judged on them all)."""
+    return not _nonfinite(outputs, set())

@@ -58,6 +58,7 @@ from precision_convert.validation.probe.run.execute import (
     run_sweep,
     select_inputs,
 )
+from precision_convert.validation.probe.run.modules import ModuleUsage
 from precision_convert.validation.probe.run.time_budget import fit_to_budget
 
 #: Seed of every built input: fixed, so two certificates of one model are comparable, and so
@@ -83,9 +84,8 @@ class Swept:
     source: Path  # the weights the fp32 model was built from
     device: str  # where it ran ("cpu", "cuda:0")
     settings: SweepSettings
-    #: Share of the parameters the run computed with, times the share of probes the fp32
-    #: model could answer.
-    coverage: float = 1.0
+    #: The modules owning parameters, and which of them the judged probes reached.
+    usage: ModuleUsage = field(default_factory=ModuleUsage)
     #: The implementations judged, when the session ran the other ones a user can pick.
     attention: AttentionChoices | None = None
     #: The fp32 outputs under each other implementation, on the resolved probes.
@@ -225,7 +225,7 @@ def fp32_session(
     directory: Path | None = None,
     supplied: Mapping[str, torch.Tensor] | None = None,
     check: Callable[[Outputs], None] | None = None,
-    coverage: Callable[[], float] | None = None,
+    usage: Callable[[], ModuleUsage] | None = None,
     before: Callable[[ModelInputs, int], None] | None = None,
     per_probe: Callable[[ModelInputs, int], float] | None = None,
     attention: bool = False,
@@ -300,8 +300,7 @@ def fp32_session(
         Path(source),
         str(device),
         settings,
-        # Probes the fp32 model could not answer judged nothing: they count as not covered.
-        (coverage() if coverage is not None else 1.0) * inputs.judged_share,
+        usage() if usage is not None else ModuleUsage(),
         choices,
         by_attention,
         tuple(bounds),
