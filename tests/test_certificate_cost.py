@@ -185,7 +185,8 @@ def test_a_free_generation_passes_the_recording_hooks_its_forced_twin_feeds(
 
     from precision_convert.conversion.analysis.activations import recording
     from precision_convert.conversion.analysis.factors import FactorRecorder, recording_factors
-    from precision_convert.validation.probe.run.execute import STEP_PEAKS, run_probes
+    from precision_convert.validation.probe.run.continuations import STEP_PEAKS
+    from precision_convert.validation.probe.run.execute import run_probes
     from precision_convert.validation.probe.run.growth import run_sized
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama")).eval()

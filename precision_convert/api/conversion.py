@@ -95,8 +95,7 @@ class ConvertedComponent:
         }
 
 
-#: ``model --json``'s format, documented in docs/json-schema.md (bumped when a field changes
-#: meaning).
+#: ``model --json``'s format, in docs/json-schema.md (bumped when a field changes meaning).
 RESULT_SCHEMA = "precision-convert/conversion/1"
 
 

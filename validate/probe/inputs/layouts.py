@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from precision_convert.core.errors import CannotValidateError
+from precision_convert.validation.probe.inputs.images import processor_prompt, smooth_image
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,
     ModelInputs,
@@ -172,34 +173,6 @@ def _pixel_values(ctx: _Ctx) -> torch.Tensor:
     return smooth_image(ctx.gen("pixel_values"), BATCH, int(channels), side, side)
 
 
-def _processor_prompt(ctx: _Ctx) -> dict[str, torch.Tensor] | None:
-    """:data:`SENTENCES` each after an image, through the model's own processor: the image
-    token expanded as the processor expands it, and the image resized and normalised by its
-    image processor. None without such a processor, or when it refuses."""
-    processor = ctx.tokenizer.processor if ctx.tokenizer is not None else None
-    if processor is None or "input_ids" not in ctx.params:
-        return None
-    rows: list[list[int]] = []
-    pixels: list[torch.Tensor] = []
-    for index, sentence in enumerate(SENTENCES[:BATCH]):
-        image = smooth_image(ctx.gen(f"processor_image{index}"), 3, PIXEL_SIDE, PIXEL_SIDE)
-        pixels_hwc = ((image + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        try:  # one row at a time: padding is done by hand, so no pad token is needed
-            batch = processor(
-                images=[pixels_hwc], text=[f"{processor.image_token}\n{sentence}"],
-                return_tensors="pt",
-            )  # fmt: skip
-        # Processors raise plain Exception (and their tokenizers' Rust errors): no prompt.
-        except Exception:
-            return None
-        rows.append(batch["input_ids"][0].tolist())
-        pixels.append(batch["pixel_values"])
-    assert ctx.tokenizer is not None
-    ids, mask = pad_rows(rows, ctx.tokenizer.pad()[0], side=ctx.tokenizer.padding_side)
-    prompt = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat(pixels)}
-    return {k: v for k, v in prompt.items() if k in ctx.params}
-
-
 def _image_prompt(ctx: _Ctx, text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """Text with an image in it, as a vision-language model's processor makes it: the image
     token its config names repeated once per image feature, after the first text token, and
@@ -224,22 +197,6 @@ def _image_prompt(ctx: _Ctx, text: dict[str, torch.Tensor]) -> dict[str, torch.T
         mask = text["attention_mask"]
         prompt["attention_mask"] = torch.cat([mask[:, :1], torch.ones_like(image), mask[:, 1:]], 1)
     return {**prompt, "pixel_values": _pixel_values(ctx)}
-
-
-def smooth_image(g: torch.Generator, *shape: int) -> torch.Tensor:
-    """A smooth seeded image in [-1, 1]: low-frequency waves plus a little noise.
-
-    Real images are mostly smooth; white noise would make PSNR of a decoded image meaningless.
-    """
-    *lead, h, w = shape
-    y = torch.linspace(0, 1, h).view(h, 1)
-    x = torch.linspace(0, 1, w).view(1, w)
-    planes = []
-    for _ in range(math.prod(lead)):
-        fy, fx, phase = (torch.rand(3, generator=g) * torch.tensor([4.0, 4.0, 6.28])).tolist()
-        plane = torch.sin(2 * math.pi * fy * y + phase) * torch.cos(2 * math.pi * fx * x)
-        planes.append(0.8 * plane + 0.1 * torch.randn(h, w, generator=g))
-    return torch.stack(planes).view(*shape).clamp(-1, 1)
 
 
 def _speech_layouts(ctx: _Ctx) -> list[dict[str, torch.Tensor]]:
@@ -284,7 +241,10 @@ def _transformers_candidates(ctx: _Ctx) -> Iterator[ModelInputs]:
         if "attention_mask" not in params:
             ids.pop("attention_mask", None)
         if "pixel_values" in params:  # the processor's prompt first, then the config's
-            made = (_processor_prompt(ctx), _image_prompt(ctx, ids))
+            made = (
+                processor_prompt(ctx.tokenizer, SENTENCES[:BATCH], ctx.gen, PIXEL_SIDE, ctx.params),
+                _image_prompt(ctx, ids),
+            )
             prompts = [prompt for prompt in made if prompt is not None]
         modalities.append([(ids, "text")])
     if "pixel_values" in params:

@@ -39,7 +39,8 @@ import torch
 from precision_convert.validation.probe.inputs.audio_probes import FAMILY as AUDIO
 from precision_convert.validation.probe.inputs.audio_probes import padded_audio_probes
 from precision_convert.validation.probe.inputs.budgets import Budget, bytes_per_token
-from precision_convert.validation.probe.inputs.layouts import at_latent_side, smooth_image
+from precision_convert.validation.probe.inputs.images import smooth_image
+from precision_convert.validation.probe.inputs.layouts import at_latent_side
 from precision_convert.validation.probe.inputs.media_probes import encode_decode
 from precision_convert.validation.probe.inputs.model_inputs import (
     FromOutput,

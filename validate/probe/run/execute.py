@@ -39,6 +39,11 @@ from precision_convert.validation.probe.inputs.model_inputs import (
     cache_argument,
 )
 from precision_convert.validation.probe.inputs.sweep import sweep
+from precision_convert.validation.probe.run.continuations import (
+    STEP_PEAKS,
+    continued_cache,
+    step_peaks,
+)
 from precision_convert.validation.probe.run.head import head_outputs, sampled_head
 from precision_convert.validation.probe.run.modules import ModuleUsage, module_usage
 
@@ -152,9 +157,8 @@ def call_probe(
         unrecorded() if probe.finite_only else contextlib.nullcontext(),
     ):
         if probe.prefix is not None:
-            kwargs[cache_argument(model) or "cache"] = _continued_cache(
-                model, probe.prefix, kwargs, device
-            )
+            prefix = _prepare(probe.prefix, device, None)
+            kwargs[cache_argument(model) or "cache"] = continued_cache(model, prefix, kwargs)
         if probe.method == "generate":
             with step_peaks(model) as peaks:
                 method(**kwargs)
@@ -177,45 +181,6 @@ def call_probe(
         kept = summarize(kept, probe.max_output)
     kept.update(summarized)
     return {name: tensor.to("cpu") for name, tensor in kept.items()}
-
-
-def _continued_cache(
-    model: Any, prefix: Mapping[str, Any], kwargs: Mapping[str, Any], device: torch.device
-) -> Any:
-    """The cache of the one-row ``prefix`` call, repeated to the batch ``kwargs`` holds."""
-    rows = next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim())
-    result = model(**{k: _prepare(v, device, None) for k, v in prefix.items()})
-    names = ("cache", "past_key_values")
-    past = next((c for n in names if (c := getattr(result, n, None)) is not None), None)
-    repeat = getattr(past, "batch_repeat_interleave", None)
-    if not callable(repeat):
-        raise RuntimeError(f"{type(model).__name__} returned no cache its rows can continue")
-    repeat(rows)
-    return past
-
-
-#: A ``generate`` probe's output: each step's largest |logit| per row, (batch, steps).
-STEP_PEAKS = "step_logit_peaks"
-
-
-@contextmanager
-def step_peaks(model: Any) -> Iterator[list[torch.Tensor]]:
-    """Each generation step's largest |logit| per row, as the model returns its logits (a NaN
-    or inf anywhere in a step's row shows in it; the sequences are ids, never compared). Kept
-    whole, a 128k vocabulary's 256 steps hold 0.5 GB per 4 rows, fresh pages the kernel zeroes
-    (1.3 s of system time a generation)."""
-    peaks: list[torch.Tensor] = []
-
-    def record(_module: Any, _args: Any, output: Any) -> None:
-        logits = getattr(output, "logits", None)
-        if torch.is_tensor(logits) and logits.dim() == 3 and logits.shape[1]:
-            peaks.append(logits[:, -1].detach().float().abs().amax(-1))
-
-    handle = model.register_forward_hook(record)
-    try:
-        yield peaks
-    finally:
-        handle.remove()
 
 
 def padding_excluded(
