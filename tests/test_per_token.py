@@ -3,7 +3,9 @@
 Pooled over a probe of thousands of tokens, top-1 >= 0.9 and mean KL <= 0.05 let a wrong
 answer at a handful of positions through. The worst token's KL and error, and the top-1 of
 the worst batch row and block of positions, are judged too; every metric is reduced a block
-of rows at a time, so a long wide-vocabulary output is never copied whole in float64.
+of rows at a time, so a long wide-vocabulary output is never copied whole in float64. An
+intermediate layer's hidden state is judged per token against that layer's typical token, so
+a rounding there that the outputs do not carry refuses nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +44,91 @@ def rare_token_gpt2() -> Any:
         row.copy_(1500.0 + row / row.std())
         model.lm_head.weight.mul_(60.0)
     return model
+
+
+#: The cancelling Llama's residual channels, its quiet token, and the value the token's
+#: embedding puts on the scratch channel: between bf16's 24.0 and 24.125, nearer the first.
+SCRATCH, STEADY = 0, 1
+QUIET = 5
+LARGE = 24.06
+
+
+def cancelling_llama() -> Any:
+    """A Llama whose intermediate hidden state at one token is mostly bf16 rounding, while its
+    last hidden state and logits agree with fp32.
+
+    Token QUIET's embedding holds LARGE on a scratch channel, which layer 0's MLP cancels (one
+    channel: gate and up read the scratch channel, down writes it back negated, scaled so fp32
+    leaves nothing), as trained models remove the large activations they put in early. bf16
+    rounds the two halves to neighbouring grid points and leaves 0.125 there: 2.6x the token's
+    own norm at layer 1 (0.048), an eighth of the layer's typical token, which carries 1.0 on a
+    steady channel (as trained residual streams carry a few large constant channels). Nothing
+    later reads the scratch channel, and layer 1 writes values large beside the residual, so
+    the last hidden state and the logits keep only a rounding's worth of it.
+    """
+    torch.manual_seed(0)
+    model = _models.llama(tie_word_embeddings=False).eval()
+    first, second = model.model.layers
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, SCRATCH] = 0.0
+        embed[:, STEADY] = 1.0
+        embed[QUIET] *= 0.3
+        embed[QUIET, [SCRATCH, STEADY]] = torch.tensor([LARGE, 0.0])
+        readers = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.v_proj]
+        readers += [second.self_attn.q_proj, second.self_attn.k_proj, second.self_attn.v_proj]
+        readers += [first.mlp.gate_proj, first.mlp.up_proj, second.mlp.gate_proj]
+        for projection in [*readers, second.mlp.up_proj]:
+            projection.weight[:, SCRATCH] = 0.0
+        for projection in (first.self_attn.o_proj, second.self_attn.o_proj, second.mlp.down_proj):
+            projection.weight[SCRATCH] = 0.0
+        for factor in (first.mlp.gate_proj, first.mlp.up_proj):
+            factor.weight[0] = 0.0
+            factor.weight[0, SCRATCH] = 1.0
+        first.mlp.down_proj.weight[:, 0] = 0.0
+        first.mlp.down_proj.weight[SCRATCH] = 0.0
+        second.self_attn.v_proj.weight.mul_(100.0)
+        product: list[float] = []
+        hook = first.mlp.down_proj.register_forward_pre_hook(
+            lambda m, args: product.append(float(args[0][0, 0, 0]))
+        )
+        model(input_ids=torch.tensor([[QUIET]]))
+        hook.remove()
+        first.mlp.down_proj.weight[SCRATCH, 0] = -LARGE / product[0]
+    return model
+
+
+def test_an_intermediate_rounding_the_outputs_do_not_carry_is_certified(tmp_path: Path) -> None:
+    """The cancelling Llama at position 0: layer 1's hidden state at QUIET is off by 2.6x its
+    own norm in bf16, an eighth of the layer's typical token; the last hidden state and the
+    logits agree. ``bf16-safe`` certifies it, and through ``pc.load`` its logits match fp32."""
+    model = cancelling_llama()
+    ids = torch.tensor([[QUIET]])
+    with torch.no_grad():
+        fp32 = model(input_ids=ids, output_hidden_states=True)
+    assert float(fp32.hidden_states[1][0, 0].norm()) < 0.06  # what layer 0 left of LARGE
+    source = tmp_path / "src"
+    model.save_pretrained(source)
+    result = pc.convert(source, to="bf16-safe", output=tmp_path / "bf16", coverage="quick")
+    assert result.certificate.verdict == "pass", result.certificate.failures
+    judged = next(
+        m
+        for m in result.certificate.metrics
+        if (m.probe, m.output, m.metric)
+        == ("forward:first-position-1of1", "hidden_states.1", "token_error")
+    )
+    assert judged.value is not None and 0.05 < judged.value < 0.5  # seen, an eighth of typical
+    with torch.no_grad():
+        loaded = pc.load(tmp_path / "bf16")(input_ids=ids, output_hidden_states=True)
+    inner = loaded.hidden_states[1][0, 0].float() - fp32.hidden_states[1][0, 0]
+    assert float(inner.norm()) > fp32.hidden_states[1][0, 0].norm()  # the rounding left
+    last = torch.nn.functional.cosine_similarity(
+        loaded.hidden_states[2].float().flatten(), fp32.hidden_states[2].flatten(), dim=0
+    )
+    logits = torch.nn.functional.cosine_similarity(
+        loaded.logits.float().flatten(), fp32.logits.flatten(), dim=0
+    )
+    assert float(last) > 0.999 and float(logits) > 0.999
 
 
 def _token_kl(model: Any, ids: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -129,6 +216,37 @@ def test_a_tokens_error_is_relative_to_its_own_norm() -> None:
     assert compare(base, cand, OutputKind.TENSOR)["token_error"] < 0.01
     cand[0, 10] = -base[0, 10]
     assert compare(base, cand, OutputKind.TENSOR)["token_error"] > 1.0
+
+
+def test_an_intermediate_layers_tokens_are_judged_at_its_typical_scale() -> None:
+    """Every hidden state but a stack's last is an intermediate layer's (a summarized one's
+    row norms too). There a quiet token's error is measured against the layer's median token,
+    an attention sink's against its own norm; an error the size of a typical token still
+    fails, and the last hidden state keeps the per-token scale."""
+    names = ["logits", "hidden_states.0", "hidden_states.1", "hidden_states.1.rms"]
+    names += ["hidden_states.2", "decoder_hidden_states.0", "decoder_hidden_states.3"]
+    names += ["encoder_hidden_states.4", "last_hidden_state"]
+    assert metrics.intermediate_states(names) == {
+        "hidden_states.0",
+        "hidden_states.1",
+        "hidden_states.1.rms",
+        "decoder_hidden_states.0",
+    }
+    base = torch.randn(1, 64, 32, generator=torch.Generator().manual_seed(1))
+    base[0, 0] *= 100.0
+    base[0, 1] *= 1e-2
+    cand = base * (1 + 1e-3)
+    cand[0, 1] += 0.1  # a fifth of a typical token's norm (about 5.6), ten of its own
+    quiet = compare(base, cand, OutputKind.TENSOR)["token_error"]
+    inner = compare(base, cand, OutputKind.TENSOR, intermediate=True)["token_error"]
+    assert quiet > 0.5 > inner
+    typical = float(base[0].norm(dim=-1).median())
+    assert inner == pytest.approx(float((cand - base)[0, 1].norm()) / typical)
+    cand[0, 0] = base[0, 0] * 1.6  # the sink off by 0.6 of its own norm: 60 typical tokens
+    assert compare(base, cand, OutputKind.TENSOR, intermediate=True)["token_error"] > 0.5
+    cand[0, 0] = base[0, 0] * (1 + 1e-3)
+    cand[0, 10] = -base[0, 10]  # a typical token's sign flipped
+    assert compare(base, cand, OutputKind.TENSOR, intermediate=True)["token_error"] > 1.0
 
 
 def test_row_norms_of_a_summarized_output_are_one_token_each() -> None:

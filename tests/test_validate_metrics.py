@@ -16,13 +16,17 @@ from precision_convert.validation.certify.certificate import (
     Certificate,
     ComponentRecord,
     LoadPath,
+    metric_failures,
     write,
 )
+from precision_convert.validation.certify.consistency import contradiction
+from precision_convert.validation.certify.load_paths import failure_lines
 from precision_convert.validation.certify.runner import parse_memory
 from precision_convert.validation.certify.verify import hash_files, verify_files
 from precision_convert.validation.probe.inputs.layouts import inputs_from_tensors
 from precision_convert.validation.probe.run.execute import build_inputs
 from precision_convert.validation.probe.run.metrics import (
+    Measurement,
     OutputKind,
     compare,
     judge,
@@ -164,6 +168,26 @@ def test_certificate_round_trip_and_file_check(tmp_path: Path) -> None:
     problems = verify_files(tmp_path, again)
     assert "model.safetensors: changed since certification" in problems
     assert "extra.txt: not covered by the certificate" in problems
+
+
+def test_a_record_that_does_not_decide_never_changes_the_verdict(tmp_path: Path) -> None:
+    """A reported-only measurement (no threshold: its series reads ``deciding: false``)
+    recorded as failed, and a failing way of loading that does not decide, give the writer no
+    failure line and the reader no contradiction, before and after a round trip."""
+    certificate = _certificate({})
+    certificate.metrics.append(
+        Measurement("", "forward", "last_hidden_state", "max_abs", 3.0, None, "max", False)
+    )
+    call = 'T5EncoderModel.from_pretrained("<repo>", dtype="auto")'
+    certificate.load_paths.append(LoadPath("", "auto", call, "fail", False, detail="differs"))
+    assert metric_failures(certificate.metrics) == []
+    assert failure_lines(certificate.load_paths) == []
+    assert contradiction(certificate) is None
+    write(certificate, tmp_path)
+    again = Certificate.read(tmp_path)
+    series = again.to_dict()["metrics"]["series"]
+    assert next(s for s in series if s["metric"] == "max_abs")["deciding"] is False
+    assert contradiction(again) is None and again.verdict == "pass"
 
 
 def test_model_card_yaml_and_table() -> None:

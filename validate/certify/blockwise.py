@@ -61,7 +61,13 @@ from precision_convert.validation.probe.run.execute import (
     run_probes,
 )
 from precision_convert.validation.probe.run.execute import resolve as resolve_inputs
-from precision_convert.validation.probe.run.metrics import Measurement, compare, kind_of, measure
+from precision_convert.validation.probe.run.metrics import (
+    Measurement,
+    compare,
+    intermediate_states,
+    kind_of,
+    measure,
+)
 from precision_convert.validation.probe.run.parity import (
     compare_outputs,
     recipe_validation,
@@ -381,6 +387,7 @@ def _candidate_pass(
         output = module(*_like(base_args, args, device), **_like(base_kwargs, kwargs, device))
         got, want = flatten(output), flatten(base_output)
         label = f"block:{name}" + (f"#{index + 1}" if index else "")
+        inner = intermediate_states(want)
         for key, base in want.items():
             cand = got.get(key)
             if cand is None or cand.shape != base.shape:
@@ -393,7 +400,7 @@ def _candidate_pass(
                     component.name,
                     label,
                     key,
-                    compare(base, cand, kind_of(key, images=False)),
+                    compare(base, cand, kind_of(key, images=False), intermediate=key in inner),
                     thresholds,
                 )
             )

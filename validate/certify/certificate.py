@@ -286,8 +286,10 @@ def check_schema(data: Mapping[str, Any]) -> None:
 
 
 def metric_failures(metrics: Iterable[Measurement]) -> list[str]:
-    """One failure line per failed measurement, fatal ones (NaN/Inf, black frames) first."""
-    failed = [m for m in metrics if not m.passed]
+    """One failure line per failed deciding measurement, fatal ones (NaN/Inf, black frames)
+    first: a reported-only one (``deciding: false``) never fails the verdict, as
+    :func:`~.consistency.contradiction` reads it."""
+    failed = [m for m in metrics if deciding(m) and not m.passed]
     fatal = [m for m in failed if METRICS[m.metric].fatal_threshold is not None]
     return [failure_line(m) for m in fatal + [m for m in failed if m not in fatal]]
 

@@ -13,7 +13,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -46,7 +47,9 @@ METRICS: dict[str, MetricSpec] = {
     "max_abs": MetricSpec(Bound.MAX, "largest absolute difference (reported, not judged)"),
     "max_abs_rel": MetricSpec(Bound.MAX, "largest absolute difference / baseline's largest |x|"),
     "token_error": MetricSpec(
-        Bound.MAX, "worst token's ||candidate - baseline|| / ||baseline|| (softened near 0)"
+        Bound.MAX,
+        "worst token's ||candidate - baseline|| / ||baseline|| (softened near 0; an "
+        "intermediate layer's hidden state: at least the layer's median token norm)",
     ),
     "top1": MetricSpec(
         Bound.MIN, "fraction of positions whose argmax agrees (fp32 near-ties count)"
@@ -100,6 +103,10 @@ BLOCK_ELEMENTS = 1 << 22
 #: token whose baseline is near zero (a padded row, an attention sink's quiet neighbour) is
 #: not judged on a ratio of two roundings, and an attention sink's huge norm is its own scale.
 TOKEN_FLOOR = 0.1
+#: A model's hidden states as its outputs name them (``hidden_states.3``,
+#: ``decoder_hidden_states.3``, a summarized one's ``hidden_states.3.rms``): the stack and the
+#: layer. The last of a stack is what the head reads; the others are intermediate layers.
+_HIDDEN_STATE = re.compile(r"(?P<stack>(?:.*\.)?\w*hidden_states)\.(?P<layer>\d+)(?:\.rms)?")
 #: Top-1 agreement is judged per batch row and per block of this many consecutive positions
 #: (across the batch), where a group holds at least MIN_GROUP tokens: one flipped near-tie in
 #: a row of 3 is noise; a block of positions that all changed answer is a broken range.
@@ -111,13 +118,31 @@ MIN_GROUP = 32
 MIN_TOKEN_WIDTH = 8
 
 
-def compare(baseline: torch.Tensor, candidate: torch.Tensor, kind: OutputKind) -> dict[str, float]:
+def intermediate_states(outputs: Iterable[str]) -> frozenset[str]:
+    """The names among one probe's ``outputs`` that hold an intermediate layer's hidden states:
+    every ``hidden_states.K`` of a stack but its last K, which is what the head reads."""
+    found = [(m, name) for name in outputs if (m := _HIDDEN_STATE.fullmatch(name))]
+    last: dict[str, int] = {}
+    for m, _ in found:
+        last[m["stack"]] = max(last.get(m["stack"], 0), int(m["layer"]))
+    return frozenset(name for m, name in found if int(m["layer"]) < last[m["stack"]])
+
+
+def compare(
+    baseline: torch.Tensor,
+    candidate: torch.Tensor,
+    kind: OutputKind,
+    *,
+    intermediate: bool = False,
+) -> dict[str, float]:
     """Every metric of ``kind`` for one output pair, in float64 on the CPU.
 
     Pooled metrics (over the whole output) and per-token ones (a token is one row of the last
     dimension, one element of a ``NORMS`` output; images have none) are reduced
     :data:`ROW_BLOCK` rows (:data:`BLOCK_ELEMENTS` elements) at a time, so no full-size
-    float64 copy, difference or softmax of the output is ever held.
+    float64 copy, difference or softmax of the output is ever held. ``intermediate``: the
+    output is an intermediate layer's hidden state (:func:`intermediate_states`), whose
+    tokens' errors are judged against at least the layer's median token norm.
     """
     if baseline.shape != candidate.shape:
         raise ValueError(
@@ -137,7 +162,7 @@ def compare(baseline: torch.Tensor, candidate: torch.Tensor, kind: OutputKind) -
     values = acc.pooled()
     # An image's rows are no tokens (PSNR judges pixels), nor are rows of a few values.
     if kind is OutputKind.NORMS or (kind is not OutputKind.IMAGE and width >= MIN_TOKEN_WIDTH):
-        values.update(acc.per_token())
+        values.update(acc.per_token(intermediate))
     if logits:
         values.update(acc.logit_metrics(_groups(b_all.shape, b_rows.shape[0])))
     if kind is OutputKind.IMAGE:
@@ -201,12 +226,19 @@ class _Sums:
             "max_abs_rel": self.max_abs / self.peak if self.peak > 0 else self.max_abs,
         }
 
-    def per_token(self) -> dict[str, float]:
-        """The worst token: NaN/Inf count, and the largest error relative to its own norm."""
+    def per_token(self, intermediate: bool) -> dict[str, float]:
+        """The worst token: NaN/Inf count, and the largest error relative to its own norm, or
+        to the median token's where that is larger and the output is an ``intermediate``
+        layer's: no caller reads that layer, its error reaches the outputs only through the
+        layers after it, and a token near zero there (a large value the layer cancels) is not
+        judged on its rounding over almost nothing. The last hidden state and the logits keep
+        the per-token scale."""
         if not self.token_norm.numel():
             return {"nonfinite_tokens": 0.0, "token_error": 0.0}
         typical = float(self.token_norm.median())  # an attention sink does not move it
         scale = self.token_norm + TOKEN_FLOOR * typical
+        if intermediate:
+            scale = scale.clamp(min=typical)
         ratio = torch.where(scale > 0, self.token_diff / scale, self.token_diff)
         worst = float("nan") if bool(ratio.isnan().any()) else float(ratio.max())
         return {"nonfinite_tokens": float(self.token_bad.sum()), "token_error": worst}

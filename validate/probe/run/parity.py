@@ -23,6 +23,7 @@ from precision_convert.validation.probe.run.metrics import (
     METRICS,
     Measurement,
     compare,
+    intermediate_states,
     kind_of,
     measure,
 )
@@ -83,6 +84,7 @@ def _compared(
     images = {p.name: p.images for p in inputs.probes}
     finite_only = {p.name for p in inputs.probes if p.finite_only}
     for probe, outputs in baseline.items():
+        inner = intermediate_states(outputs)
         for name, base in outputs.items():
             got = candidate.get(probe, {}).get(name)
             label = probe_label(probe)
@@ -94,6 +96,7 @@ def _compared(
             if probe in finite_only:  # a free generation may choose other tokens than fp32
                 values = {"nonfinite": float((~torch.isfinite(got)).sum())}
             else:
-                values = compare(base, got, kind_of(name, images=images.get(probe, False)))
+                kind = kind_of(name, images=images.get(probe, False))
+                values = compare(base, got, kind, intermediate=name in inner)
             rows += measure(component, label, name, values, thresholds)
     return rows
