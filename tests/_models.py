@@ -365,7 +365,9 @@ SDXL_VAE: dict[str, Any] = {
 PLANTED_VALUE = 350.0
 
 
-def sdxl_vae(*, planted: bool = False) -> Any:
+def sdxl_vae(
+    *, planted: bool = False, sample_size: int = 1024, value: float = PLANTED_VALUE
+) -> Any:
     """An SDXL-shaped ``AutoencoderKL`` (sample_size 1024), seeded; with ``planted``, its
     decoder's mid-block attention overflows fp16 only at large latent sides.
 
@@ -377,7 +379,7 @@ def sdxl_vae(*, planted: bool = False) -> Any:
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(**SDXL_VAE).eval()
+    vae = AutoencoderKL(**{**SDXL_VAE, "sample_size": sample_size}).eval()
     if planted:
         decoder = vae.decoder
         resnet, attention = decoder.mid_block.resnets[0], decoder.mid_block.attentions[0]
@@ -393,8 +395,20 @@ def sdxl_vae(*, planted: bool = False) -> Any:
             resnet.conv2.weight[0, constant] = 10 * torch.outer(edge, edge)  # ... but a corner
             attention.group_norm.weight[0] = 1.0
             attention.to_v.weight[:, 0] = 0
-            attention.to_v.weight[0, 0] = PLANTED_VALUE
+            attention.to_v.weight[0, 0] = value
     return vae
+
+
+#: SD 1.5's VAE declares 512 px and users generate at 1024. Scaled down: the SDXL-shaped VAE
+#: declaring 128 px (16 latents), its planted value weight 4x larger, so that it peaks where
+#: SD 1.5's case does at its declared side (45k at 16 latents), past 65504 near 190 px and
+#: at 90k for 256 px (1024 px to SD 1.5).
+SD15_SIDE = 128
+
+
+def sd15_vae(*, planted: bool = False) -> Any:
+    """An SD 1.5-shaped VAE scaled down to :data:`SD15_SIDE` (see :func:`sdxl_vae`)."""
+    return sdxl_vae(planted=planted, sample_size=SD15_SIDE, value=4 * PLANTED_VALUE)
 
 
 def cogvideox_transformer(*, sample_frames: int = 9, learned_positions: bool = False) -> Any:

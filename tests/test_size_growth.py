@@ -108,7 +108,9 @@ def test_fp16_safe_keeps_the_predicted_module_and_decodes_1024_px(
     assert sizes["image_side"]["run"] == 64 and "quick" in sizes["image_side"]["not_run"]
     growth = sizes["growth"]["image_side"]
     assert growth["sizes_run"] == [64, 128, 256]
-    assert growth["status"] == PREDICTED and growth["not_covered"] == [257, 1024]
+    assert growth["status"] == PREDICTED and growth["predicted"] == [257, 1024]
+    # Claimed from the declared side to 4x the largest judged (1024 here), none past it.
+    assert growth["claimed"] == [1024, 1024] and growth["not_covered"] == [1025, None]
     top = {t["module"]: t for t in growth["top"]}
     assert top[VALUE]["extrapolated"] and top[VALUE]["exponent"] == pytest.approx(1.0, abs=0.05)
     assert top[VALUE]["margin"] < 1  # past fp16's limit at 1024 px
@@ -131,7 +133,7 @@ def test_validate_and_push_keep_the_sizes(planted_quick: dict[str, Any]) -> None
     again = pc.validate(out, baseline=planted_quick["source"], coverage="quick")
     assert again.verdict == "pass", again.failures
     after = _growth(Certificate.read(out))
-    assert after["image_side"]["not_covered"] == before["image_side"]["not_covered"]
+    assert after["image_side"]["predicted"] == before["image_side"]["predicted"]
     assert after["image_side"]["top"] == before["image_side"]["top"]
     pushed = render_card(Certificate.read(out), out, "ns/planted-vae")
     assert f"257–1024 {PREDICTED}" in pushed

@@ -15,6 +15,7 @@ say nothing about a size not run.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,15 @@ class Growth:
         if not self.trusted:
             return self.largest_peak
         return max(self.largest_peak, math.exp(self.log_scale) * size**self.exponent)
+
+    def reaches(self, peak: float) -> float:
+        """The size at which the peaks reach ``peak``: where the fitted law does, if trusted
+        (at least 1); else the smallest size measured at or past it; else ``inf``."""
+        if self.trusted:
+            log_size = (math.log(peak) - self.log_scale) / self.exponent
+            return max(1.0, math.exp(min(log_size, math.log(sys.float_info.max))))
+        reached = [s for s, p in zip(self.sizes, self.peaks, strict=True) if p >= peak]
+        return float(min(reached)) if reached else math.inf
 
 
 def fit_growth(points: Mapping[int, float]) -> Growth | None:

@@ -82,16 +82,27 @@ def sizes_run(sizes: dict[str, Any]) -> list[str]:
 
 
 def _fitted(entry: dict[str, Any] | None) -> str:
-    """The growth fit of one family: the sizes run, the range predicted and not run, the
-    module predicted highest there and the modules predicted near fp16's limit."""
+    """The growth fit of one family: the sizes run, the range claimed (predicted above the
+    sizes run, not covered past it), the module predicted highest there and those predicted
+    near fp16's limit, the largest size predicted safe for this output and where a plain
+    fp16 cast is predicted to overflow."""
     if not entry:
         return ""
     run = ", ".join(str(s) for s in entry["sizes_run"])
     fitted = entry["fits"]["modules"]
     words = f"; peaks fitted over sizes {run}" if fitted else f"; sizes {run} run (too few to fit)"
-    if entry.get("status") == PREDICTED:
-        low, high = entry["not_covered"]
-        words += f"; {low}–{high} {PREDICTED}"
+    claimed = entry.get("claimed")
+    # Certificates from before the claimed range name the range predicted ``not_covered``.
+    predicted = entry.get("predicted") if claimed else entry.get("not_covered")
+    ranges = [f"{predicted[0]}–{predicted[1]} {PREDICTED}"] if predicted else []
+    beyond = entry.get("not_covered") if claimed else None
+    if beyond:
+        last = f"–{beyond[1]}" if beyond[1] else " and past"
+        ranges.append(f"{beyond[0]}{last} not covered")
+    if claimed:
+        words += f"; claimed {claimed[0]}–{claimed[1]}"
+    if ranges:
+        words += f" ({'; '.join(ranges)})" if claimed else f"; {ranges[0]}"
     top = (entry.get("top") or [None])[0]
     if top is not None:
         how = (
@@ -107,6 +118,16 @@ def _fitted(entry: dict[str, Any] | None) -> str:
     near = [code(item["module"] or "<model>") for item in entry.get("near_limit", ())]
     if near:
         words += f"; predicted near fp16's limit: {', '.join(near)}"
+    if "largest_predicted_safe" in entry:
+        words += f"; predicted safe up to {entry['largest_predicted_safe']}"
+    plain = entry.get("plain_cast")
+    if plain and plain["overflow_at"] is not None:
+        words += (
+            f"; a plain fp16 cast is predicted past fp16's limit from {plain['overflow_at']} "
+            f"({code(plain['module'] or '<model>')})"
+        )
+    elif plain and claimed:
+        words += f"; a plain fp16 cast is predicted inside fp16's limit up to {claimed[1]}"
     return words
 
 

@@ -29,7 +29,7 @@ from precision_convert.validation.certify.components import (
 )
 from precision_convert.validation.certify.load_paths import check_model, planned_forwards
 from precision_convert.validation.certify.modules import judge_modules
-from precision_convert.validation.certify.sizes import predicted_failures, predictions_decide
+from precision_convert.validation.certify.sizes import judge_sizes, predictions_decide
 from precision_convert.validation.probe.inputs.contexts import with_bounds
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
 from precision_convert.validation.probe.inputs.spots import attention_spot
@@ -113,7 +113,10 @@ def _validate_whole(
         )
     metrics += compared
     errors += covered.failures(component.name)
-    errors += predicted_failures(component, swept.inputs)
+    sizes, failed = judge_sizes(component, record.inputs.get("sizes") or {})
+    if sizes:
+        record.inputs["sizes"] = sizes
+    errors += failed
     paths = check_model(
         component,
         frozen,

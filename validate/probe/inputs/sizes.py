@@ -132,11 +132,19 @@ def _cheap(activation_bytes: int) -> bool:
 
 
 def _size(
-    declared: int | None, run: int | None, budget: Budget, *, side: bool = True
+    declared: int | None,
+    run: int | None,
+    budget: Budget,
+    *,
+    side: bool = True,
+    limit: int | None = None,
 ) -> dict[str, Any]:
     """A size's record; a declared size larger than the one run says why it was not run
-    (``side``: a side, which a level may run none of; frame counts run at every level)."""
+    (``side``: a side, which a level may run none of; frame counts run at every level), and
+    the largest size the model can run at where its config bounds it (``limit``)."""
     record: dict[str, Any] = {"declared": declared, "run": run}
+    if limit is not None:
+        record["limit"] = limit
     if declared is not None and declared > (run or 0):
         record["not_run"] = (
             f"the {budget.level} level runs no declared sides (standard and thorough do)"
@@ -222,7 +230,9 @@ def _denoiser(
         run_frames = max(frames or 0, built_frames or 0) or None
     fits = _fits((run_frames or 1) * ((side or built_side) // patch) ** 2 * per_token, budget)
     run_side = side if side is not None and side > built_side and fits else built_side
-    record: dict[str, Any] = {"latent_side": _size(side, run_side, budget)}
+    record: dict[str, Any] = {
+        "latent_side": _size(side, run_side, budget, limit=_side_limit(config, side, patch))
+    }
     if frame_axis is not None:
         record["latent_frames"] = _size(frames, run_frames, budget, side=False)
     made = Latents(template, latent_name, latent.shape, frame_axis, chosen.seed, budget)
@@ -240,6 +250,16 @@ def _denoiser(
     if run_side != built_side or run_frames != built_frames:
         probes.append(made.probe(run_side, run_frames, DECLARED))
     return probes, record
+
+
+def _side_limit(config: Any, declared: int | None, patch: int) -> int | None:
+    """The largest latent side a denoiser runs at: a cropped position table's
+    (``pos_embed_max_size`` patches, SD3), or the declared side where learned positions fix
+    it (CogVideoX-5B-I2V)."""
+    most = _first(config_value(config, "pos_embed_max_size"))
+    if most is not None:
+        return most * patch
+    return declared if config_value(config, "use_learned_positional_embeddings") else None
 
 
 @dataclass(frozen=True)
@@ -314,16 +334,17 @@ def probe_sizes(config: Any, inputs: ModelInputs) -> dict[str, dict[str, int]]:
     return out
 
 
-def predicted_at(inputs: ModelInputs) -> dict[str, int]:
-    """The size each family is predicted at: the size the model declares (for a token model,
-    its position limit: the longest context the certificate speaks for)."""
+def declared_bounds(inputs: ModelInputs) -> dict[str, tuple[int | None, int | None]]:
+    """Per size family, the size the model declares as its default and the largest it
+    declares it runs at (None where it declares none): a token model's limit is its
+    position limit."""
     sizes = inputs.sizes or {}
-    out = {
-        family: int(sizes[family]["declared"])
-        for family in FAMILIES
-        if isinstance(sizes.get(family), Mapping) and sizes[family].get("declared")
-    }
+    out: dict[str, tuple[int | None, int | None]] = {}
+    for family in FAMILIES:
+        record = sizes.get(family)
+        if isinstance(record, Mapping):
+            out[family] = (record.get("declared") or None, record.get("limit") or None)
     limit = (inputs.limits or {}).get("position_limit")
     if isinstance(limit, int) and limit > 0:
-        out["sequence_length"] = limit
+        out["sequence_length"] = (None, limit)
     return out

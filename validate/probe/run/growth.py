@@ -5,13 +5,16 @@ The probes run at several sizes of each family (the built ones, :mod:`~..inputs.
 intermediate and declared ones, a token model's lengths); :func:`run_sized` keeps each
 module's peak per probe while they run, and :func:`size_growth` fits each module's peaks
 against the family's size (:func:`~precision_convert.conversion.analysis.growth.fit_growth`)
-and predicts them at the size the model declares. A prediction within the activation margin
-of fp16's limit is a :class:`Predicted`: calibration keeps the module fp32, validation refuses
-an output that computes it in fp16.
+and predicts them over the range the certificate claims (:class:`Claim`: from the declared
+size up to 4x the largest size judged, or the declared limit). A prediction within the
+activation margin of fp16's limit inside that range is a :class:`Predicted`, which names the
+size from which the fit puts it past the limit: calibration keeps the module fp32, validation
+refuses an output that computes it in fp16.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,7 +25,7 @@ from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN,
 from precision_convert.conversion.analysis.growth import Growth, fit_growth, probe_peaks
 from precision_convert.core.dtypes import FiniteRange
 from precision_convert.validation.probe.inputs.model_inputs import ModelInputs
-from precision_convert.validation.probe.inputs.sizes import FAMILIES, predicted_at, probe_sizes
+from precision_convert.validation.probe.inputs.sizes import FAMILIES, declared_bounds, probe_sizes
 from precision_convert.validation.probe.run.execute import Outputs, run_probes
 
 #: Modules per family whose fit the certificate shows: those predicted highest.
@@ -97,7 +100,7 @@ class Predicted:
     side: str  # "output", or "input": what a weighted module receives
     kind: str
     family: str
-    size: int
+    size: int  # the top of the family's claimed range
     peak: float
     growth: Growth
     limit: FiniteRange
@@ -108,26 +111,98 @@ class Predicted:
         return f"at {WORDS[self.family]} {self.size}, {PREDICTED}"
 
     @property
+    def safe_up_to(self) -> int:
+        """The largest size at which the fit keeps the peak outside the margin (0: none)."""
+        return math.ceil(self.growth.reaches(self.limit.finite_max / ACTIVATION_MARGIN)) - 1
+
+    @property
+    def overflow_at(self) -> int | None:
+        """The size from which the fit puts the peak past the limit itself, within the claimed
+        range (None: not before its top)."""
+        at = self.growth.reaches(self.limit.finite_max)
+        return math.ceil(at) if at <= self.size else None
+
+    @property
     def rule(self) -> str:
-        """Why it is kept fp32 (or why the limit's dtype is refused): the prediction and its
-        fit."""
+        """Why it is kept fp32 (or why the limit's dtype is refused): the prediction, where it
+        crosses the limit, and its fit."""
+        words = WORDS[self.family]
         sizes = ", ".join(str(s) for s in self.growth.sizes)
+        crossing = (
+            f"past the limit from {words} {self.overflow_at}"
+            if self.overflow_at is not None
+            else f"within the margin from {words} {self.safe_up_to + 1}"
+        )
         return (
-            f"predicted peak {self.peak:.4g} ({self.side}) at {WORDS[self.family]} {self.size} "
-            f"({PREDICTED}; "
+            f"predicted peak {self.peak:.4g} ({self.side}) at {words} {self.size} "
+            f"({PREDICTED}; {crossing}; "
             f"power law over {sizes}: exponent {self.growth.exponent:.2f}, residual "
             f"{self.growth.residual:.3f}; {self.limit.name} limit {self.limit.finite_max:g}, "
             f"margin {ACTIVATION_MARGIN:g}x)"
         )
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "side": self.side,
+            "kind": self.kind,
+            "predicted_peak": round(self.peak, 4),
+            "safe_up_to": self.safe_up_to,
+            "overflow_at": self.overflow_at,
+            "rule": self.rule,
+        }
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The sizes of one family a certificate speaks for: from the size the model declares
+    (else the smallest run) to ``high``; judged up to ``judged``, predicted by the growth fits
+    above it; past ``high``, not covered. With fits, ``high`` is :data:`CLAIM_FACTOR` times
+    the largest size judged, at most the model's declared ``limit`` and at least its declared
+    size; without (too few sizes run), nothing is predicted: ``high`` is ``judged``."""
+
+    low: int
+    judged: int
+    high: int
+    limit: int | None
+
+    @classmethod
+    def of(
+        cls, sizes_run: list[int], declared: int | None, limit: int | None, *, fitted: bool
+    ) -> Claim:
+        judged = sizes_run[-1]
+        high = judged
+        if fitted:
+            reach = CLAIM_FACTOR * judged if limit is None else min(CLAIM_FACTOR * judged, limit)
+            high = max(reach, declared or 0, judged)
+        low = declared if declared is not None and declared <= high else sizes_run[0]
+        return cls(low, judged, high, limit)
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"largest_run": self.judged, "claimed": [self.low, self.high]}
+        if self.high > self.judged:
+            entry.update(
+                largest_predicted=self.high,
+                predicted=[self.judged + 1, self.high],
+                status=PREDICTED,
+            )
+        if self.limit is None or self.high < self.limit:
+            entry["not_covered"] = [self.high + 1, self.limit]
+        return entry
+
+
+#: How far past the largest size judged a family's claimed range reaches.
+CLAIM_FACTOR = 4
+
 
 def size_growth(
     inputs: ModelInputs, run: SizedRun, limit: FiniteRange
 ) -> tuple[ModelInputs, list[Predicted]]:
-    """``inputs`` with ``sizes.growth`` recording, per family, the sizes run, the size
-    predicted at and the range not covered, and the fits of its top modules; and the modules
-    predicted near ``limit`` there."""
-    targets = predicted_at(inputs)
+    """``inputs`` with ``sizes.growth`` recording, per family, the sizes run, the range
+    claimed (:class:`Claim`), predicted above them and not covered past it, the fits of its
+    top modules and the plain cast's predicted limits; and the modules predicted near
+    ``limit`` inside the claimed range."""
+    bounds = declared_bounds(inputs)
     base = next((run.sizes[p.name] for p in inputs.probes if p.name in run.sizes), {})
     record: dict[str, Any] = {}
     near: list[Predicted] = []
@@ -136,43 +211,51 @@ def size_growth(
         if not points:
             continue
         sizes = sorted({s for by_size in points.values() for s in by_size})
-        largest = sizes[-1]
-        target = targets.get(family)
-        at = max(target or largest, largest)
         fits = {m: g for m, p in points.items() if (g := fit_growth(p)) is not None}
-        ranked = sorted(fits.items(), key=lambda item: -item[1].predict(at))
-        entry: dict[str, Any] = {"sizes_run": sizes, "largest_run": largest}
-        if target is not None and target > largest:
-            entry.update(largest_predicted=target, not_covered=[largest + 1, target])
-            entry["status"] = PREDICTED
+        claim = Claim.of(sizes, *bounds.get(family, (None, None)), fitted=bool(fits))
+        ranked = sorted(fits.items(), key=lambda item: -item[1].predict(claim.high))
+        found: list[Predicted] = []
+        if claim.high > claim.judged:
             for (module, side), growth in ranked:
-                peak = growth.predict(target)
+                peak = growth.predict(claim.high)
                 if peak <= limit.finite_max / ACTIVATION_MARGIN:
                     break
                 if growth.trusted:
                     kind = run.kinds.get(module, LEAF)
-                    near.append(Predicted(module, side, kind, family, target, peak, growth, limit))
+                    found.append(
+                        Predicted(module, side, kind, family, claim.high, peak, growth, limit)
+                    )
+        entry: dict[str, Any] = {"sizes_run": sizes, **claim.to_json()}
         entry["fits"] = {
             "modules": len(fits),
             "extrapolated": sum(g.trusted for g in fits.values()),
         }
-        entry["top"] = [_fit_record(key, g, at, limit) for key, g in ranked[:TOP_MODULES]]
-        found = [p for p in near if p.family == family]
+        entry["top"] = [_fit_record(key, g, claim.high, limit) for key, g in ranked[:TOP_MODULES]]
+        entry["plain_cast"] = plain_cast(claim, found)
         if found:
-            entry["near_limit"] = [
-                {
-                    "module": p.module,
-                    "side": p.side,
-                    "kind": p.kind,
-                    "predicted_peak": round(p.peak, 4),
-                    "rule": p.rule,
-                }
-                for p in found
-            ]
+            entry["near_limit"] = [p.to_json() for p in found]
         record[family] = entry
+        near += found
     if not record:
         return inputs, []
     return replace(inputs, sizes={**(inputs.sizes or {}), "growth": record}), near
+
+
+def plain_cast(claim: Claim, found: list[Predicted]) -> dict[str, Any]:
+    """What the fits predict for a plain cast to the limit's dtype, every module in it: the
+    largest size of the claimed range that keeps every peak outside the margin, and the
+    size (and module) from which one is predicted past the limit (None: none in the
+    range)."""
+    first = min(
+        (p for p in found if p.overflow_at is not None),
+        key=lambda p: p.overflow_at or 0,
+        default=None,
+    )
+    return {
+        "largest_predicted_safe": min([claim.high, *(p.safe_up_to for p in found)]),
+        "overflow_at": first.overflow_at if first is not None else None,
+        "module": first.module if first is not None else None,
+    }
 
 
 def _points(
