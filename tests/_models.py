@@ -22,6 +22,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import zoo  # noqa: F401 - re-exported: tests and benches reach the zoo as _models.zoo
 
+#: A tiny CLIP vision tower's config (CLIP's own and a LLaVA's).
+CLIP_VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 32,
+    "patch_size": 8,
+}
+
 #: The safe targets the zoo's conversions run in: ``bf16-safe`` in the default run,
 #: ``fp16-safe`` with ``pytest -m slow``. The rest of the default run reaches every line the
 #: zoo's fp16-safe conversions reach (measured with pytest-cov per test; tests/README.md).
@@ -190,15 +200,7 @@ def clip() -> Any:
         "eos_token_id": 1,
         "pad_token_id": 1,
     }
-    vision = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "image_size": 32,
-        "patch_size": 8,
-    }
-    return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    return CLIPModel(CLIPConfig(text_config=text, vision_config=CLIP_VISION, projection_dim=16))
 
 
 def vit() -> Any:

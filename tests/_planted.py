@@ -12,6 +12,9 @@ the unit's input channel is lit at all.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,3 +189,27 @@ def _t5_writers(block: Any) -> list[Any]:
     """The projections of a T5 decoder block that write into the residual stream."""
     layers = block.layer
     return [layers[0].SelfAttention.o, layers[1].EncDecAttention.o, layers[2].DenseReluDense.wo]
+
+
+def converted_at_standard(
+    root: Path, save: Callable[..., tuple[Path, Any]]
+) -> Callable[[bool, str], tuple[Any, ...]]:
+    """``get(planted, target)`` → (source, its trigger, output, certificate as JSON): the
+    model ``save(path, planted=...)`` writes (planted, or its control) converted to ``target``
+    at ``standard`` coverage, each once."""
+    import precision_convert as pc
+
+    sources: dict[bool, tuple[Path, Any]] = {}
+    done: dict[tuple[bool, str], tuple[Any, ...]] = {}
+
+    def get(planted: bool, target: str) -> tuple[Any, ...]:
+        if planted not in sources:
+            sources[planted] = save(root / f"source-{planted}", planted=planted)
+        if (planted, target) not in done:
+            out = root / f"{planted}-{target}"
+            pc.convert(sources[planted][0], to=target, output=out, coverage="standard")
+            cert = json.loads((out / "precision_certificate.json").read_text())
+            done[planted, target] = (*sources[planted], out, cert)
+        return done[planted, target]
+
+    return get

@@ -146,17 +146,7 @@ def test_sdxl_default_call_decides_the_certificate(planted: bool, tmp_path: Path
 
     source = tmp_path / "source"
     _models.sdxl_conditioned_unet(planted=planted).save_pretrained(source)
-    results = {
-        target: convert(source, to=target, output=tmp_path / target)
-        for target in ("fp16", "fp16-safe", "bf16-safe")
-    }
-    assert (results["fp16"].certificate.verdict == "fail") is planted
-    for target in ("fp16-safe", "bf16-safe"):
-        certificate = results[target].certificate
-        assert certificate.verdict == "pass", (target, certificate.failures)
-    ranged = [
-        i.name for i in results["fp16-safe"].components[0].plan.islands if i.reason == "range"
-    ]
+    _, ranged = _three_targets(source, tmp_path, planted)
     assert ranged == ([PLANTED_UNIT] if planted else []), ranged
     call = _sdxl_call(DEFAULT_LATENT)
     reference = _run(_models.sdxl_conditioned_unet(planted=planted), call)
@@ -167,6 +157,21 @@ def test_sdxl_default_call_decides_the_certificate(planted: bool, tmp_path: Path
         output = _run(loaded, call)
         assert output.isfinite().all()
         assert _cosine(output, reference) > 0.999
+
+
+def _three_targets(source: Path, tmp_path: Path, planted: bool) -> tuple[dict[str, Any], list[str]]:
+    """``source`` converted to fp16, fp16-safe and bf16-safe: fp16 refused exactly when
+    planted, both safe targets certified; with fp16-safe's range islands."""
+    results = {
+        target: convert(source, to=target, output=tmp_path / target)
+        for target in ("fp16", "fp16-safe", "bf16-safe")
+    }
+    assert (results["fp16"].certificate.verdict == "fail") is planted
+    for target in ("fp16-safe", "bf16-safe"):
+        certificate = results[target].certificate
+        assert certificate.verdict == "pass", (target, certificate.failures)
+    islands = results["fp16-safe"].components[0].plan.islands
+    return results, [i.name for i in islands if i.reason == "range"]
 
 
 # --------------------------------------------------------------------------- speech
@@ -241,19 +246,10 @@ def test_padded_audio_decides_the_certificate(planted: bool, tmp_path: Path) -> 
 
     source = tmp_path / "source"
     _models.wav2vec2_base(planted=planted).save_pretrained(source)
-    results = {
-        target: convert(source, to=target, output=tmp_path / target)
-        for target in ("fp16", "fp16-safe", "bf16-safe")
-    }
-    assert (results["fp16"].certificate.verdict == "fail") is planted
+    results, ranged = _three_targets(source, tmp_path, planted)
     for target in ("fp16-safe", "bf16-safe"):
-        certificate = results[target].certificate
-        assert certificate.verdict == "pass", (target, certificate.failures)
-        sizes = certificate.components[0].inputs["sizes"]
+        sizes = results[target].certificate.components[0].inputs["sizes"]
         assert sizes["audio_length"] == {"declared": PADDED, "run": PADDED}
-    ranged = [
-        i.name for i in results["fp16-safe"].components[0].plan.islands if i.reason == "range"
-    ]
     if planted:
         assert _models.PADDED_AUDIO_UNIT in ranged, ranged
         assert all(n.startswith("feature_extractor.conv_layers.") for n in ranged), ranged

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import _planted_pair as pair
 import pytest
 import torch
+from _planted import converted_at_standard
 from safetensors import safe_open
 
 from precision_convert.conversion.analysis.activations import ACTIVATION_MARGIN
@@ -362,23 +362,7 @@ def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool, str], Any]:
     """``converted(planted, target)`` → (the source, its pair, the certificate as JSON) at
     ``standard`` coverage, once per module."""
-    import precision_convert as pc
-
-    root = tmp_path_factory.mktemp("pair")
-    sources: dict[bool, tuple[Path, tuple[int, int]]] = {}
-    done: dict[tuple[bool, str], Any] = {}
-
-    def get(planted: bool, target: str) -> Any:
-        if planted not in sources:
-            sources[planted] = pair.save(root / f"source-{planted}", planted=planted)
-        if (planted, target) not in done:
-            out = root / f"{planted}-{target}"
-            pc.convert(sources[planted][0], to=target, output=out, coverage="standard")
-            cert = json.loads((out / "precision_certificate.json").read_text())
-            done[planted, target] = (*sources[planted], out, cert)
-        return done[planted, target]
-
-    return get
+    return converted_at_standard(tmp_path_factory.mktemp("pair"), pair.save)
 
 
 @pytest.mark.slow

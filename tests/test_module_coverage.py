@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _models
 import pytest
 import torch
 from torch import nn
@@ -72,15 +73,7 @@ def _llava(
 
     torch.manual_seed(0)
     config = LlavaConfig(
-        vision_config={
-            "model_type": "clip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "image_size": 32,
-            "patch_size": 8,
-        },
+        vision_config={"model_type": "clip_vision_model", **_models.CLIP_VISION},
         text_config={
             "model_type": "llama",
             "vocab_size": 128,

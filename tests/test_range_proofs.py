@@ -18,6 +18,7 @@ import _models
 import _planted_triple as planted
 import pytest
 import torch
+from _planted import converted_at_standard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -218,23 +219,7 @@ def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool, str], Any]:
     """``converted(planted, target)`` → (source, triple, output, certificate) at ``standard``
     coverage, once per module."""
-    import precision_convert as pc
-
-    root = tmp_path_factory.mktemp("triple")
-    sources: dict[bool, tuple[Path, tuple[int, int, int]]] = {}
-    done: dict[tuple[bool, str], Any] = {}
-
-    def get(is_planted: bool, target: str) -> Any:
-        if is_planted not in sources:
-            sources[is_planted] = planted.save(root / f"source-{is_planted}", planted=is_planted)
-        if (is_planted, target) not in done:
-            out = root / f"{is_planted}-{target}"
-            pc.convert(sources[is_planted][0], to=target, output=out, coverage="standard")
-            cert = json.loads((out / "precision_certificate.json").read_text())
-            done[is_planted, target] = (*sources[is_planted], out, cert)
-        return done[is_planted, target]
-
-    return get
+    return converted_at_standard(tmp_path_factory.mktemp("triple"), planted.save)
 
 
 def _kept(out: Path) -> set[str]:
