@@ -185,6 +185,27 @@ def test_modules_never_named_are_unused_and_named_ones_unreached() -> None:
     assert module_usage(model, [n for n, _ in model.named_parameters()]).groups == ()
 
 
+class _WithMaskEmbedding(nn.Module):
+    """wav2vec2's shape: the model's own parameter is read only where masking is asked for
+    (training-time SpecAugment); its children run on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask_embedding = nn.Parameter(torch.zeros(4))
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Any:
+        if mask is not None:
+            x = torch.where(mask[..., None], self.mask_embedding, x)
+        return self.body(x)
+
+
+def test_a_module_that_ran_without_reading_its_own_parameters_is_unused() -> None:
+    model = _WithMaskEmbedding()
+    usage = module_usage(model, ["body.weight", "body.bias"])
+    assert usage.reached == {"body"} and dict(usage.groups) == {"": False}
+
+
 @pytest.mark.parametrize("flag", [False, True])
 def test_module_usage_follows_the_parameters_a_run_read(flag: bool) -> None:
     from precision_convert.validation.probe.run.execute import Coverage

@@ -5,7 +5,9 @@ Those that no probe reached are grouped under their highest ancestor that no pro
 either (a whole vision tower is one entry, not its 200 linears), and each group is told
 apart by what would reach it: a module its parent's code never names (a pooler a head does
 not call) is *unused* — no input the forward accepts runs it — while one the code names is
-*unreached*: an input the probes never held would run it.
+*unreached*: an input the probes never held would run it. A module that ran (the model
+itself, or one whose children ran) without reading its own parameters is unused too: they
+serve a path the call did not take.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def module_usage(model: nn.Module, used: Iterable[str]) -> ModuleUsage:
     ancestors_reached = {a for m in reached for a in _ancestors(m)}
     groups: list[tuple[str, bool]] = []
     for name in idle:
+        if not name or name in ancestors_reached:
+            # It ran (the model, or a module whose children ran) without reading its own
+            # parameters: they serve a path the call did not take, like wav2vec2's
+            # training-time mask embedding.
+            groups.append((name, False))
+            continue
         top = name
         for ancestor in _ancestors(name):  # nearest first
             if ancestor in ancestors_reached or ancestor in reached:
