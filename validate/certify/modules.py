@@ -43,12 +43,18 @@ class ModuleCoverage:
     not_covered: list[str] = field(default_factory=list)
     unreached: dict[str, str] = field(default_factory=dict)  # group -> what would reach it
     unreached_members: int = 0
+    #: Probes the fp32 baseline could not answer (its own output not finite there): they
+    #: judged nothing, so what only they reach is not covered (an output holding an inf
+    #: weight fails its smoke check here).
+    unjudged: tuple[str, ...] = ()
+    judged_share: float = 1.0
 
     @property
     def share(self) -> float:
-        """The share of the modules that must run which did (1.0 when none must)."""
+        """The share of the modules that must run which did (1.0 when none must), times the
+        share of the probes the fp32 baseline could answer."""
         must = len(self.exercised) + self.unreached_members
-        return len(self.exercised) / must if must else 1.0
+        return (len(self.exercised) / must if must else 1.0) * self.judged_share
 
     def record(self) -> dict[str, Any]:
         """The certificate's ``modules`` record: folded module names per status."""
@@ -64,11 +70,17 @@ class ModuleCoverage:
         by_reason: dict[str, list[str]] = {}
         for group, why in self.unreached.items():
             by_reason.setdefault(why, []).append(f"`{group or '(root)'}`")
-        return [
+        lines = [
             f"{component or 'model'}: {', '.join(groups)} never ran: {why} (pass --inputs that "
             "reach them, or --allow-unexercised MODULE to record them as not covered)"
             for why, groups in by_reason.items()
         ]
+        if self.unjudged:
+            lines.append(
+                f"{component or 'model'}: {len(self.unjudged)} probe(s) not judged: the fp32 "
+                f"baseline's own output is not finite there ({', '.join(self.unjudged)})"
+            )
+        return lines
 
 
 def module_coverage(
@@ -88,7 +100,11 @@ def module_coverage(
         padded = f".{module}."
         return not any(f".{k}." in padded for k in kept)
 
-    found = ModuleCoverage(exercised=[m for m in usage.owners if m in usage.reached and cast(m)])
+    found = ModuleCoverage(
+        exercised=[m for m in usage.owners if m in usage.reached and cast(m)],
+        unjudged=tuple(inputs.unjudged),
+        judged_share=inputs.judged_share,
+    )
     held = {key for probe in inputs.probes for key in probe.kwargs}
     unfed = [a for a in usage.accepts if a not in held and _MODALITY_INPUT.search(a)]
     for group, named in usage.groups:
